@@ -1,0 +1,53 @@
+"""The ``nnx-mpmd`` command line: ``train``, ``schedule``, ``bench``, ``launch``.
+
+Each subcommand lives in its own module and is imported only when used, so
+``nnx-mpmd schedule`` starts without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("nnx_mpmd.train", "train a model-zoo language model with a pipeline schedule"),
+    "schedule": ("nnx_mpmd.schedules.cli", "print, simulate and draw a pipeline schedule"),
+    "bench": ("nnx_mpmd.bench", "benchmark pipelined steps against SPMD baselines"),
+    "launch": ("nnx_mpmd.launch", "start N local processes under jax.distributed"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nnx-mpmd {" + ",".join(SUBCOMMANDS) + "} [options]", "", "subcommands:"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "Run 'nnx-mpmd SUBCOMMAND --help' for the options of one subcommand."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``nnx-mpmd``.
+
+    Args:
+      argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+      The process exit status.
+
+    Example:
+      >>> main(["--help"])  # doctest: +ELLIPSIS
+      usage: nnx-mpmd ...
+      0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"nnx-mpmd: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
