@@ -21,6 +21,9 @@ __all__ = [
     "STAGES_KEY",
     "PipelinedModel",
     "Stage",
+    "auto_stage",
+    "balanced_partition",
+    "logical_paths",
     "tag_stage",
     "variable_stage",
 ]
@@ -134,3 +137,123 @@ class PipelinedModel(nnx.Module):
         ]
         stages = [s for s in stages if s is not None]
         return max(stages) + 1 if stages else 0
+
+
+def balanced_partition(weights: list[float] | tuple[float, ...], num_stages: int) -> list[int]:
+    """Splits a sequence of weights into contiguous stages minimizing the heaviest stage.
+
+    Every stage gets at least one item (so ``len(weights) >= num_stages``). Among
+    optimal splits the earliest boundaries win, which makes the result stable.
+
+    Args:
+      weights: the cost of each item (e.g. parameter bytes of each layer).
+      num_stages: how many contiguous stages to form.
+
+    Returns:
+      The stage number of each item: non-decreasing, from 0 to ``num_stages - 1``.
+
+    Example:
+      >>> balanced_partition([1, 1, 1, 3], 2)
+      [0, 0, 0, 1]
+    """
+    n = len(weights)
+    if num_stages < 1 or n < num_stages:
+        raise PartitionError(
+            f"cannot split {n} layers into {num_stages} non-empty stages; use at most "
+            f"{n} stages or add layers."
+        )
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = float("inf")
+    # best[k][i]: minimal heaviest stage when the first i items form k stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    stages = [0] * n
+    i = n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        stages[j:i] = [k - 1] * (i - j)
+        i = j
+    return stages
+
+
+def _parameter_bytes(module: Any) -> int:
+    total = 0
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param):
+            value = node.get_value()
+            total += int(getattr(value, "size", 0)) * getattr(value.dtype, "itemsize", 4)
+    return total
+
+
+def auto_stage(layers: Any, num_stages: int, *, weights: list[float] | None = None) -> list[int]:
+    """Assigns contiguous stages to a sequence of layers, balancing parameter bytes.
+
+    The split is optimal: no contiguous split has a lighter heaviest stage.
+
+    Args:
+      layers: a sequence of NNX modules (or anything, when ``weights`` is given).
+      num_stages: how many stages to form; every stage gets at least one layer.
+      weights: optional per-layer costs to balance instead of parameter bytes.
+
+    Returns:
+      The stage number of each layer, non-decreasing from 0 to ``num_stages - 1``.
+
+    Example:
+      >>> from flax import nnx
+      >>> layers = [nnx.Linear(8, 8, rngs=nnx.Rngs(0)) for _ in range(4)]
+      >>> auto_stage(layers, 2)
+      [0, 0, 1, 1]
+    """
+    layers = list(layers)
+    if weights is None:
+        weights = [_parameter_bytes(layer) for layer in layers]
+    elif len(weights) != len(layers):
+        raise PartitionError(
+            f"auto_stage got {len(layers)} layers but {len(weights)} weights; pass one "
+            "weight per layer."
+        )
+    return balanced_partition(list(weights), num_stages)
+
+
+def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Maps each Variable's graph path under ``node`` to its logical path.
+
+    The logical path drops the ``module`` attribute that a `Stage` wrapper adds,
+    so ``blocks.3.module.kernel`` becomes ``blocks.3.kernel``: a staged model and
+    the same model without `Stage` have the same logical paths. A Variable
+    reachable by several paths is listed once, under its first path.
+
+    Args:
+      node: an NNX graph node (model, optimizer, or a tuple/dict of them).
+
+    Returns:
+      ``{physical_path: logical_path}`` for every Variable.
+
+    Example:
+      >>> from flax import nnx
+      >>> m = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0))
+      >>> logical_paths(m)[("a", "module", "kernel")]
+      ('a', 'kernel')
+    """
+    nodes = [(tuple(path), child) for path, child in nnx.iter_graph(node)]
+    # iter_graph yields children before their parents: find the wrappers first.
+    stage_prefixes = {path for path, child in nodes if isinstance(child, Stage)}
+    result: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for path, child in nodes:
+        if isinstance(child, nnx.Variable):
+            logical = [
+                key
+                for i, key in enumerate(path)
+                if not (key == "module" and tuple(path[:i]) in stage_prefixes)
+            ]
+            result[path] = tuple(logical)
+    return result
