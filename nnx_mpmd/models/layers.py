@@ -287,8 +287,8 @@ class RMSNorm(nnx.Module):
 
     Example:
       >>> from nnx_mpmd.models.layers import ModelConfig
-      >>> RMSNorm(ModelConfig(), 4, rngs=nnx.Rngs(0))(jnp.ones(4))
-      Array([0.99999505, 0.99999505, 0.99999505, 0.99999505], dtype=float32)
+      >>> RMSNorm(ModelConfig(), 4, rngs=nnx.Rngs(0))(jnp.full(4, 3.0)).round(3).tolist()
+      [1.0, 1.0, 1.0, 1.0]
     """
 
     def __init__(self, cfg: ModelConfig, features: int, *, rngs: nnx.Rngs, eps: float = 1e-5):
