@@ -1,0 +1,320 @@
+"""`save` and `restore`: one checkpoint directory, written atomically by orbax.
+
+A checkpoint directory holds two orbax items: ``arrays`` (a PyTree checkpoint of
+every array under its logical path) and ``manifest`` (JSON, see
+`nnx_mpmd.checkpoint.manifest`). Orbax writes into a temporary directory and
+renames it when complete, so an interrupted save never looks like a checkpoint.
+
+Restore reads the manifest, checks the target against it, reads every array
+directly onto the sharding of the target leaf's current placement (the lowest
+mesh's copy for an `MpmdArray`, then copied to the other meshes), verifies the
+fingerprints, and only then writes into the target, so a failed restore leaves
+the target untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from nnx_mpmd.checkpoint.layout import (
+    ARRAY,
+    KEY,
+    NUMPY,
+    VALUE,
+    Entry,
+    Layout,
+    collect,
+    primary_copy,
+    rebuild_like,
+)
+from nnx_mpmd.checkpoint.manifest import (
+    build_manifest,
+    check_manifest,
+    check_target,
+    fingerprint,
+    key_impl_name,
+)
+from nnx_mpmd.errors import CheckpointError
+
+__all__ = ["ArrayReader", "restore", "restore_layout", "save", "save_args"]
+
+# Reads arrays: (item, restore_args, partial) -> nested dict of restored arrays.
+ArrayReader = Callable[[dict[str, Any], dict[str, Any], bool], dict[str, Any]]
+
+
+def save_args(tree: Any, metadata: dict[str, Any] | None = None) -> ocp.args.Composite:
+    """The orbax ``Composite`` args that save ``tree`` (and optional JSON ``metadata``).
+
+    Args:
+      tree: a pytree of NNX objects, States and plain leaves.
+      metadata: optional JSON-able dict stored as the ``metadata`` item.
+
+    Returns:
+      ``ocp.args.Composite`` with items ``arrays`` (absent when there are none),
+      ``manifest`` and, if given, ``metadata``.
+
+    Example:
+      >>> args = save_args({"step": 3})
+      >>> sorted(args.keys())
+      ['manifest']
+    """
+    manifest, arrays = build_manifest(collect(tree))
+    items: dict[str, Any] = {"manifest": ocp.args.JsonSave(manifest)}
+    if arrays:
+        items["arrays"] = ocp.args.PyTreeSave(arrays)
+    if metadata is not None:
+        items["metadata"] = ocp.args.JsonSave(metadata)
+    return ocp.args.Composite(**items)
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _restore_arg(entry: Entry) -> tuple[Any, Any]:
+    """(placeholder, orbax restore args) reading ``entry`` onto its target placement."""
+    if entry.kind == NUMPY:
+        return 0, ocp.RestoreArgs(restore_type=np.ndarray)
+    target = primary_copy(entry.value)
+    sharding = getattr(target, "sharding", None) or _default_sharding()
+    abstract = jax.eval_shape(jax.random.key_data, target) if entry.kind == KEY else target
+    return 0, ocp.ArrayRestoreArgs(
+        sharding=sharding, global_shape=tuple(abstract.shape), dtype=abstract.dtype
+    )
+
+
+def _nest(entries: list[Entry], make: Callable[[Entry], Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for entry in entries:
+        node = nested
+        for key in entry.path[:-1]:
+            node = node.setdefault(key, {})
+        node[entry.path[-1]] = make(entry)
+    return nested
+
+
+def _lookup(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
+    node = nested
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _read_arrays(
+    reader: ArrayReader, entries: list[Entry], partial: bool, where: str
+) -> dict[str, Any]:
+    if not entries:
+        return {}
+    item = _nest(entries, lambda e: _restore_arg(e)[0])
+    restore_args = _nest(entries, lambda e: _restore_arg(e)[1])
+    try:
+        return reader(item, restore_args, partial)
+    except Exception as error:  # orbax/tensorstore raise many types for damaged files
+        first_bad = _first_unreadable(reader, entries)
+        at = f" at {first_bad!r}" if first_bad else ""
+        raise CheckpointError(
+            f"checkpoint {where} cannot be read{at} (truncated or corrupted files: "
+            f"{type(error).__name__}: {str(error)[:300]}); restore an earlier checkpoint "
+            "(CheckpointManager.all_steps() lists them) or re-save."
+        ) from error
+
+
+def _first_unreadable(reader: ArrayReader, entries: list[Entry]) -> str | None:
+    for entry in entries:
+        try:
+            item = _nest([entry], lambda e: _restore_arg(e)[0])
+            reader(item, _nest([entry], lambda e: _restore_arg(e)[1]), True)
+        except Exception:
+            return entry.name
+    return None
+
+
+def _verify(records: dict[str, Any], entries: list[Entry], arrays: dict, where: str) -> None:
+    pending = [(entry, fingerprint(_lookup(arrays, entry.path))) for entry in entries]
+    fetched = jax.device_get([fp for _, fp in pending])
+    for (entry, _), fp in zip(pending, fetched):
+        expected = records[entry.name].get("fingerprint")
+        if [int(v) for v in np.asarray(fp)] != expected:
+            raise CheckpointError(
+                f"checkpoint {where} is corrupted at {entry.name!r}: its contents do not match "
+                "the fingerprint recorded when it was saved; restore an earlier checkpoint "
+                "(CheckpointManager.all_steps() lists them) or re-save."
+            )
+
+
+def _restored_value(entry: Entry, record: dict[str, Any], arrays: dict) -> Any:
+    if entry.kind == VALUE:
+        return record["value"]
+    raw = _lookup(arrays, entry.path)
+    if entry.kind == NUMPY:
+        return np.asarray(raw)
+    if entry.kind == KEY:
+        impl = key_impl_name(primary_copy(entry.value))
+        return rebuild_like(entry.value, raw, lambda d: jax.random.wrap_key_data(d, impl=impl))
+    return rebuild_like(entry.value, raw, lambda a: a)
+
+
+def restore_layout(
+    layout: Layout,
+    manifest: Any,
+    reader: ArrayReader,
+    where: str,
+    *,
+    partial: bool = False,
+    verify: bool = True,
+) -> Any:
+    """Restores a collected target from a manifest and an array reader.
+
+    Args:
+      layout: the collected target (see `nnx_mpmd.checkpoint.layout.collect`).
+      manifest: the checkpoint's manifest (as read from JSON).
+      reader: reads arrays from the checkpoint with orbax.
+      where: the checkpoint's location, for messages.
+      partial: allow checkpoint entries that the target lacks.
+      verify: recompute fingerprints and fail on corrupted data.
+
+    Returns:
+      The target tree with plain leaves replaced; NNX objects updated in place.
+
+    Example:
+      >>> from nnx_mpmd.checkpoint.layout import collect
+      >>> from nnx_mpmd.checkpoint.manifest import build_manifest
+      >>> manifest, _ = build_manifest(collect({"step": 7}))
+      >>> restore_layout(collect({"step": 0}), manifest, None, "memory")
+      {'step': 7}
+    """
+    records = check_manifest(manifest, where)
+    check_target(records, layout, where, partial=partial)
+    stored = [e for e in layout.entries if e.kind in (ARRAY, KEY, NUMPY)]
+    saved_arrays = [r for r in records.values() if r.get("kind") in (ARRAY, KEY, NUMPY)]
+    arrays = _read_arrays(reader, stored, len(stored) < len(saved_arrays), where)
+    if verify:
+        _verify(records, stored, arrays, where)
+    new_leaves: dict[int, Any] = {}
+    for entry in layout.entries:
+        value = _restored_value(entry, records[entry.name], arrays)
+        if entry.variable is not None:
+            entry.variable.set_value(value)
+        else:
+            new_leaves[entry.leaf_index] = value
+    return layout.rebuild(new_leaves)
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
+    """Saves ``tree`` to the directory ``path``, every array under its logical path.
+
+    The save is synchronous and atomic: ``path`` appears only once complete.
+    Use `CheckpointManager` for asynchronous, numbered checkpoints.
+
+    Args:
+      path: the checkpoint directory to create (must not exist unless ``overwrite``).
+      tree: a pytree (usually a dict) of NNX models, optimizers, ``nnx.State``,
+        ``nnx.Rngs``, jax/numpy arrays, `MpmdArray` values and JSON scalars.
+      overwrite: replace an existing checkpoint at ``path`` (deleted first).
+
+    Raises:
+      CheckpointError: ``path`` exists, or a leaf cannot be saved.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> save(path, {"model": nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "step": 3})
+      >>> restore(path, {"model": nnx.Linear(2, 2, rngs=nnx.Rngs(1)), "step": 0})["step"]
+      3
+    """
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise CheckpointError(
+            f"cannot save to {path}: it already exists; pass overwrite=True, choose a new "
+            "path, or use CheckpointManager for numbered steps."
+        )
+    args = save_args(tree)
+    checkpointer = _checkpointer()
+    try:
+        checkpointer.save(path, args=args, force=overwrite)
+    finally:
+        checkpointer.close()
+
+
+def _check_restorable(path: Path) -> None:
+    if path.is_dir() and (path / "manifest").is_dir():
+        return
+    unfinished = sorted(p.name for p in path.parent.glob(path.name + ".orbax-checkpoint-tmp*"))
+    if unfinished:
+        hint = f"only an unfinished save ({unfinished[0]}) exists, it was interrupted; "
+    elif path.is_dir() and any(p.name.isdigit() for p in path.iterdir()):
+        hint = "it looks like a CheckpointManager directory; use CheckpointManager.restore or "
+    elif path.is_dir():
+        hint = "it has no 'manifest' item (not an nnx_mpmd checkpoint, or damaged); "
+    else:
+        hint = "it does not exist; "
+    raise CheckpointError(f"no checkpoint at {path}: {hint}check the path.")
+
+
+def restore(path: str | Path, target: Any, *, partial: bool = False, verify: bool = True) -> Any:
+    """Restores the checkpoint at ``path`` into ``target``, whatever its layout.
+
+    Every array is read directly onto the target leaf's placement: a
+    ``jax.Array`` target keeps its sharding, an `MpmdArray` target is restored on
+    its lowest mesh and copied to its other meshes (each keeping its
+    PartitionSpec), a ``jax.ShapeDtypeStruct`` is read onto its ``sharding``
+    (default device when None). NNX objects in ``target`` are updated in place
+    with ``Variable.set_value``; typed PRNG keys are rebuilt with the target's
+    implementation.
+
+    Args:
+      path: a directory written by `save`.
+      target: a tree with the same logical structure as the saved one.
+      partial: allow checkpoint entries that ``target`` does not have (for example
+        restore only the model from a model-and-optimizer checkpoint).
+      verify: recompute fingerprints and fail on corrupted data.
+
+    Returns:
+      ``target`` with non-NNX leaves replaced by the restored values.
+
+    Raises:
+      CheckpointError: no checkpoint at ``path``, a mismatching structure, shape,
+        dtype or key implementation (naming the first such path), or damaged data.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> path = tempfile.mkdtemp() + "/ckpt"
+      >>> save(path, {"w": jnp.ones(3)})
+      >>> restore(path, {"w": jnp.zeros(3)})["w"].tolist()
+      [1.0, 1.0, 1.0]
+    """
+    path = Path(path).absolute()
+    _check_restorable(path)
+    layout = collect(target, where="target")
+    checkpointer = _checkpointer()
+    try:
+        try:
+            manifest = checkpointer.restore(
+                path, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
+            )["manifest"]
+        except Exception as error:
+            raise CheckpointError(
+                f"checkpoint {path} has an unreadable manifest ({type(error).__name__}); it is "
+                "truncated or corrupted: restore an earlier checkpoint or re-save."
+            ) from error
+
+        def reader(item: dict, restore_args: dict, partial_read: bool) -> dict:
+            args = ocp.args.PyTreeRestore(
+                item, restore_args=restore_args, partial_restore=partial_read
+            )
+            return checkpointer.restore(path, args=ocp.args.Composite(arrays=args))["arrays"]
+
+        return restore_layout(layout, manifest, reader, str(path), partial=partial, verify=verify)
+    finally:
+        checkpointer.close()

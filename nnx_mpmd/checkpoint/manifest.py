@@ -1,0 +1,246 @@
+"""The JSON manifest saved beside the arrays, and checks of a target against it.
+
+The manifest lists every entry of a checkpoint by logical path: its kind, shape,
+dtype, PRNG implementation (for keys), the layout it was saved from (meshes and
+PartitionSpec, for information only), a fingerprint of its contents, and the
+value itself for JSON scalars. Restore compares the target's layout with the
+manifest before reading any array, so a mismatch names the first differing path.
+
+The fingerprint is two wrapping uint32 sums over the array's raw bits (plain and
+position-weighted). It is computed on the devices that hold the array, so it
+works for sharded and multi-process global arrays, and it is independent of the
+sharding; restore recomputes it to detect corrupted files.
+"""
+
+from __future__ import annotations
+
+import zlib
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnx_mpmd.checkpoint.layout import (
+    ARRAY,
+    KEY,
+    VALUE,
+    Entry,
+    Layout,
+    primary_copy,
+)
+from nnx_mpmd.errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "build_manifest",
+    "check_manifest",
+    "check_target",
+    "fingerprint",
+    "key_impl_name",
+    "stored_array",
+]
+
+FORMAT = "nnx_mpmd.checkpoint"
+VERSION = 1
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@partial(jax.jit)
+def _device_fingerprint(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # trailing axis of 2 words
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+    position = jnp.zeros((), jnp.uint32)
+    stride = 1
+    for axis in reversed(range(bits.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
+        position = position + iota * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    weight = position * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
+
+
+def fingerprint(array: Any) -> jax.Array | list[int]:
+    """A sharding-independent fingerprint of an array's contents.
+
+    Returns a device array for jax arrays (fetch it with ``jax.device_get``) and
+    a list for numpy arrays.
+
+    Args:
+      array: a jax.Array (any sharding) or a numpy array.
+
+    Returns:
+      Two uint32 numbers that change when any element changes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a = [int(v) for v in fingerprint(jnp.arange(4.0))]
+      >>> b = [int(v) for v in fingerprint(jnp.arange(4.0).at[3].set(7.0))]
+      >>> a == b
+      False
+    """
+    if isinstance(array, np.ndarray | np.generic):
+        data = np.ascontiguousarray(array).tobytes()
+        return [zlib.crc32(data), zlib.adler32(data)]
+    return _device_fingerprint(array)
+
+
+def key_impl_name(key: Any) -> str:
+    """The PRNG implementation name of a typed key array (or its abstract shape).
+
+    Example:
+      >>> import jax
+      >>> key_impl_name(jax.random.key(0, impl="rbg"))
+      'rbg'
+    """
+    if isinstance(key, jax.Array):
+        return str(jax.random.key_impl(key))
+    return str(key.dtype._impl.name)
+
+
+def stored_array(entry: Entry) -> Any:
+    """The array that is written for ``entry``: the primary copy, key data for keys."""
+    value = primary_copy(entry.value)
+    if entry.kind == KEY:
+        return jax.random.key_data(value)
+    return value
+
+
+def _describe_layout(value: Any) -> dict[str, Any]:
+    mesh_ids = getattr(value, "mesh_ids", None)
+    spec = getattr(getattr(primary_copy(value), "sharding", None), "spec", None)
+    return {
+        "meshes": list(mesh_ids) if mesh_ids is not None else None,
+        "spec": str(spec) if spec is not None else None,
+    }
+
+
+def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest of ``layout`` and the nested dict of arrays to write.
+
+    Args:
+      layout: the collected tree.
+
+    Returns:
+      ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
+      logical path components, of the arrays to hand to orbax.
+
+    Example:
+      >>> from nnx_mpmd.checkpoint.layout import collect
+      >>> manifest, arrays = build_manifest(collect({"step": 3}))
+      >>> manifest["entries"]["step"]["value"], arrays
+      (3, {})
+    """
+    arrays: dict[str, Any] = {}
+    records: dict[str, dict[str, Any]] = {}
+    pending: list[tuple[dict[str, Any], Any]] = []
+    for entry in layout.entries:
+        record: dict[str, Any] = {"kind": entry.kind}
+        if entry.kind == VALUE:
+            record["value"] = entry.value
+            record["type"] = type(entry.value).__name__
+        else:
+            stored = stored_array(entry)
+            record["shape"] = list(np.shape(primary_copy(entry.value)))
+            record["dtype"] = str(stored.dtype)
+            if entry.kind == KEY:
+                record["impl"] = key_impl_name(primary_copy(entry.value))
+            if entry.kind in (ARRAY, KEY):
+                record["layout"] = _describe_layout(entry.value)
+            pending.append((record, fingerprint(stored)))
+            node = arrays
+            for key in entry.path[:-1]:
+                node = node.setdefault(key, {})
+            node[entry.path[-1]] = stored
+        records[entry.name] = record
+    fetched = jax.device_get([fp for _, fp in pending])
+    for (record, _), fp in zip(pending, fetched):
+        record["fingerprint"] = [int(v) for v in np.asarray(fp)]
+    manifest = {"format": FORMAT, "version": VERSION, "entries": records}
+    return manifest, arrays
+
+
+def _target_record(entry: Entry) -> dict[str, Any]:
+    value = primary_copy(entry.value)
+    if entry.kind == VALUE:
+        return {"kind": VALUE, "type": type(value).__name__}
+    record = {"kind": entry.kind, "shape": list(np.shape(value))}
+    if entry.kind == KEY:
+        record["impl"] = key_impl_name(value)
+        record["dtype"] = str(jax.eval_shape(jax.random.key_data, value).dtype)
+    else:
+        record["dtype"] = str(value.dtype)
+    return record
+
+
+def check_manifest(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
+    """Validates the manifest's header and returns its entries.
+
+    Example:
+      >>> check_manifest({"format": FORMAT, "version": 1, "entries": {}}, "ckpt")
+      {}
+    """
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("entries"), dict)
+    ):
+        raise CheckpointError(
+            f"{where} has no valid nnx_mpmd manifest (the 'manifest' item is missing or "
+            "corrupted); it was not written by nnx_mpmd.checkpoint or is damaged. Restore an "
+            "earlier checkpoint or re-save it."
+        )
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{where} has manifest version {manifest.get('version')!r}, this nnx_mpmd reads "
+            f"version {VERSION}; use the nnx_mpmd version that wrote it."
+        )
+    return manifest["entries"]
+
+
+def check_target(
+    records: dict[str, dict[str, Any]], layout: Layout, where: str, *, partial: bool = False
+) -> None:
+    """Raises `CheckpointError` naming the first path where target and checkpoint differ.
+
+    Args:
+      records: the manifest's entries.
+      layout: the collected target.
+      where: the checkpoint's location, for messages.
+      partial: allow checkpoint entries that the target does not have.
+
+    Example:
+      >>> from nnx_mpmd.checkpoint.layout import collect
+      >>> check_target({"step": {"kind": "value", "type": "int"}}, collect({"step": 0}), "ckpt")
+    """
+    targets = layout.by_name()
+    for name in sorted(set(records) | set(targets)):
+        if name not in records:
+            raise CheckpointError(
+                f"target path {name!r} is not in checkpoint {where}; the checkpoint was saved "
+                "from a different model or tree (check the tree keys and the model config), or "
+                "remove that leaf from the target."
+            )
+        if name not in targets:
+            if partial:
+                continue
+            raise CheckpointError(
+                f"checkpoint {where} has {name!r} but the target does not; add it to the target "
+                "tree, or pass partial=True to restore only the target's paths."
+            )
+        saved, wanted = records[name], _target_record(targets[name])
+        for field in ("kind", "type", "shape", "dtype", "impl"):
+            if field not in wanted or wanted[field] is None:
+                continue
+            if saved.get(field) != wanted[field]:
+                raise CheckpointError(
+                    f"{field} mismatch at {name!r}: checkpoint {where} has {saved.get(field)!r}, "
+                    f"the target has {wanted[field]!r}; build the target with the same model "
+                    "config and dtypes as the saved run (or convert the checkpoint)."
+                )
