@@ -8,7 +8,9 @@ inherits the metadata of the parameter it belongs to.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
@@ -21,10 +23,15 @@ __all__ = [
     "STAGES_KEY",
     "PipelinedModel",
     "Stage",
+    "assign_stages",
     "auto_stage",
     "balanced_partition",
     "logical_paths",
+    "num_stages",
+    "shared_variables",
+    "stage_summary",
     "tag_stage",
+    "validate_stages",
     "variable_stage",
 ]
 
@@ -33,7 +40,19 @@ STAGES_KEY = "mpmd_stages"
 
 
 def variable_stage(variable: nnx.Variable) -> int | None:
-    """The owning stage recorded on ``variable``, or None if it has none."""
+    """The owning stage recorded on ``variable``.
+
+    Args:
+      variable: any NNX Variable.
+
+    Returns:
+      Its ``mpmd_stage`` metadata (the lowest stage that reaches it), or None.
+
+    Example:
+      >>> from flax import nnx
+      >>> variable_stage(nnx.Param(1.0, mpmd_stage=2)), variable_stage(nnx.Param(1.0))
+      (2, None)
+    """
     return variable.get_metadata().get(STAGE_KEY)
 
 
@@ -42,16 +61,34 @@ def tag_stage(module: Any, stage: int) -> None:
 
     A Variable already tagged with another stage becomes shared: its owner is
     the lowest stage and ``mpmd_stages`` lists all of them.
+
+    Args:
+      module: an NNX graph node (module, Variable container).
+      stage: the stage number to record.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> tag_stage(layer, 3); tag_stage(layer, 1)
+      >>> layer.kernel.get_metadata()["mpmd_stages"]
+      (1, 3)
     """
     for _, node in nnx.iter_graph(module):
-        if not isinstance(node, nnx.Variable):
-            continue
-        metadata = node.get_metadata()
-        stages = set(metadata.get(STAGES_KEY, ()))
-        if STAGE_KEY in metadata:
-            stages.add(metadata[STAGE_KEY])
-        stages.add(stage)
-        node.set_metadata(**{STAGE_KEY: min(stages), STAGES_KEY: tuple(sorted(stages))})
+        if isinstance(node, nnx.Variable):
+            _tag_variable(node, stage)
+
+
+def _variable_stages(variable: nnx.Variable) -> set[int]:
+    metadata = variable.get_metadata()
+    stages = set(metadata.get(STAGES_KEY, ()))
+    if metadata.get(STAGE_KEY) is not None:
+        stages.add(metadata[STAGE_KEY])
+    return stages
+
+
+def _tag_variable(variable: nnx.Variable, stage: int) -> None:
+    stages = _variable_stages(variable) | {stage}
+    variable.set_metadata(**{STAGE_KEY: min(stages), STAGES_KEY: tuple(sorted(stages))})
 
 
 class Stage(nnx.Module):
@@ -107,6 +144,17 @@ class Stage(nnx.Module):
             where=f" ({type(self.module).__name__})",
         )
 
+    def __getattr__(self, name: str) -> Any:
+        # Runs only when normal lookup fails: forward to the wrapped module so that
+        # e.g. ``stage.attend(x)`` works. While NNX rebuilds a graph, ``module`` may
+        # not be set yet; internal names are never forwarded.
+        if name.startswith("__") or name.startswith("_pytree__"):
+            raise AttributeError(name)
+        module = object.__getattribute__(self, "__dict__").get("module")
+        if module is None:
+            raise AttributeError(f"'Stage' object has no attribute {name!r}")
+        return getattr(module, name)
+
     def __repr__(self) -> str:
         return f"Stage({type(self.module).__name__}, stage={self.stage}, remat={self.remat})"
 
@@ -130,13 +178,15 @@ class PipelinedModel(nnx.Module):
     @property
     def num_stages(self) -> int:
         """Number of stages: one more than the highest stage number used."""
-        stages = [
-            variable_stage(node)
-            for _, node in nnx.iter_graph(self)
-            if isinstance(node, nnx.Variable)
-        ]
-        stages = [s for s in stages if s is not None]
-        return max(stages) + 1 if stages else 0
+        return num_stages(self)
+
+    def stage_summary(self) -> str:
+        """A text table of parameters and bytes per stage; see `stage_summary`."""
+        return stage_summary(self)
+
+    def validate(self) -> int:
+        """Checks the stage annotations; see `validate_stages`."""
+        return validate_stages(self)
 
 
 def balanced_partition(weights: list[float] | tuple[float, ...], num_stages: int) -> list[int]:
@@ -257,3 +307,370 @@ def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
             ]
             result[path] = tuple(logical)
     return result
+
+
+def _path_text(path: tuple[Any, ...]) -> str:
+    return ".".join(str(key) for key in path)
+
+
+def _graph_nodes(node: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """Modules and Variables under ``node`` with their first path (root included)."""
+    return [
+        (tuple(path), child)
+        for path, child in nnx.iter_graph(node)
+        if isinstance(child, nnx.Module | nnx.Variable)
+        and not any(str(key).startswith("_pytree__") for key in path)
+    ]
+
+
+def _stage_numbers(module: Any) -> set[int]:
+    used: set[int] = set()
+    for _, node in _graph_nodes(module):
+        if isinstance(node, nnx.Variable):
+            used |= _variable_stages(node)
+        elif isinstance(node, Stage):
+            used.add(node.stage)
+    return used
+
+
+def num_stages(module: Any) -> int:
+    """Number of stages of ``module``: one more than the highest stage number used.
+
+    Stage numbers come from the Variables' stage metadata and from `Stage`
+    wrappers (so a stage without parameters still counts).
+
+    Args:
+      module: any NNX module (or graph node).
+
+    Returns:
+      The number of stages, or 0 when nothing is annotated.
+
+    Example:
+      >>> from flax import nnx
+      >>> m = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=2))
+      >>> num_stages(m)
+      3
+    """
+    used = _stage_numbers(module)
+    return max(used) + 1 if used else 0
+
+
+def _params_without_stage(module: Any) -> list[str]:
+    return [
+        _path_text(path)
+        for path, node in _graph_nodes(module)
+        if isinstance(node, nnx.Param) and variable_stage(node) is None
+    ]
+
+
+def validate_stages(module: Any) -> int:
+    """Checks that every parameter has a stage and that stage numbers have no gaps.
+
+    Args:
+      module: any NNX module.
+
+    Returns:
+      The number of stages.
+
+    Raises:
+      PartitionError: some ``nnx.Param`` has no stage (every such path is
+        listed), the stage numbers skip a value (e.g. 0, 1, 3), or nothing is
+        annotated at all.
+
+    Example:
+      >>> from flax import nnx
+      >>> m = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0))
+      >>> validate_stages(m)
+      1
+    """
+    problems = []
+    missing = _params_without_stage(module)
+    if missing:
+        problems.append(
+            f"{len(missing)} parameter(s) of {type(module).__name__} have no stage: "
+            f"{', '.join(missing)}. Wrap the modules that own them in Stage(module, "
+            "stage=k), or call assign_stages(model, {path_pattern: k, ...})."
+        )
+    used = _stage_numbers(module)
+    if used:
+        gaps = sorted(set(range(max(used) + 1)) - used)
+        if gaps:
+            problems.append(
+                f"{type(module).__name__} uses stages {tuple(sorted(used))} but not "
+                f"{tuple(gaps)}; stage numbers must be 0..{max(used)} without gaps. "
+                "Renumber the Stage wrappers consecutively."
+            )
+    elif not missing:
+        problems.append(
+            f"{type(module).__name__} has no stage annotations; wrap its layers in "
+            "Stage(module, stage=k) or call assign_stages(model, {path_pattern: k})."
+        )
+    if problems:
+        raise PartitionError(" ".join(problems))
+    return max(used) + 1
+
+
+def shared_variables(module: Any) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """The Variables reachable from more than one stage (e.g. tied embeddings).
+
+    A shared Variable lives on the mesh of its owner, the lowest of its stages.
+
+    Args:
+      module: any NNX module.
+
+    Returns:
+      ``{path: stages}`` with the Variable's first graph path and all its stages
+      (sorted; the first is the owner).
+
+    Example:
+      >>> from flax import nnx
+      >>> embed = nnx.Embed(8, 4, rngs=nnx.Rngs(0))
+      >>> m = nnx.Dict(a=Stage(embed, stage=0), b=Stage(embed, stage=3))
+      >>> shared_variables(m)
+      {('a', 'module', 'embedding'): (0, 3)}
+    """
+    result = {}
+    for path, node in _graph_nodes(module):
+        if isinstance(node, nnx.Variable):
+            stages = _variable_stages(node)
+            if len(stages) > 1:
+                result[path] = tuple(sorted(stages))
+    return result
+
+
+def _nbytes(value: Any) -> tuple[int, int]:
+    size = int(getattr(value, "size", 0) or 0)
+    dtype = getattr(value, "dtype", None)
+    return size, size * int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def _compress(paths: list[str]) -> str:
+    """``blocks.0, blocks.1, blocks.2`` -> ``blocks.0-2`` (consecutive indices only)."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None  # (prefix, first, last)
+    for path in paths:
+        prefix, _, last = path.rpartition(".")
+        if prefix and last.isdigit():
+            index = int(last)
+            if run and run[0] == prefix and run[2] + 1 == index:
+                run = (prefix, run[1], index)
+                continue
+            if run:
+                out.append(_run_text(run))
+            run = (prefix, index, index)
+            continue
+        if run:
+            out.append(_run_text(run))
+            run = None
+        out.append(path)
+    if run:
+        out.append(_run_text(run))
+    return ", ".join(out)
+
+
+def _run_text(run: tuple[str, int, int]) -> str:
+    prefix, first, last = run
+    return f"{prefix}.{first}" if first == last else f"{prefix}.{first}-{last}"
+
+
+def stage_summary(module: Any) -> str:
+    """A text table of the parameters of each stage.
+
+    One row per stage with its parameter count, parameter bytes and the paths of
+    the `Stage` wrappers (or tagged Variables) that belong to it. A shared
+    parameter is counted once, at its owner (lowest) stage, and marked ``*``.
+
+    Args:
+      module: any NNX module.
+
+    Returns:
+      The table as a string.
+
+    Example:
+      >>> from flax import nnx
+      >>> m = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0))
+      >>> print(stage_summary(m))
+      stage  params  bytes  paths
+      0           6     24  a
+      total       6     24
+    """
+    nodes = _graph_nodes(module)
+    wrappers = [(path, node) for path, node in nodes if isinstance(node, Stage)]
+    # The outermost wrapper that reaches a Variable at its owner stage names it.
+    owner_paths: dict[int, str] = {}
+    for path, wrapper in sorted(wrappers, key=lambda item: len(item[0])):
+        for _, child in nnx.iter_graph(wrapper):
+            if (
+                isinstance(child, nnx.Variable)
+                and variable_stage(child) == wrapper.stage
+                and id(child) not in owner_paths
+            ):
+                owner_paths[id(child)] = _path_text(path)
+    rows: dict[int | None, list[Any]] = {}
+    shared_notes = []
+    for path, node in nodes:
+        if not isinstance(node, nnx.Param):
+            continue
+        stage = variable_stage(node)
+        row = rows.setdefault(stage, [0, 0, []])
+        size, nbytes = _nbytes(node.get_value())
+        row[0] += size
+        row[1] += nbytes
+        label = owner_paths.get(id(node), _path_text(path[:1]))
+        stages = _variable_stages(node)
+        if len(stages) > 1:
+            label += "*"
+            shared_notes.append(
+                f"* {_path_text(path)} is shared by stages {tuple(sorted(stages))}; "
+                f"counted at stage {stage}"
+            )
+        if label not in row[2]:
+            row[2].append(label)
+    for wrapper_path, wrapper in wrappers:
+        rows.setdefault(wrapper.stage, [0, 0, []])
+        label = _path_text(wrapper_path)
+        if not any(p.rstrip("*") == label for p in rows[wrapper.stage][2]):
+            rows[wrapper.stage][2].append(label)
+    order = sorted((s for s in rows if s is not None), key=int)
+    if None in rows:
+        order.append(None)
+    table = [("stage", "params", "bytes", "paths")]
+    for stage in order:
+        count, nbytes, labels = rows[stage]
+        name = "none" if stage is None else str(stage)
+        table.append((name, str(count), str(nbytes), _compress(labels)))
+    total_count = sum(row[0] for row in rows.values())
+    total_bytes = sum(row[1] for row in rows.values())
+    table.append(("total", str(total_count), str(total_bytes), ""))
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    lines = []
+    for row in table:
+        cells = [row[0].ljust(widths[0]), row[1].rjust(widths[1]), row[2].rjust(widths[2])]
+        lines.append("  ".join([*cells, row[3]]).rstrip())
+    return "\n".join(lines + shared_notes)
+
+
+def _matches(pattern: str, names: Mapping[str, Any]) -> list[str]:
+    if pattern in names:
+        return [pattern]
+    found = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+    if found:
+        return found
+    try:
+        regex = re.compile(pattern)
+    except re.error:
+        return []
+    return [name for name in names if regex.fullmatch(name)]
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(node, nnx.List | nnx.Dict | list | tuple | dict):
+        return node[key]
+    return getattr(node, key)
+
+
+def _replace_child(parent: Any, key: Any, child: Any) -> None:
+    if isinstance(parent, nnx.List | nnx.Dict | list | dict):
+        parent[key] = child
+    else:
+        setattr(parent, key, child)
+
+
+def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
+    """Annotates a model you did not write, by path pattern.
+
+    Paths are NNX graph paths joined with ``"."`` (``"blocks.3"``,
+    ``"head.kernel"``). Each pattern is tried as an exact path, then as an
+    ``fnmatch`` glob (``"blocks.*"``), then as a regular expression
+    (``re.fullmatch``). Every matching submodule is wrapped in `Stage` in place
+    (on its parent attribute, ``nnx.List`` index or ``nnx.Dict`` key); a matching
+    Variable is only tagged with the stage.
+
+    Args:
+      model: the NNX module to annotate (changed in place).
+      mapping: ``{path_pattern: stage}``.
+
+    Returns:
+      ``model``.
+
+    Raises:
+      PartitionError: a pattern matches nothing, a stage is not an int >= 0, a
+        module is matched by two patterns with different stages, nested matches
+        disagree, or a match sits where it cannot be replaced.
+
+    Example:
+      >>> from flax import nnx
+      >>> m = nnx.Dict(a=nnx.Linear(2, 2, rngs=nnx.Rngs(0)), b=nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
+      >>> m = assign_stages(m, {"a": 0, "b": 1})
+      >>> m["b"], num_stages(m)
+      (Stage(Linear, stage=1, remat=False), 2)
+    """
+    nodes = {_path_text(path): (path, node) for path, node in _graph_nodes(model) if path}
+    chosen: dict[str, tuple[int, str]] = {}
+    for pattern, stage in mapping.items():
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            raise PartitionError(
+                f"assign_stages: pattern {pattern!r} maps to stage {stage!r}; stages must "
+                "be ints >= 0."
+            )
+        names = _matches(str(pattern), nodes)
+        if not names:
+            modules = sorted(
+                (n for n, (_, node) in nodes.items() if isinstance(node, nnx.Module)),
+                key=lambda n: len(nodes[n][0]),
+            )
+            shown = ", ".join(modules[:15]) + (", ..." if len(modules) > 15 else "")
+            raise PartitionError(
+                f"assign_stages: pattern {pattern!r} matches no path of "
+                f"{type(model).__name__}. Available module paths: {shown}. Use an exact "
+                "path, a glob such as 'blocks.*', or a regular expression."
+            )
+        for name in names:
+            if name in chosen and chosen[name][0] != stage:
+                raise PartitionError(
+                    f"assign_stages: {name!r} is matched by {chosen[name][1]!r} (stage "
+                    f"{chosen[name][0]}) and by {pattern!r} (stage {stage}); make the "
+                    "patterns disjoint or give them the same stage."
+                )
+            chosen[name] = (stage, str(pattern))
+    outermost = []
+    for name, (stage, pattern) in chosen.items():
+        path = nodes[name][0]
+        ancestors = [_path_text(path[:i]) for i in range(1, len(path))]
+        enclosing = [a for a in ancestors if a in chosen]
+        for ancestor in enclosing:
+            if chosen[ancestor][0] != stage:
+                raise PartitionError(
+                    f"assign_stages: {name!r} gets stage {stage} from {pattern!r} but it is "
+                    f"inside {ancestor!r}, which gets stage {chosen[ancestor][0]} from "
+                    f"{chosen[ancestor][1]!r}; nested matches must agree. Narrow the "
+                    "patterns so each module is matched once."
+                )
+        if not enclosing:
+            outermost.append(name)
+    # Check every match before changing anything, so an error leaves the model as it was.
+    plan = []
+    for name in outermost:
+        path, node = nodes[name]
+        stage = chosen[name][0]
+        if isinstance(node, Stage) and node.stage != stage:
+            raise PartitionError(
+                f"assign_stages: {name!r} is already Stage(stage={node.stage}) but "
+                f"{chosen[name][1]!r} gives it stage {stage}; remove that pattern or "
+                "change the Stage."
+            )
+        parent = model
+        for key in path[:-1]:
+            parent = _child(parent, key)
+        if isinstance(node, nnx.Module) and isinstance(parent, tuple):
+            raise PartitionError(
+                f"assign_stages cannot wrap {name!r}: it sits inside a tuple. Hold the "
+                "modules in an nnx.List instead, or wrap them in Stage yourself."
+            )
+        plan.append((parent, path[-1], node, stage))
+    for parent, key, node, stage in plan:
+        if isinstance(node, nnx.Variable):
+            _tag_variable(node, stage)
+        elif not isinstance(node, Stage):
+            _replace_child(parent, key, Stage(node, stage))
+    return model
