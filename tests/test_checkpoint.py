@@ -21,7 +21,6 @@ from checkpoint_helpers import (
 from flax import nnx
 from jax.sharding import NamedSharding
 
-import nnx_mpmd as mp
 from nnx_mpmd.checkpoint import restore, save
 from nnx_mpmd.checkpoint.layout import collect
 
