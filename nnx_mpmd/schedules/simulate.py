@@ -11,6 +11,7 @@ This module is pure Python: it imports neither JAX nor Flax.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -24,11 +25,7 @@ _COST_NAMES = (*KINDS, "transfer")
 
 
 def _check_cost(name: str, value: Any, where: str) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        and not hasattr(value, "numerator")
-    ):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ScheduleError(f"cost {name}{where} must be a number, got {value!r}")
     if value < 0:
         raise ScheduleError(f"cost {name}{where} is {value}; costs must be >= 0")

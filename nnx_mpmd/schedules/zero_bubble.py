@@ -147,7 +147,7 @@ class ZeroBubbleV(Schedule):
 
     Example:
       >>> " ".join(map(str, ZeroBubbleV().tasks(2, 1, 2)[0]))
-      'F0.0 F1.0 BI1.0 F0.1 BI0.0 F1.1 BI1.1 BI0.1 BW0.0 BW0.1 BW1.0 BW1.1'
+      'F0.0 F1.0 BI1.0 BI0.0 BW1.0 F0.1 BW0.0 F1.1 BI1.1 BI0.1 BW1.1 BW0.1'
     """
 
     name: ClassVar[str] = "zb-v"
@@ -215,7 +215,7 @@ class DualPipeV(Schedule):
 
     Example:
       >>> " ".join(map(str, DualPipeV().tasks(2, 1, 2)[0]))
-      'F0.0 F1.0 F0.1 BI1.0 BW1.0 F1.1 BI0.0 BW0.0 BI1.1 BI0.1 BW1.1 BW0.1'
+      'F0.0 F1.0 F0.1 BI1.0 BW1.0 F1.1 BI0.0 BW0.0 BI1.1 BW1.1 BI0.1 BW0.1'
     """
 
     name: ClassVar[str] = "dualpipev"

@@ -1,0 +1,172 @@
+"""Pictures of schedules: an ASCII grid and a matplotlib Gantt chart.
+
+matplotlib is imported only inside `plot_gantt`, so importing this module (and
+the rest of `nnx_mpmd.schedules`) stays light.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from nnx_mpmd.errors import ScheduleError
+from nnx_mpmd.schedules.simulate import Costs, Timeline, simulate
+from nnx_mpmd.schedules.tasks import Task
+
+__all__ = ["KIND_COLORS", "plot_gantt", "to_ascii"]
+
+KIND_COLORS: dict[str, str] = {
+    "F": "#4C78A8",
+    "B": "#54A24B",
+    "BI": "#F58518",
+    "BW": "#B279A2",
+}
+"""Gantt-chart colour of each task kind."""
+
+_IMAGE_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _as_timeline(
+    schedule: Timeline | Iterable[Iterable[Task | str]], costs: Costs | None
+) -> Timeline:
+    if isinstance(schedule, Timeline):
+        if costs is not None:
+            raise ScheduleError(
+                "costs were given with a Timeline, which is already simulated; pass the task "
+                "lists with costs, or the Timeline alone"
+            )
+        return schedule
+    return simulate(schedule, costs)
+
+
+def to_ascii(
+    schedule: Timeline | Iterable[Iterable[Task | str]],
+    costs: Costs | None = None,
+    *,
+    slot: float | None = None,
+) -> str:
+    """Draws a schedule as text: meshes as rows, time slots as columns.
+
+    A task shows its token in its first slot and ``-`` in the slots it goes on
+    for; ``.`` is an idle slot.
+
+    Args:
+      schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
+      costs: the costs to simulate with (default ``Costs()``).
+      slot: the time one column stands for (default: the shortest task).
+
+    Returns:
+      The grid, one line per mesh, with a time ruler on top.
+
+    Example:
+      >>> print(to_ascii([["F0.0", "F0.1", "B0.0", "B0.1"], ["F1.0", "F1.1", "B1.0", "B1.1"]]))
+      time   | 0    1    2    3    4    5    6    7    8
+      mesh 0 | F0.0 F0.1 .    .    .    B0.0 ---- B0.1 ----
+      mesh 1 | .    F1.0 F1.1 B1.0 ---- B1.1 ---- .    .
+    """
+    timeline = _as_timeline(schedule, costs)
+    durations = [end - start for _, _, start, end in timeline.entries if end > start]
+    if slot is None:
+        slot = min(durations, default=1)
+    if not slot > 0:
+        raise ScheduleError(f"to_ascii: slot must be > 0, got {slot!r}; e.g. slot=1")
+    columns = math.ceil(round(timeline.makespan / slot, 9))
+    width = max([len(str(task)) for _, task, _, _ in timeline.entries] + [4])
+    grid = [["."] * columns for _ in range(timeline.num_meshes)]
+    for mesh, task, start, end in timeline.entries:
+        first = round(start / slot)
+        last = max(first + 1, round(end / slot))
+        for column in range(first, min(last, columns)):
+            grid[mesh][column] = str(task) if column == first else "-" * width
+    label = max(len(f"mesh {timeline.num_meshes - 1}"), len("time"))
+    ruler = " ".join(f"{column:<{width}}" for column in range(columns))
+    lines = [f"{'time':<{label}} | {ruler}".rstrip()]
+    for mesh, row in enumerate(grid):
+        cells = " ".join(f"{cell:<{width}}" for cell in row)
+        lines.append(f"{f'mesh {mesh}':<{label}} | {cells}".rstrip())
+    return "\n".join(lines)
+
+
+def plot_gantt(
+    schedule: Timeline | Iterable[Iterable[Task | str]],
+    path: str | os.PathLike[str] | None = None,
+    *,
+    costs: Costs | None = None,
+    title: str | None = None,
+) -> Any:
+    """Draws a schedule as a Gantt chart: one row per mesh, boxes coloured by kind.
+
+    Every box shows its microbatch number. Imports matplotlib (without pyplot,
+    so no window opens and no global backend changes).
+
+    Args:
+      schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
+      path: if given, save the chart there; ``.png``, ``.svg`` or ``.pdf``.
+      costs: the costs to simulate with (default ``Costs()``).
+      title: the chart title (default: makespan and bubble fraction).
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Example:
+      >>> fig = plot_gantt([["F0.0", "B0.0"], ["F1.0", "B1.0"]])
+      >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
+      ['mesh 0', 'mesh 1']
+    """
+    if path is not None and os.path.splitext(os.fspath(path))[1].lower() not in _IMAGE_FORMATS:
+        raise ScheduleError(
+            f"cannot save a Gantt chart as {os.fspath(path)!r}; use a file name ending in "
+            f"{', '.join(_IMAGE_FORMATS)}"
+        )
+    timeline = _as_timeline(schedule, costs)
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    makespan = float(timeline.makespan) or 1.0
+    fig = Figure(
+        figsize=(max(6.0, min(24.0, 0.35 * makespan + 2)), 0.6 * timeline.num_meshes + 1.4)
+    )
+    ax = fig.add_subplot()
+    font = max(5.0, min(9.0, 160.0 / max(makespan, 1.0)))
+    for mesh, task, start, end in timeline.entries:
+        ax.barh(
+            mesh,
+            float(end - start),
+            left=float(start),
+            height=0.8,
+            color=KIND_COLORS[task.kind],
+            edgecolor="white",
+            linewidth=0.8,
+        )
+        ax.text(
+            float(start + end) / 2,
+            mesh,
+            str(task.microbatch),
+            ha="center",
+            va="center",
+            fontsize=font,
+            color="white",
+        )
+    ax.set_yticks(range(timeline.num_meshes), [f"mesh {m}" for m in range(timeline.num_meshes)])
+    ax.set_ylim(timeline.num_meshes - 0.5, -0.5)
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel("time")
+    kinds = [kind for kind in KIND_COLORS if any(t.kind == kind for _, t, _, _ in timeline.entries)]
+    ax.legend(
+        handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 if timeline.num_meshes > 2 else -0.4),
+        ncol=len(kinds),
+        frameon=False,
+    )
+    if title is None:
+        title = (
+            f"makespan {float(timeline.makespan):g}, bubble {float(timeline.bubble_fraction):.1%}"
+        )
+    ax.set_title(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(os.fspath(path))
+    return fig
