@@ -1,0 +1,690 @@
+"""Split NNX state per mesh, place it on the submeshes, and gather it back.
+
+Where a Variable lives follows from its metadata: ``mpmd_stage`` picks the stage
+and therefore the mesh (``stage % num_meshes``, or a schedule's ``mesh_of``), and
+``out_sharding`` (a tuple of axis names / None, or a PartitionSpec) picks the
+sharding inside that submesh. A leaf on one mesh is a plain ``jax.Array`` on that
+submesh; a leaf every mesh needs (the optimizer step count) is an `MpmdArray`.
+
+Example:
+    >>> import jax
+    >>> from flax import nnx
+    >>> from nnx_mpmd.annotate import Stage
+    >>> from nnx_mpmd.mesh import MpmdMesh
+    >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+    >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=3))
+    >>> _ = place(model, mesh)
+    >>> leaf_mesh_ids(model["a"].module.kernel.get_value(), mesh)
+    (3,)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx.training.optimizer import OptState
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_mpmd.annotate import STAGE_KEY, _variable_stages, variable_stage
+from nnx_mpmd.errors import PartitionError, PlacementError
+from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.mpmd_array import MpmdArray
+
+__all__ = [
+    "MpmdArray",
+    "gather",
+    "leaf_mesh_ids",
+    "leaf_sharding",
+    "merge_partitions",
+    "partition",
+    "place",
+    "placement_of",
+]
+
+Path = tuple[Any, ...]
+
+
+def _path_text(path: Any) -> str:
+    if isinstance(path, tuple):
+        return ".".join(str(key) for key in path) or "<root>"
+    return str(path) or "<root>"
+
+
+# ------------------------------------------------------------------ partition
+
+
+def _sort_key(path: Path) -> tuple[Any, ...]:
+    return tuple((0, key, "") if isinstance(key, int) else (1, 0, str(key)) for key in path)
+
+
+def partition(
+    state: Any, num_meshes: int, mesh_of: Callable[[int], int] | None = None
+) -> list[nnx.State]:
+    """Splits NNX state into one `nnx.State` per mesh, keeping every path.
+
+    A leaf goes to the mesh of its stage (``mpmd_stage`` metadata); a leaf with
+    no stage (e.g. an optimizer step count) goes to every mesh.
+
+    Args:
+      state: an ``nnx.State``, or an NNX object (model, optimizer) to take it from.
+      num_meshes: how many meshes.
+      mesh_of: ``stage -> mesh index``; default ``stage % num_meshes`` (looped).
+
+    Returns:
+      ``num_meshes`` States; `merge_partitions` of them gives ``state`` back.
+
+    Raises:
+      PartitionError: ``state`` is not NNX state, ``num_meshes < 1``, or
+        ``mesh_of`` returns an index outside ``[0, num_meshes)``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from nnx_mpmd.annotate import Stage
+      >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
+      >>> parts = partition(nnx.state(model), 2)
+      >>> [len(nnx.to_flat_state(p)) for p in parts]
+      [0, 2]
+    """
+    if isinstance(state, nnx.Pytree):
+        state = nnx.state(state)
+    if not isinstance(state, nnx.State):
+        raise PartitionError(
+            f"partition expects an nnx.State (or an NNX module/optimizer), got "
+            f"{type(state).__name__}; pass nnx.state(model)."
+        )
+    if isinstance(num_meshes, bool) or not isinstance(num_meshes, int) or num_meshes < 1:
+        raise PartitionError(f"partition needs num_meshes >= 1, got {num_meshes!r}.")
+    if mesh_of is None:
+
+        def mesh_of(stage: int) -> int:
+            return stage % num_meshes
+
+    parts: list[list[tuple[Path, Any]]] = [[] for _ in range(num_meshes)]
+    for path, leaf in nnx.to_flat_state(state):
+        stage = variable_stage(leaf) if isinstance(leaf, nnx.Variable) else None
+        if stage is None:
+            for part in parts:
+                part.append((path, leaf))
+            continue
+        index = mesh_of(stage)
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            index = -1
+        if not 0 <= index < num_meshes:
+            raise PartitionError(
+                f"{_path_text(path)} has stage {stage}, which mesh_of maps to mesh "
+                f"{index!r}, outside [0, {num_meshes}); fix mesh_of or use more meshes."
+            )
+        parts[int(index)].append((path, leaf))
+    return [nnx.from_flat_state(part) for part in parts]
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, nnx.Variable):
+        a, b = a.get_value(), b.get_value()
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except Exception:  # values without a numpy form (typed keys): compare identity
+        return a is b
+
+
+def merge_partitions(states: Sequence[nnx.State]) -> nnx.State:
+    """Merges per-mesh States (from `partition`) back into one State.
+
+    Args:
+      states: the per-mesh States.
+
+    Returns:
+      One State with every path once, holding the same leaves.
+
+    Raises:
+      PartitionError: a path appears in two States with different values, or an
+        item is not an ``nnx.State``.
+
+    Example:
+      >>> from flax import nnx
+      >>> from nnx_mpmd.annotate import Stage
+      >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
+      >>> merged = merge_partitions(partition(nnx.state(model), 2))
+      >>> merged["a"]["module"]["kernel"] is model["a"].module.kernel
+      True
+    """
+    merged: dict[Path, Any] = {}
+    where: dict[Path, int] = {}
+    for index, state in enumerate(states):
+        if not isinstance(state, nnx.State):
+            raise PartitionError(
+                f"merge_partitions: item {index} is a {type(state).__name__}, not an "
+                "nnx.State; pass the list that partition returned."
+            )
+        for path, leaf in nnx.to_flat_state(state):
+            if path in merged:
+                if not _same_leaf(merged[path], leaf):
+                    raise PartitionError(
+                        f"merge_partitions: {_path_text(path)} differs between state "
+                        f"{where[path]} and state {index}; leaves without a stage must be "
+                        "identical on every mesh (sync them before merging)."
+                    )
+                continue
+            merged[path] = leaf
+            where[path] = index
+    ordered = sorted(merged.items(), key=lambda item: _sort_key(item[0]))
+    return nnx.from_flat_state(ordered)
+
+
+# ------------------------------------------------------------------ shardings
+
+
+def _spec_from_metadata(metadata: Mapping[str, Any], path: str) -> PartitionSpec:
+    out = metadata.get("out_sharding")
+    if out is None:
+        return PartitionSpec()
+    if isinstance(out, NamedSharding):
+        out = out.spec
+    if isinstance(out, str):
+        out = (out,)
+    if not isinstance(out, PartitionSpec | tuple | list):
+        raise PlacementError(
+            f"{path}: out_sharding={out!r} is not a tuple of axis names / None or a "
+            "PartitionSpec; write e.g. out_sharding=(None, 'data')."
+        )
+    rules = metadata.get("sharding_rules")
+    if rules:  # logical axis names -> mesh axis names, as flax does
+        from flax.core import spmd
+
+        out = spmd.apply_rules(out, rules)
+    return PartitionSpec(*out)
+
+
+def _axis_names(entry: Any, path: str) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple) and all(isinstance(name, str) for name in entry):
+        return entry
+    raise PlacementError(
+        f"{path}: out_sharding entry {entry!r} is not an axis name, a tuple of axis names, or None."
+    )
+
+
+def _check_spec(
+    spec: PartitionSpec,
+    submesh: Mesh,
+    shape: tuple[int, ...] | None,
+    path: str,
+    mpmd_axis: str | None,
+) -> None:
+    if shape is not None and len(spec) > len(shape):
+        raise PlacementError(
+            f"{path}: out_sharding {spec} has {len(spec)} entries but the value has shape "
+            f"{tuple(shape)}; give at most one entry per dimension."
+        )
+    for dim, entry in enumerate(spec):
+        names = _axis_names(entry, path)
+        for name in names:
+            if mpmd_axis is not None and name == mpmd_axis:
+                raise PlacementError(
+                    f"{path}: out_sharding {spec} names the mpmd axis {name!r}, which "
+                    "enumerates the pipeline meshes and does not exist inside a stage; "
+                    f"use one of the submesh axes {tuple(submesh.axis_names)}."
+                )
+            if name not in submesh.axis_names:
+                raise PlacementError(
+                    f"{path}: out_sharding {spec} names axis {name!r}, which the submesh "
+                    f"{dict(submesh.shape)} does not have; use one of "
+                    f"{tuple(submesh.axis_names)} or None."
+                )
+        size = math.prod(submesh.shape[name] for name in names)
+        if shape is not None and names and shape[dim] % size:
+            raise PlacementError(
+                f"{path}: dimension {dim} of shape {tuple(shape)} is not divisible by "
+                f"{size} (axes {names} of the submesh {dict(submesh.shape)}); change "
+                "out_sharding for that dimension or the layer size."
+            )
+
+
+def leaf_sharding(
+    variable_or_metadata: nnx.Variable | Mapping[str, Any],
+    submesh: Mesh,
+    path: str = "",
+    *,
+    shape: tuple[int, ...] | None = None,
+    mpmd_axis: str | None = None,
+) -> NamedSharding:
+    """The sharding of a Variable inside its submesh, from its ``out_sharding``.
+
+    Args:
+      variable_or_metadata: an NNX Variable, or its metadata mapping.
+      submesh: the submesh the value goes to.
+      path: the Variable's path, for error messages.
+      shape: the value's shape for the divisibility check (default: the
+        Variable's value shape; none for a bare metadata mapping).
+      mpmd_axis: the whole mesh's mpmd axis, to report it if named.
+
+    Returns:
+      ``NamedSharding(submesh, spec)``; replicated when there is no out_sharding.
+
+    Raises:
+      PlacementError: an axis is unknown to the submesh or is the mpmd axis, a
+        dimension is not divisible by its axes' size, or the spec is malformed.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> submesh = jax.make_mesh((4, 2), ("stage", "data"))
+      >>> submesh = MpmdMesh(submesh, "stage").submesh(0)
+      >>> leaf_sharding({"out_sharding": (None, "data")}, submesh).spec
+      P(None, 'data')
+    """
+    if isinstance(variable_or_metadata, nnx.Variable):
+        metadata = variable_or_metadata.get_metadata()
+        if shape is None:
+            shape = getattr(variable_or_metadata.get_value(), "shape", None)
+    else:
+        metadata = variable_or_metadata
+    where = path or "<variable>"
+    spec = _spec_from_metadata(metadata, where)
+    _check_spec(spec, submesh, shape, where, mpmd_axis)
+    return NamedSharding(submesh, spec)
+
+
+# ------------------------------------------------------------------ placement
+
+
+def _stage_to_mesh(
+    stage: int, path: str, mesh: MpmdMesh, schedule: Any, num_stages: int | None
+) -> int:
+    if schedule is None:
+        return stage % mesh.num_meshes
+    if num_stages is None:
+        raise PlacementError(
+            f"{path}: placing with schedule {type(schedule).__name__} needs num_stages; "
+            "pass num_stages=model.num_stages."
+        )
+    index = schedule.mesh_of(stage, num_stages, mesh.num_meshes)
+    if isinstance(index, bool) or not isinstance(index, int | np.integer):
+        index = -1
+    if not 0 <= index < mesh.num_meshes:
+        raise PlacementError(
+            f"{path}: stage {stage} of {num_stages} maps to mesh {index!r} under "
+            f"{type(schedule).__name__}, but {mesh!r} has {mesh.num_meshes} meshes; use a "
+            "schedule whose mesh_of fits, or a mesh with more submeshes."
+        )
+    return int(index)
+
+
+def _owner(
+    variable: nnx.Variable, path: Path, params: Mapping[Path, nnx.Variable] | None
+) -> nnx.Variable | None:
+    """The Variable whose stage and out_sharding decide where ``variable`` goes."""
+    if variable_stage(variable) is not None:
+        return variable
+    if params is None or isinstance(variable, nnx.Param):
+        return None
+    best: tuple[int, nnx.Variable] | None = None
+    for param_path, param in params.items():
+        n = len(param_path)
+        matches = 0 < n <= len(path) and tuple(path[-n:]) == tuple(param_path)
+        if matches and (best is None or n > best[0]):
+            best = (n, param)
+    return best[1] if best else None
+
+
+def placement_of(
+    variable: nnx.Variable,
+    path: Any,
+    mesh: MpmdMesh,
+    schedule: Any = None,
+    num_stages: int | None = None,
+    *,
+    params: Mapping[Path, nnx.Variable] | None = None,
+) -> tuple[tuple[int, ...], PartitionSpec]:
+    """Where `place` puts one Variable: its mesh(es) and its spec inside them.
+
+    The stage is the Variable's ``mpmd_stage``; without one, an optimizer-state
+    leaf follows the parameter in ``params`` whose path is the longest suffix of
+    ``path``. A leaf that belongs to no parameter goes to every mesh.
+
+    Args:
+      variable: the Variable.
+      path: its path (tuple or dotted string), for suffix matching and messages.
+      mesh: the `MpmdMesh`.
+      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``;
+        default looped placement ``stage % num_meshes``.
+      num_stages: the model's number of stages (required with ``schedule``).
+      params: optional ``{path: Param}`` of the model, for the suffix fallback.
+
+    Returns:
+      ``(mesh_ids, spec)``.
+
+    Raises:
+      PlacementError: a Param has no stage, the schedule maps the stage outside
+        the mesh, or ``out_sharding`` does not fit the submesh.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+      >>> p = nnx.Param(jax.numpy.zeros((4, 4)), mpmd_stage=5, out_sharding=(None, "data"),
+      ...               eager_sharding=False)
+      >>> placement_of(p, "w", mesh)
+      ((1,), P(None, 'data'))
+    """
+    where = _path_text(path)
+    key = tuple(path) if isinstance(path, tuple) else tuple(str(path).split("."))
+    owner = _owner(variable, key, params)
+    shape = getattr(variable.get_value(), "shape", None)
+    if owner is None:
+        if isinstance(variable, nnx.Param):
+            raise PlacementError(
+                f"parameter {where} has no stage; wrap the module that owns it in "
+                "Stage(module, stage=k) or call assign_stages(model, {pattern: k})."
+            )
+        mesh_ids = tuple(range(mesh.num_meshes))
+        metadata = variable.get_metadata()
+    else:
+        stage = owner.get_metadata()[STAGE_KEY]
+        mesh_ids = (_stage_to_mesh(stage, where, mesh, schedule, num_stages),)
+        metadata = owner.get_metadata()
+    submesh = mesh.submesh(mesh_ids[0])
+    spec = _spec_from_metadata(metadata, where)
+    try:
+        _check_spec(spec, submesh, shape, where, mesh.mpmd_axis)
+    except PlacementError:
+        # Optimizer state whose shape differs from its parameter's (e.g. factored
+        # second moments) cannot take the parameter's spec: replicate it instead.
+        if not isinstance(variable, OptState) or not _fits_axes(spec, submesh, mesh.mpmd_axis):
+            raise
+        spec = PartitionSpec()
+    return mesh_ids, spec
+
+
+def _fits_axes(spec: PartitionSpec, submesh: Mesh, mpmd_axis: str) -> bool:
+    try:
+        _check_spec(spec, submesh, None, "", mpmd_axis)
+    except PlacementError:
+        return False
+    return True
+
+
+def leaf_mesh_ids(x: Any, mesh: MpmdMesh) -> tuple[int, ...] | None:
+    """Where a leaf lives.
+
+    Args:
+      x: a leaf (``jax.Array``, `MpmdArray`, anything else).
+      mesh: the `MpmdMesh`.
+
+    Returns:
+      ``(i,)`` for a ``jax.Array`` exactly on submesh ``i``; an MpmdArray's
+      ``mesh_ids``; None otherwise.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = MpmdMesh(jax.make_mesh((8,), ("stage",)), "stage")
+      >>> leaf_mesh_ids(jax.device_put(jnp.ones(2), jax.devices()[6]), mesh)
+      (6,)
+    """
+    if isinstance(x, MpmdArray):
+        return x.mesh_ids
+    if isinstance(x, jax.Array):
+        index = mesh.mesh_id_of(x)
+        return None if index is None else (index,)
+    return None
+
+
+# ------------------------------------------------------------------ place / gather
+
+_PLACEABLE = (jax.Array, np.ndarray, np.generic, MpmdArray, int, float, complex)
+
+
+def _roots(tree: Any) -> list[Any]:
+    """The NNX objects, States and Variables in a tree of tuples/lists/dicts."""
+    if isinstance(tree, nnx.State | nnx.Pytree | nnx.Variable):
+        return [tree]
+    if isinstance(tree, tuple | list):
+        return [root for item in tree for root in _roots(item)]
+    if isinstance(tree, dict):
+        return [root for item in tree.values() for root in _roots(item)]
+    return []
+
+
+def _map_states(tree: Any, on_state: Callable[[nnx.State], nnx.State]) -> Any:
+    """Rebuilds the tuples/lists/dicts of ``tree`` with every State replaced."""
+    if isinstance(tree, nnx.State):
+        return on_state(tree)
+    if isinstance(tree, nnx.Pytree | nnx.Variable):
+        return tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_map_states(item, on_state) for item in tree))
+    if isinstance(tree, tuple | list):
+        return type(tree)(_map_states(item, on_state) for item in tree)
+    if isinstance(tree, dict):
+        return type(tree)((key, _map_states(item, on_state)) for key, item in tree.items())
+    return tree
+
+
+def _variables_of(root: Any) -> list[tuple[Path, Any]]:
+    if isinstance(root, nnx.State):
+        return [(tuple(path), leaf) for path, leaf in nnx.to_flat_state(root)]
+    if isinstance(root, nnx.Variable):
+        return [((), root)]
+    return [
+        (tuple(path), node) for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Variable)
+    ]
+
+
+def _has_sharding(x: Any, target: NamedSharding) -> bool:
+    if not isinstance(x, jax.Array):
+        return False
+    try:
+        sharding = x.sharding
+        return sharding == target or (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh == target.mesh
+            and sharding.is_equivalent_to(target, x.ndim)
+        )
+    except Exception:  # a deleted array
+        return False
+
+
+def _transfer(value: Any, target: NamedSharding, mesh: MpmdMesh) -> jax.Array:
+    if mesh.is_multi_process:
+        # Each process creates only the shards it owns, from the full host value.
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+    return jax.device_put(value, target)
+
+
+def _placed_value(
+    value: Any, mesh_ids: tuple[int, ...], spec: PartitionSpec, mesh: MpmdMesh
+) -> Any:
+    targets = {i: NamedSharding(mesh.submesh(i), spec) for i in mesh_ids}
+    existing = value.arrays if isinstance(value, MpmdArray) else {}
+    source = value.array(value.mesh_ids[0]) if isinstance(value, MpmdArray) else value
+    if len(mesh_ids) == 1:
+        (index,) = mesh_ids
+        if _has_sharding(value, targets[index]):
+            return value
+        if _has_sharding(existing.get(index), targets[index]):
+            return existing[index]
+        return _transfer(existing.get(index, source), targets[index], mesh)
+    if (
+        isinstance(value, MpmdArray)
+        and value.mesh_ids == mesh_ids
+        and all(_has_sharding(value.array(i), targets[i]) for i in mesh_ids)
+    ):
+        return value
+    arrays = {}
+    for i in mesh_ids:
+        current = existing.get(i, source)
+        arrays[i] = (
+            current if _has_sharding(current, targets[i]) else _transfer(current, targets[i], mesh)
+        )
+    return MpmdArray(arrays)
+
+
+def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
+    """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
+
+    ``tree`` holds NNX objects (models, optimizers), ``nnx.State`` objects and
+    Variables, possibly inside tuples, lists and dicts. NNX objects are updated
+    in place; States come back as new, placed States. A Variable's mesh follows
+    its ``mpmd_stage`` (``schedule.mesh_of(stage, num_stages, num_meshes)`` when a
+    schedule is given, else ``stage % num_meshes``); optimizer state follows its
+    parameter; leaves of no parameter (the step count) go to every mesh as an
+    `MpmdArray`. Already-placed leaves are not copied.
+
+    Args:
+      tree: the objects to place.
+      mesh: the `MpmdMesh`.
+      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``.
+
+    Returns:
+      ``tree`` (with any States in it replaced by placed States).
+
+    Raises:
+      PlacementError: a Param has no stage (all such paths are listed), an
+        ``out_sharding`` does not fit its submesh, or a stage maps to a mesh
+        index outside the mesh.
+
+    Example:
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from nnx_mpmd.annotate import Stage
+      >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+      >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
+      >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      >>> _ = place((model, opt), mesh)
+      >>> opt.step.get_value()
+      MpmdArray(shape=(), dtype=uint32, meshes=(0, 1, 2, 3), spec=P())
+    """
+    if not isinstance(mesh, MpmdMesh):
+        raise PlacementError(
+            f"place expects an MpmdMesh, got {type(mesh).__name__}; wrap your jax mesh: "
+            "MpmdMesh(jax_mesh, 'stage')."
+        )
+    roots = _roots(tree)
+    entries: list[tuple[Any, Path, Any]] = []
+    seen: set[int] = set()
+    params: dict[Path, nnx.Variable] = {}
+    used_stages: set[int] = set()
+    for root in roots:
+        for path, leaf in _variables_of(root):
+            if not isinstance(root, nnx.State):
+                if id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))
+            entries.append((root, path, leaf))
+            if isinstance(leaf, nnx.Variable):
+                used_stages |= _variable_stages(leaf)
+                if isinstance(leaf, nnx.Param) and variable_stage(leaf) is not None:
+                    params[path] = leaf
+    missing = [
+        _path_text(path)
+        for _, path, leaf in entries
+        if isinstance(leaf, nnx.Param) and variable_stage(leaf) is None
+    ]
+    if missing:
+        raise PlacementError(
+            f"{len(missing)} parameter(s) have no stage: {', '.join(missing)}. Wrap the "
+            "modules that own them in Stage(module, stage=k) or call "
+            "assign_stages(model, {pattern: k})."
+        )
+    num_stages = max(used_stages) + 1 if used_stages else 0
+    everywhere = (tuple(range(mesh.num_meshes)), PartitionSpec())
+    decisions = []
+    for root, path, leaf in entries:
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        if not isinstance(value, _PLACEABLE):
+            continue
+        if isinstance(leaf, nnx.Variable):
+            decision = placement_of(leaf, path, mesh, schedule, num_stages, params=params)
+        else:
+            decision = everywhere
+        decisions.append((root, path, leaf, value, decision))
+    new_states: dict[int, dict[Path, Any]] = {
+        id(root): dict(_variables_of(root)) for root in roots if isinstance(root, nnx.State)
+    }
+    for root, path, leaf, value, (mesh_ids, spec) in decisions:
+        placed = _placed_value(value, mesh_ids, spec, mesh)
+        if isinstance(root, nnx.State):
+            new_states[id(root)][path] = (
+                leaf.replace(placed) if isinstance(leaf, nnx.Variable) else placed
+            )
+        elif placed is not value:
+            leaf.set_value(placed)
+    if not new_states:
+        return tree
+    return _map_states(tree, lambda state: nnx.from_flat_state(list(new_states[id(state)].items())))
+
+
+def _default_device() -> Any:
+    configured = jax.config.jax_default_device
+    return configured if isinstance(configured, jax.Device) else jax.local_devices()[0]
+
+
+def _gathered(x: Any, device: Any) -> Any:
+    if isinstance(x, MpmdArray):
+        x = x.array(x.mesh_ids[0])
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return x
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.device_set == {device}:
+        return x
+    return jax.device_put(x, device)
+
+
+def gather(tree: Any) -> Any:
+    """Turns placed state back into ordinary arrays on the default device.
+
+    Variables of NNX objects are updated in place; ``nnx.State`` objects and
+    plain pytrees (of ``jax.Array`` / `MpmdArray` leaves) come back converted.
+    An `MpmdArray` gives its lowest mesh's copy.
+
+    Args:
+      tree: placed models, optimizers, States or pytrees.
+
+    Returns:
+      ``tree`` with every array on the default device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jax.device_put(jnp.ones(2), jax.devices()[3])
+      >>> gather({"x": x})["x"].devices() == {jax.devices()[0]}
+      True
+    """
+    device = _default_device()
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, nnx.State):
+            return nnx.from_flat_state(
+                [
+                    (path, leaf.replace(_gathered(leaf.get_value(), device)))
+                    if isinstance(leaf, nnx.Variable)
+                    else (path, _gathered(leaf, device))
+                    for path, leaf in nnx.to_flat_state(x)
+                ]
+            )
+        if isinstance(x, nnx.Pytree | nnx.Variable):
+            for _, variable in _variables_of(x):
+                value = variable.get_value()
+                new = _gathered(value, device)
+                if new is not value:
+                    variable.set_value(new)
+            return x
+        return _gathered(x, device)
+
+    return jax.tree.map(
+        convert,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.State | nnx.Pytree | nnx.Variable | MpmdArray),
+    )
