@@ -25,6 +25,7 @@ __all__ = [
     "StageMarkerInfo",
     "call_stage",
     "current_stage",
+    "outer_tracing",
     "pipeline_tracing",
     "stage_marker_p",
 ]
@@ -73,6 +74,7 @@ mlir.register_lowering(
 class _TraceState(threading.local):
     def __init__(self) -> None:
         self.active = False
+        self.outer = False
         self.stage_stack: list[int] = []
 
 
@@ -82,12 +84,23 @@ _state = _TraceState()
 @contextlib.contextmanager
 def pipeline_tracing() -> Iterator[None]:
     """Within this context, `Stage` calls emit markers (used by the compiler)."""
-    previous, previous_stack = _state.active, _state.stage_stack
-    _state.active, _state.stage_stack = True, []
+    previous = (_state.active, _state.outer, _state.stage_stack)
+    _state.active, _state.outer, _state.stage_stack = True, False, []
     try:
         yield
     finally:
-        _state.active, _state.stage_stack = previous, previous_stack
+        _state.active, _state.outer, _state.stage_stack = previous
+
+
+@contextlib.contextmanager
+def outer_tracing() -> Iterator[None]:
+    """While `mp.jit` traces a step outside its pipelined region, a `Stage` call is an error."""
+    previous = _state.outer
+    _state.outer = True
+    try:
+        yield
+    finally:
+        _state.outer = previous
 
 
 def current_stage() -> int | None:
@@ -140,6 +153,12 @@ def call_stage(
       Whatever ``fn`` returns.
     """
     if not _state.active:
+        if _state.outer:
+            raise PartitionError(
+                f"Stage {stage}{where} was called by the step outside mp.value_and_grad: "
+                "mp.jit can only place stage code inside the pipelined region. Call the model "
+                "inside the loss function given to mp.value_and_grad."
+            )
         return fn(*args, **kwargs)
     outer = current_stage()
     if outer is not None:

@@ -1,0 +1,131 @@
+"""Small helpers over jaxprs: slicing into sub-programs, evaluating, sizing values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = [
+    "SubProgram",
+    "aval_bytes",
+    "is_literal",
+    "make_subprogram",
+    "var_bytes",
+]
+
+
+def is_literal(x: Any) -> bool:
+    return isinstance(x, jcore.Literal)
+
+
+def aval_bytes(aval: Any) -> int:
+    """Bytes of a value of abstract type ``aval`` (unsharded)."""
+    dtype = getattr(aval, "dtype", None)
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes such as PRNG keys
+        itemsize = getattr(dtype, "itemsize", 4)
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64)) * int(itemsize)
+
+
+def var_bytes(v: Any) -> int:
+    return aval_bytes(v.aval)
+
+
+class SubProgram:
+    """A slice of a jaxpr's equations, callable as ``fn(*inputs) -> outputs``.
+
+    Args:
+      eqns: the equations, in program order.
+      invars: the variables the slice reads from outside.
+      outvars: the variables (or literals) it returns.
+      substitute: a renaming applied to every equation input (used to drop
+        identity markers).
+    """
+
+    def __init__(
+        self,
+        eqns: Sequence[Any],
+        invars: Sequence[Any],
+        outvars: Sequence[Any],
+        substitute: dict[Any, Any] | None = None,
+    ) -> None:
+        substitute = substitute or {}
+
+        def resolve(v: Any) -> Any:
+            while not is_literal(v) and v in substitute:
+                v = substitute[v]
+            return v
+
+        self.invars = [resolve(v) for v in invars]
+        self.outvars = [resolve(v) for v in outvars]
+        self.eqns = [
+            eqn.replace(invars=[resolve(v) for v in eqn.invars]) if substitute else eqn
+            for eqn in eqns
+        ]
+        # Invars may repeat (the same value passed twice); the jaxpr needs unique ones.
+        unique: list[Any] = []
+        for v in self.invars:
+            if v not in unique:
+                unique.append(v)
+        self._unique = unique
+        self._positions = [unique.index(v) for v in self.invars]
+        effects = jcore.no_effects
+        for eqn in self.eqns:
+            effects = effects | eqn.effects
+        self.jaxpr = jcore.Jaxpr([], unique, self.outvars, self.eqns, effects)
+
+    def __call__(self, *args: Any) -> list[Any]:
+        unique_args: list[Any] = [None] * len(self._unique)
+        for pos, arg in zip(self._positions, args, strict=True):
+            unique_args[pos] = arg
+        return jax.core.eval_jaxpr(self.jaxpr, [], *unique_args)
+
+
+def make_subprogram(
+    eqns: Sequence[Any],
+    outvars: Sequence[Any],
+    *,
+    fixed_invars: Sequence[Any] = (),
+    substitute: dict[Any, Any] | None = None,
+) -> tuple[SubProgram, list[Any]]:
+    """Builds a `SubProgram` reading every free variable of ``eqns``.
+
+    Args:
+      eqns: equations in program order.
+      outvars: what the slice returns.
+      fixed_invars: variables that must come first among the inputs, in order.
+      substitute: renaming of equation inputs.
+
+    Returns:
+      The sub-program and its full input list (``fixed_invars`` then the other
+      free variables in first-use order).
+    """
+    substitute = substitute or {}
+
+    def resolve(v: Any) -> Any:
+        while not is_literal(v) and v in substitute:
+            v = substitute[v]
+        return v
+
+    defined: set[Any] = set()
+    free: list[Any] = [resolve(v) for v in fixed_invars]
+    seen = set(free)
+    for eqn in eqns:
+        for v in eqn.invars:
+            v = resolve(v)
+            if is_literal(v) or v in defined or v in seen:
+                continue
+            seen.add(v)
+            free.append(v)
+        defined.update(eqn.outvars)
+    for v in outvars:
+        v = resolve(v)
+        if not is_literal(v) and v not in defined and v not in seen:
+            seen.add(v)
+            free.append(v)
+    return SubProgram(eqns, free, outvars, substitute), free

@@ -1,0 +1,142 @@
+"""The programs a stage runs: forward, backward, fused forward+backward, init.
+
+For stage ``k`` the forward task evaluates the stage's slice on one microbatch
+and returns the values later stages need plus the residuals of ``jax.vjp`` (a
+pytree that crosses the ``jit`` boundary). The backward task feeds the
+residuals the output cotangents and adds the parameter gradient into a donated
+accumulator. On the last stage, a forward directly followed by its backward
+fuses into one program that keeps no residuals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nnx_mpmd.compiler.region import RegionInfo
+from nnx_mpmd.compiler.stages import StagePlan, _input_kind
+
+__all__ = ["StageFunctions", "mean_dtype"]
+
+
+def mean_dtype(dtype: Any) -> Any:
+    """The dtype of a microbatch mean: integers average to float32."""
+    return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
+
+
+def _inexact(v: Any) -> bool:
+    return bool(jnp.issubdtype(v.aval.dtype, jnp.inexact))
+
+
+class StageFunctions:
+    """Pure functions (not yet jitted) for one stage, plus their interface.
+
+    Inputs are grouped as: ``params`` (differentiated region inputs),
+    ``rest`` (closure values and other state), ``batch`` (full batches shaped
+    ``[m, B/m, ...]``), ``idx`` (the microbatch index), ``xd``/``xn``
+    (differentiable / non-differentiable boundary inputs).
+    """
+
+    def __init__(self, plan: StagePlan, stage: int) -> None:
+        info: RegionInfo = plan.info
+        self.plan = plan
+        self.stage = stage
+        self.slice = sl = plan.stages[stage]
+        self.m = info.num_microbatches
+        kinds = [_input_kind(info, r)[0] for r in sl.region_inputs]
+        self.param_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k == "diff"]
+        self.rest_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k in ("closure", "other")]
+        self.batch_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k == "batch"]
+        self.xd = [v for v in sl.boundary_in if _inexact(v)]
+        self.xn = [v for v in sl.boundary_in if not _inexact(v)]
+        self.sends = [v for v in sl.boundary_out if v in plan.consumers]
+        loss_var = plan.outputs[0].var if plan.outputs[0].kind == "stage" else None
+        self.loss_var = loss_var if loss_var in sl.boundary_out and info.with_grad else None
+        # Differentiated outputs: float values sent to later stages, and the loss.
+        self.yd = [v for v in self.sends if _inexact(v)]
+        if self.loss_var is not None and self.loss_var not in self.yd:
+            self.yd.append(self.loss_var)
+        self.yn = [v for v in sl.boundary_out if v not in self.yd]
+        # Region outputs produced here (loss, aux) are averaged over microbatches.
+        self.accumulated = [
+            o.var for o in plan.outputs[: 1 + info.n_aux] if o.kind == "stage" and o.stage == stage
+        ]
+
+    # -- helpers -----------------------------------------------------------
+    def _program_args(self, params, rest, mb, xd, xn) -> list[Any]:
+        by_region = dict(zip(self.param_inputs, params))
+        by_region.update(zip(self.rest_inputs, rest))
+        by_region.update(zip(self.batch_inputs, mb))
+        by_boundary = dict(zip(self.xd, xd))
+        by_boundary.update(zip(self.xn, xn))
+        return [by_region[r] for r in self.slice.region_inputs] + [
+            by_boundary[v] for v in self.slice.boundary_in
+        ]
+
+    def _forward(self, params, rest, batch, idx, xd, xn):
+        mb = [lax.dynamic_index_in_dim(b, idx, 0, keepdims=False) for b in batch]
+
+        def f(params, xd):
+            outs = dict(
+                zip(
+                    self.slice.boundary_out,
+                    self.slice.program(*self._program_args(params, rest, mb, xd, xn)),
+                )
+            )
+            return tuple(outs[v] for v in self.yd), tuple(outs[v] for v in self.yn)
+
+        if self.slice.remat:
+            f = jax.checkpoint(f, policy=self.slice.policy)
+        yd, vjp_fn, yn = jax.vjp(f, tuple(params), tuple(xd), has_aux=True)
+        values = dict(zip(self.yd, yd))
+        values.update(zip(self.yn, yn))
+        return values, vjp_fn
+
+    def _accumulate(self, values, racc):
+        scale = 1.0 / self.m
+        return tuple(
+            a + (values[v] * scale).astype(a.dtype) for a, v in zip(racc, self.accumulated)
+        )
+
+    def _backward(self, vjp_fn, cts, gacc):
+        seeds = []
+        ct_iter = iter(cts)
+        for v in self.yd:
+            if v is self.loss_var:
+                seeds.append(jnp.full(v.aval.shape, 1.0 / self.m, v.aval.dtype))
+            else:
+                contribs = next(ct_iter)
+                seeds.append(functools.reduce(jnp.add, contribs))
+        g_params, ct_xd = vjp_fn(tuple(seeds))
+        gacc = tuple(a + g.astype(a.dtype) for a, g in zip(gacc, g_params))
+        return ct_xd, gacc
+
+    # -- the programs --------------------------------------------------------
+    def forward(self, params, rest, batch, idx, xd, xn, racc):
+        """-> (sends, residuals, racc')."""
+        values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
+        return tuple(values[v] for v in self.sends), vjp_fn, self._accumulate(values, racc)
+
+    def backward(self, vjp_fn, cts, gacc):
+        """cts: one tuple of contributions per differentiated send. -> (ct_xd, gacc')."""
+        return self._backward(vjp_fn, cts, gacc)
+
+    def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
+        """Forward and backward of one microbatch. -> (sends, ct_xd, gacc', racc')."""
+        values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
+        ct_xd, gacc = self._backward(vjp_fn, cts, gacc)
+        return tuple(values[v] for v in self.sends), ct_xd, gacc, self._accumulate(values, racc)
+
+    def init(self, params):
+        """Zero accumulators: (gacc, racc)."""
+        return tuple(jnp.zeros_like(p) for p in params), tuple(
+            jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype)) for v in self.accumulated
+        )
+
+    @property
+    def diff_sends(self) -> list[Any]:
+        return [v for v in self.yd if v is not self.loss_var]

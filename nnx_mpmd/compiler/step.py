@@ -1,0 +1,251 @@
+"""Compiling a whole train step: trace, cut, infer meshes, emit one instruction list."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx import graph as nnx_graph
+from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
+from jax.sharding import PartitionSpec as P
+
+from nnx_mpmd import markers
+from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
+from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
+from nnx_mpmd.compiler.region import region_tracing
+from nnx_mpmd.compiler.region_plan import build_region_program
+from nnx_mpmd.compiler.stage_programs import StageFunctions
+from nnx_mpmd.compiler.stages import StagePlan, cut_stages
+from nnx_mpmd.errors import CompileError, ScheduleError
+from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.partition import MpmdArray, leaf_mesh_ids
+
+__all__ = ["CompiledStep", "FlatArgs", "compile_step", "flatten_args"]
+
+
+def is_graph_node(x: Any) -> bool:
+    return nnx_graph.is_graph_node(x)
+
+
+@dataclasses.dataclass
+class FlatArgs:
+    """The arguments of a step, split into NNX state leaves and other leaves."""
+
+    args_tree: Any
+    node_positions: list[int]
+    nodes: tuple[Any, ...]
+    graphdef: Any
+    state_tree: Any
+    state_leaves: list[Any]
+    other_positions: list[int]
+    other_leaves: list[Any]
+    args_leaves: list[Any]
+
+
+def flatten_args(args: tuple[Any, ...]) -> FlatArgs:
+    leaves, tree = jax.tree.flatten(args, is_leaf=is_graph_node)
+    node_positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
+    other_positions = [i for i, x in enumerate(leaves) if not is_graph_node(x)]
+    nodes = tuple(leaves[i] for i in node_positions)
+    graphdef, state = nnx.split(nodes)
+    state_leaves, state_tree = jax.tree.flatten(state)
+    return FlatArgs(
+        tree,
+        node_positions,
+        nodes,
+        graphdef,
+        state_tree,
+        state_leaves,
+        other_positions,
+        [leaves[i] for i in other_positions],
+        leaves,
+    )
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, MpmdArray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """A step compiled into one instruction list over slots."""
+
+    instructions: list[Instruction]
+    num_slots: int
+    constants: dict[int, Any]
+    input_slots: list[dict[int, int]]  # consts, state leaves, other leaves
+    consts: list[Any]
+    output_slots: list[list[tuple[int, int]]]
+    num_user_outputs: int
+    out_tree: Any
+    transfers: list[CrossMeshTransfer]
+    programs: dict[str, Any]
+    plan: StagePlan | None
+    tasks: Any
+    stage_mesh: list[int]
+
+
+def _leaf_meshes(x: Any, mesh: MpmdMesh) -> frozenset[int]:
+    ids = leaf_mesh_ids(x, mesh)
+    return frozenset(ids) if ids else frozenset({HOST})
+
+
+def _leaf_sharding(x: Any, q: int) -> Any:
+    if isinstance(x, MpmdArray):
+        return x.array(q).sharding
+    return x.sharding
+
+
+def compile_step(
+    fn: Callable[..., Any],
+    flat: FlatArgs,
+    mesh: MpmdMesh,
+    schedule: Any,
+    num_microbatches: int,
+    *,
+    batch_axis: str | None = "data",
+    transfer_warning_bytes: int = 1 << 20,
+) -> CompiledStep:
+    """Traces ``fn`` on ``flat`` and compiles it for ``mesh`` and ``schedule``."""
+    out_tree_box: list[Any] = []
+
+    def pure(state_leaves: list[Any], other_leaves: list[Any]) -> Any:
+        state = jax.tree.unflatten(flat.state_tree, state_leaves)
+        nodes = nnx.merge(flat.graphdef, state)
+        leaves = list(flat.args_leaves)
+        for pos, node in zip(flat.node_positions, nodes):
+            leaves[pos] = node
+        for pos, leaf in zip(flat.other_positions, other_leaves):
+            leaves[pos] = leaf
+        out = fn(*jax.tree.unflatten(flat.args_tree, leaves))
+        _, new_state = nnx.split(nodes)
+        new_leaves, new_tree = jax.tree.flatten(new_state)
+        if new_tree != flat.state_tree:
+            raise CompileError(
+                "the step changed the structure of its NNX objects (added or removed "
+                "Variables); mp.jit steps may only update existing state."
+            )
+        out_leaves, out_tree = jax.tree.flatten(out)
+        if any(is_graph_node(x) for x in out_leaves):
+            raise CompileError("the step returned an NNX object; return arrays instead.")
+        out_tree_box.append(out_tree)
+        return out_leaves, new_leaves
+
+    with region_tracing(num_microbatches) as regions, markers.outer_tracing():
+        closed = jax.make_jaxpr(pure)(
+            [_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves]
+        )
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    consts = list(closed.consts)
+    all_inputs = consts + list(flat.state_leaves) + list(flat.other_leaves)
+    n_consts, n_state = len(consts), len(flat.state_leaves)
+    num_user_outputs = len(jaxpr.outvars) - n_state
+
+    names = [f"constant {i}" for i in range(n_consts)]
+    state_paths = [
+        ".".join(str(k) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(
+            jax.tree.unflatten(flat.state_tree, list(range(n_state)))
+        )[0]
+    ]
+    names += state_paths + [f"argument leaf {i}" for i in range(len(flat.other_leaves))]
+    used_inputs = [x for x, u in zip(all_inputs, used) if u]
+    used_names = [n for n, u in zip(names, used) if u]
+    used_index = [i for i, u in enumerate(used) if u]
+    invar_meshes = [_leaf_meshes(x, mesh) for x in used_inputs]
+    state_meshes = [_leaf_meshes(x, mesh) for x in flat.state_leaves]
+    outvar_targets: list[frozenset[int] | None] = [None] * num_user_outputs + [
+        m - {HOST} or None for m in state_meshes
+    ]
+
+    def out_sharding(j: int, q: int) -> Any:
+        leaf = flat.state_leaves[j - num_user_outputs]
+        return _leaf_sharding(leaf, q)
+
+    slots = SlotTable()
+    plan: StagePlan | None = None
+    tasks: Any = ()
+    stage_mesh: list[int] = []
+    region_builder = region_needs = None
+    batch_inputs: frozenset[int] = frozenset()
+    constants: dict[int, Any] = {}
+    region_programs: dict[str, Any] = {}
+    if regions:
+        info = regions[0]
+        plan = cut_stages(info)
+        num_stages, num_meshes = plan.num_stages, mesh.num_meshes
+        try:
+            schedule.check(num_stages, num_meshes, num_microbatches)
+        except ScheduleError as e:
+            raise ScheduleError(
+                f"{type(schedule).__name__} cannot run this model's {num_stages} stages on "
+                f"{num_meshes} meshes with {num_microbatches} microbatches: {e}"
+            ) from None
+        tasks = schedule.tasks(num_stages, num_meshes, num_microbatches)
+        stage_mesh = [schedule.mesh_of(s, num_stages, num_meshes) for s in range(num_stages)]
+        fns = [StageFunctions(plan, k) for k in range(num_stages)]
+        first_batch = info.n_closure + info.n_diff + info.n_other
+        batch_inputs = frozenset(range(first_batch, first_batch + info.n_batch))
+
+        def region_needs(r: int) -> frozenset[int]:
+            return frozenset(stage_mesh[k] for k in plan.input_stages.get(r, []))
+
+        def region_builder(input_slot: Any, home: Any) -> Any:
+            program = build_region_program(
+                plan, fns, tasks, stage_mesh, list(mesh.submeshes), slots, input_slot, home
+            )
+            constants.update(program.constants)
+            region_programs.update(program.compiled)
+            return program.instructions, program.output_slots
+
+    axis_sizes = dict(zip(mesh.axis_names, mesh.submesh(0).devices.shape))
+
+    def batch_spec(aval: Any) -> Any:
+        size = axis_sizes.get(batch_axis) if batch_axis else None
+        if size and aval.shape and (aval.shape[0] // num_microbatches) % size == 0:
+            return P(None, batch_axis)
+        return P()
+
+    outer = plan_outer(
+        jaxpr,
+        invar_meshes,
+        outvar_targets,
+        used_names,
+        slots,
+        list(mesh.submeshes),
+        out_sharding,
+        region_builder,
+        region_needs,
+        batch_inputs,
+        num_microbatches,
+        batch_spec,
+        transfer_warning_bytes,
+    )
+    keep = {slot for locs in outer.output_slots for _, slot in locs}
+    instructions = insert_frees(outer.instructions, keep)
+    input_slots: list[dict[int, int]] = [{} for _ in all_inputs]
+    for i, slots_of in zip(used_index, outer.input_slots):
+        input_slots[i] = slots_of
+    return CompiledStep(
+        instructions=instructions,
+        num_slots=len(slots),
+        constants=constants,
+        input_slots=input_slots,
+        consts=consts,
+        output_slots=outer.output_slots,
+        num_user_outputs=num_user_outputs,
+        out_tree=out_tree_box[-1],
+        transfers=outer.transfers,
+        programs={**outer.programs, **region_programs},
+        plan=plan,
+        tasks=tasks,
+        stage_mesh=stage_mesh,
+    )

@@ -1,0 +1,285 @@
+"""The public entry points: `jit`, `value_and_grad`, and `Lowered` inspection."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
+from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_args
+from nnx_mpmd.errors import CompileError, MeshError
+from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.partition import MpmdArray, place
+from nnx_mpmd.runtime.executor import TaskRecord, _Shardings, execute
+
+__all__ = ["Lowered", "PipelinedFunction", "jit", "value_and_grad"]
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    has_aux: bool = False,
+    *,
+    wrt: Any = nnx.Param,
+    num_microbatches: int | None = None,
+) -> Callable[[Any, Any], Any]:
+    """Marks the pipelined region: the mean loss and mean gradient over microbatches.
+
+    ``value_and_grad(loss_fn)(model, batch)`` splits every leaf of ``batch``
+    along axis 0 into microbatches and returns the mean loss and the mean
+    gradient (an ``nnx.State`` like ``nnx.value_and_grad`` gives). Inside
+    `jit` the region is pipelined with the step's schedule; outside it runs
+    unpipelined with the same numbers, so one step works both ways.
+
+    Args:
+      loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``).
+      has_aux: whether ``loss_fn`` also returns aux values (averaged too).
+      wrt: an NNX filter of the differentiated Variables (default ``nnx.Param``).
+      num_microbatches: microbatches when run outside `jit` (default 1;
+        inside `jit` the step's ``num_microbatches`` is used).
+
+    Returns:
+      A function ``(model, batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.zeros((4, 1))}
+      >>> loss, grads = mp.value_and_grad(loss_fn, num_microbatches=2)(model, batch)
+      >>> grads["kernel"].shape
+      (2, 1)
+    """
+
+    def wrapped(model: Any, batch: Any) -> Any:
+        active = active_microbatches()
+        if active is not None:
+            if num_microbatches not in (None, active):
+                raise CompileError(
+                    f"value_and_grad(num_microbatches={num_microbatches}) inside a step "
+                    f"compiled with num_microbatches={active}; drop one of them."
+                )
+            return trace_region(loss_fn, model, batch, has_aux=has_aux, wrt=wrt)
+        return reference_value_and_grad(
+            loss_fn, model, batch, num_microbatches=num_microbatches or 1, has_aux=has_aux, wrt=wrt
+        )
+
+    return wrapped
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, MpmdArray):
+        return ("mpmd", x.shape, str(x.dtype), tuple((q, x.array(q).sharding) for q in x.mesh_ids))
+    if isinstance(x, jax.Array):
+        return ("array", x.shape, str(x.dtype), x.sharding, x.weak_type)
+    return ("host", np.shape(x), str(np.result_type(x)))
+
+
+class Lowered:
+    """A compiled step for inspection: per-mesh instruction lists and programs."""
+
+    def __init__(self, compiled: CompiledStep, mesh: MpmdMesh) -> None:
+        self.compiled = compiled
+        self.mesh = mesh
+
+    @property
+    def transfers(self) -> list[Any]:
+        """Transfers outside the pipelined region (what, src, dst, bytes)."""
+        return list(self.compiled.transfers)
+
+    @property
+    def programs(self) -> dict[str, Any]:
+        """The jitted programs by label (``F0``, ``B1``, ``FB3``, ``post.L0.mesh2``...)."""
+        return dict(self.compiled.programs)
+
+    def instructions(self, mesh: int | None = None) -> list[str]:
+        """The instruction list in dispatch order, optionally for one mesh."""
+        from nnx_mpmd.compiler.instructions import Call, Transfer
+
+        lines = []
+        for ins in self.compiled.instructions:
+            if isinstance(ins, Call) and mesh in (None, ins.mesh):
+                lines.append(f"mesh {ins.mesh}: run {ins.label}")
+            elif isinstance(ins, Transfer) and mesh in (None, ins.dst_mesh):
+                lines.append(f"mesh {ins.dst_mesh}: receive {ins.label} ({ins.nbytes} B)")
+        return lines
+
+    def as_text(self) -> str:
+        """Every mesh's instruction list, one section per mesh."""
+        out = []
+        for q in range(self.mesh.num_meshes):
+            out.append(f"== mesh {q} ==")
+            out.extend("  " + line.split(": ", 1)[1] for line in self.instructions(q))
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+
+class PipelinedFunction:
+    """A step compiled by `jit`; call it like the original function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        mesh: MpmdMesh,
+        schedule: Any,
+        num_microbatches: int,
+        batch_axis: str | None = "data",
+        transfer_warning_bytes: int = 1 << 20,
+    ) -> None:
+        if not isinstance(mesh, MpmdMesh):
+            raise MeshError(
+                f"mp.jit(mesh=...) needs an mp.MpmdMesh, got {type(mesh).__name__}; wrap it: "
+                "mp.MpmdMesh(jax_mesh, 'stage')."
+            )
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise CompileError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}.")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.mesh = mesh
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
+        self.batch_axis = batch_axis
+        self.transfer_warning_bytes = transfer_warning_bytes
+        self._cache: dict[Any, CompiledStep] = {}
+        self._shardings = _Shardings(list(mesh.submeshes))
+        self.last_profile: list[TaskRecord] | None = None
+
+    def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
+        flat = flatten_args(args)
+        key = self._key(flat)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            # Unseen signature: place the state (a no-op for leaves already placed;
+            # an unplaced array on a device of submesh 0 is not "placed").
+            place(flat.nodes, self.mesh, self.schedule)
+            flat = flatten_args(args)
+            key = self._key(flat)
+            compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = compile_step(
+                self.fn,
+                flat,
+                self.mesh,
+                self.schedule,
+                self.num_microbatches,
+                batch_axis=self.batch_axis,
+                transfer_warning_bytes=self.transfer_warning_bytes,
+            )
+        return flat, compiled
+
+    @staticmethod
+    def _key(flat: FlatArgs) -> Any:
+        return (
+            flat.graphdef,
+            flat.state_tree,
+            flat.args_tree,
+            tuple(_leaf_key(x) for x in flat.state_leaves),
+            tuple(_leaf_key(x) for x in flat.other_leaves),
+        )
+
+    def __call__(self, *args: Any, profile: bool = False) -> Any:
+        flat, compiled = self._prepare(args)
+        inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
+        records: list[TaskRecord] | None = [] if profile else None
+        outputs = execute(compiled, inputs, list(self.mesh.submeshes), self._shardings, records)
+        if profile:
+            self.last_profile = records
+        user = outputs[: compiled.num_user_outputs]
+        new_state = jax.tree.unflatten(flat.state_tree, outputs[compiled.num_user_outputs :])
+        nnx.update(flat.nodes, new_state)
+        return jax.tree.unflatten(compiled.out_tree, user)
+
+    def lower(self, *args: Any) -> Lowered:
+        """Compiles for ``args`` (placing state if needed) without running."""
+        _, compiled = self._prepare(args)
+        return Lowered(compiled, self.mesh)
+
+    @property
+    def num_compiled_steps(self) -> int:
+        """How many distinct input signatures have been compiled."""
+        return len(self._cache)
+
+
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mesh: MpmdMesh,
+    schedule: Any,
+    num_microbatches: int,
+    batch_axis: str | None = "data",
+    transfer_warning_bytes: int = 1 << 20,
+) -> Any:
+    """Compiles an NNX train step into per-mesh programs driven by a schedule.
+
+    The step is an ordinary function of NNX objects (models, optimizers) and
+    pytrees. Its pipelined region is the call of `value_and_grad`; everything
+    else (the optimizer update, clipping, metrics) runs on the meshes that use
+    its results. NNX objects are updated in place after the call, like
+    ``nnx.jit``; state is placed on the first call if needed and stays placed.
+    Compiled programs are cached per input structure, shapes, dtypes and
+    shardings.
+
+    Args:
+      fn: the step (or None, to use ``jit`` as a decorator factory).
+      mesh: the `MpmdMesh` whose submeshes run the stages.
+      schedule: a schedule object (``mp.OneFOneB()``...).
+      num_microbatches: microbatches per step (the batch's leading axis must
+        divide into them).
+      batch_axis: the submesh axis that shards each microbatch's leading axis
+        when it divides evenly (None: replicate the batch).
+      transfer_warning_bytes: warn about transfers outside the pipelined region
+        larger than this.
+
+    Returns:
+      A `PipelinedFunction`.
+
+    Example:
+      >>> import functools, jax, optax
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> class MLP(mp.PipelinedModel):
+      ...     def __init__(self, rngs):
+      ...         self.a = mp.Stage(nnx.Linear(4, 4, rngs=rngs), stage=0)
+      ...         self.b = mp.Stage(nnx.Linear(4, 1, rngs=rngs), stage=1)
+      ...     def __call__(self, x):
+      ...         return self.b(jnp.tanh(self.a(x)))
+      >>> mesh = mp.MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
+      >>> model = MLP(nnx.Rngs(0))
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+      >>> @functools.partial(mp.jit, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=2)
+      ... def step(model, opt, batch):
+      ...     loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+      ...     opt.update(model, grads)
+      ...     return loss
+      >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+      >>> float(step(model, opt, batch)) > 0
+      True
+    """
+    if fn is None:
+        return functools.partial(
+            jit,
+            mesh=mesh,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            batch_axis=batch_axis,
+            transfer_warning_bytes=transfer_warning_bytes,
+        )
+    return PipelinedFunction(
+        fn,
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        batch_axis=batch_axis,
+        transfer_warning_bytes=transfer_warning_bytes,
+    )

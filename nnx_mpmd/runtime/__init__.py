@@ -1,0 +1,1 @@
+"""Runtimes that execute compiled per-mesh instruction lists."""
