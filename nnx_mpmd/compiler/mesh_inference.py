@@ -222,7 +222,7 @@ def plan_outer(
             if not candidates:
                 candidates = {0}
 
-            def missing(q: int) -> int:
+            def missing(q: int, inputs: list[Any] = inputs) -> int:
                 return sum(
                     var_bytes(v) for v in inputs if q not in avail[v] and HOST not in avail[v]
                 )
