@@ -209,6 +209,10 @@ class CheckpointManager:
                 f"({type(error).__name__}); it is damaged: restore an earlier step."
             ) from error
 
+    def is_saving_in_progress(self) -> bool:
+        """Whether a background save is still being written."""
+        return bool(self._manager.is_saving_in_progress())
+
     def wait_until_finished(self) -> None:
         """Blocks until every background save has been written."""
         self._manager.wait_until_finished()
