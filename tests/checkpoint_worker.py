@@ -25,18 +25,18 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import signal
+import threading
+import time
+from pathlib import Path
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from checkpoint_helpers import Net, batch_at, make_optimizer, train_step  # noqa: E402
+import jax
+import jax.numpy as jnp
+from checkpoint_helpers import Net, batch_at, make_optimizer, train_step
 
-from nnx_mpmd.checkpoint import CheckpointManager  # noqa: E402
+from nnx_mpmd.checkpoint import CheckpointManager
 
 BIG_ELEMENTS = 48 * 1024 * 1024  # 192 MiB of float32: writing it takes a while
 
