@@ -89,6 +89,9 @@ def _greedy_v_schedule(num_meshes: int, num_microbatches: int, limit: int) -> Ta
     def split(stage: int, microbatch: int) -> bool:
         return True
 
+    # A lower-stage F leaves one activation slot free, so that an upper-stage F
+    # (which brings a microbatch closer to the loss and to its backward) can
+    # always run: without that reserve a small limit deadlocks.
     def priority(task: Task, mesh: int) -> tuple[int, ...]:
         # Backward-to-input first (critical path), then forwards while memory
         # allows (the later stage first, to reach the loss sooner), then the
@@ -107,7 +110,7 @@ def _greedy_v_schedule(num_meshes: int, num_microbatches: int, limit: int) -> Ta
             ready = [
                 task
                 for task in pending[mesh]
-                if not (task.kind == "F" and held[mesh] >= limit)
+                if not (task.kind == "F" and held[mesh] >= limit - (task.stage < num_meshes))
                 and all(end.get(d, now + 1) <= now for d in dependencies(task, num_stages, split))
             ]
             if ready:
