@@ -30,7 +30,7 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd.annotate import STAGE_KEY, _variable_stages, variable_stage
+from nnx_mpmd.annotate import STAGE_KEY, _variable_stages, logical_paths, variable_stage
 from nnx_mpmd.errors import PartitionError, PlacementError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.mpmd_array import MpmdArray
@@ -578,6 +578,8 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     params: dict[Path, nnx.Variable] = {}
     used_stages: set[int] = set()
     for root in roots:
+        # Optimizer state made before assign_stages has paths without Stage's "module".
+        logical = logical_paths(root) if isinstance(root, nnx.Pytree) else {}
         for path, leaf in _variables_of(root):
             if not isinstance(root, nnx.State):
                 if id(leaf) in seen:
@@ -588,6 +590,7 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
                 used_stages |= _variable_stages(leaf)
                 if isinstance(leaf, nnx.Param) and variable_stage(leaf) is not None:
                     params[path] = leaf
+                    params.setdefault(logical.get(path, path), leaf)
     missing = [
         _path_text(path)
         for _, path, leaf in entries
@@ -638,9 +641,15 @@ def _gathered(x: Any, device: Any) -> Any:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return x
     sharding = x.sharding
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.device_set == {device}:
+    aval_spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    if (
+        isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        and sharding.device_set == {device}
+        and all(entry is None for entry in aval_spec)
+    ):
         return x
-    return jax.device_put(x, device)
+    # An explicit SingleDeviceSharding also drops Explicit-axis sharding from the type.
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
 
 
 def gather(tree: Any) -> Any:
