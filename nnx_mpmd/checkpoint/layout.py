@@ -36,14 +36,7 @@ from flax import nnx
 
 from nnx_mpmd.annotate import logical_paths
 from nnx_mpmd.errors import CheckpointError
-
-try:
-    from nnx_mpmd.partition import MpmdArray
-except ImportError:  # TEMP: until partition.py lands
-
-    class MpmdArray:  # type: ignore[no-redef]
-        pass
-
+from nnx_mpmd.partition import MpmdArray
 
 __all__ = [
     "ARRAY",
