@@ -143,3 +143,21 @@ def test_submesh_is_a_plain_jax_mesh():
     assert all(isinstance(s, Mesh) for s in mesh.submeshes)
     assert mesh.jax_mesh.shape == {"stage": 4, "data": 2}
     assert mesh.mpmd_axis == "stage"
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_computation_on_a_submesh_stays_on_it(axis_type):
+    mesh = make((2, 2, 2), ("stage", "data", "model"), axis_type)
+    sub = mesh.submesh(1)
+    x = jax.device_put(jnp.ones((4, 4)), NamedSharding(sub, P("data", "model")))
+    y = jax.jit(lambda a: a * 2.0)(x)
+    assert mesh.mesh_id_of(y) == 1
+    assert [s.data.shape for s in y.addressable_shards] == [(2, 2)] * 4
+    np.testing.assert_array_equal(np.asarray(y), np.full((4, 4), 2.0))
+
+
+def test_mesh_id_of_accepts_any_iterable_of_devices():
+    mesh = make((4, 2), ("stage", "data"))
+    assert mesh.mesh_id_of(d for d in jax.devices() if d.id in (6, 7)) == 3
+    assert mesh.mesh_id_of(tuple(reversed(mesh.devices(1)))) == 1
+    assert mesh.mesh_id_of([]) is None
