@@ -137,3 +137,15 @@ def test_normalize_spec():
     assert normalize_spec(None) is None
     assert normalize_spec(P(None, None)) == P()
     assert normalize_spec(P("a", None, "b", None)) == P("a", None, "b")
+
+
+def test_holds_typed_prng_keys_and_sharded_copies():
+    mesh = make_mesh()
+    keys = MpmdArray(copies(mesh, jax.random.key(0), P(), [0, 3]), mesh=mesh)
+    assert keys.shape == () and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    assert (
+        jax.random.key_data(keys.array(3)).tolist() == jax.random.key_data(keys.array(0)).tolist()
+    )
+    sharded = MpmdArray(copies(mesh, jnp.arange(8.0), P("data"), [2]), mesh=mesh)
+    assert [s.data.shape for s in sharded.array(2).addressable_shards] == [(4,), (4,)]
+    assert {d.id for d in sharded.sharding.device_set} == {4, 5}
