@@ -55,7 +55,8 @@ def to_ascii(
     Args:
       schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
       costs: the costs to simulate with (default ``Costs()``).
-      slot: the time one column stands for (default: the shortest task).
+      slot: the time one column stands for (default: the shortest task). With a
+        longer slot, a column shows the first task that starts in it.
 
     Returns:
       The grid, one line per mesh, with a time ruler on top.
@@ -75,11 +76,17 @@ def to_ascii(
     columns = math.ceil(round(timeline.makespan / slot, 9))
     width = max([len(str(task)) for _, task, _, _ in timeline.entries] + [4])
     grid = [["."] * columns for _ in range(timeline.num_meshes)]
+    taken = [[False] * columns for _ in range(timeline.num_meshes)]
     for mesh, task, start, end in timeline.entries:
-        first = round(start / slot)
-        last = max(first + 1, round(end / slot))
+        first = math.floor(round(start / slot, 9))
+        last = max(first + 1, math.ceil(round(end / slot, 9)))
         for column in range(first, min(last, columns)):
-            grid[mesh][column] = str(task) if column == first else "-" * width
+            # A slot longer than some tasks shows the first task that starts in it.
+            if column == first and not taken[mesh][column]:
+                grid[mesh][column] = str(task)
+                taken[mesh][column] = True
+            elif not taken[mesh][column]:
+                grid[mesh][column] = "-" * width
     label = max(len(f"mesh {timeline.num_meshes - 1}"), len("time"))
     ruler = " ".join(f"{column:<{width}}" for column in range(columns))
     lines = [f"{'time':<{label}} | {ruler}".rstrip()]

@@ -141,7 +141,8 @@ class ZeroBubbleV(Schedule):
     ``BI`` and ``BW`` (the setting of the ZB-V construction): whenever a mesh is
     free it runs a ready ``BI`` (oldest microbatch first), else a ready ``F``
     (the later stage first) if it holds fewer than ``max_activations`` stage
-    activations, else a ``BW``. The default limit, ``2p`` stage activations, is
+    activations (a lower-stage F leaves one of them free for upper-stage Fs),
+    else a ``BW``. The default limit, ``2p`` stage activations, is
     the memory of 1F1B's first mesh (``p`` microbatches of ``2p`` half-size stages).
     Needs ``num_stages == 2 * num_meshes``; any microbatch count.
 
@@ -150,7 +151,7 @@ class ZeroBubbleV(Schedule):
 
     Example:
       >>> " ".join(map(str, ZeroBubbleV().tasks(2, 1, 2)[0]))
-      'F0.0 F1.0 BI1.0 BI0.0 BW1.0 F0.1 BW0.0 F1.1 BI1.1 BI0.1 BW1.1 BW0.1'
+      'F0.0 F1.0 BI1.0 BI0.0 BW1.0 BW0.0 F0.1 F1.1 BI1.1 BI0.1 BW1.1 BW0.1'
     """
 
     name: ClassVar[str] = "zb-v"
