@@ -76,7 +76,13 @@ def _key_name(key: Any) -> str:
 
 
 def is_prng_key(value: Any) -> bool:
-    """Whether ``value`` (an array or abstract array) holds typed PRNG keys."""
+    """Whether ``value`` (an array or abstract array) holds typed PRNG keys.
+
+    Example:
+      >>> import jax
+      >>> is_prng_key(jax.random.key(0)), is_prng_key(jax.numpy.zeros(2))
+      (True, False)
+    """
     dtype = getattr(value, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -297,7 +303,12 @@ def copies_of(value: Any) -> dict[int | None, Any]:
 
 
 def primary_copy(value: Any) -> Any:
-    """The copy that is saved: the lowest mesh's copy of an `MpmdArray`, else the value."""
+    """The copy that is saved: the lowest mesh's copy of an `MpmdArray`, else the value.
+
+    Example:
+      >>> primary_copy(3)
+      3
+    """
     if isinstance(value, MpmdArray):
         return value.array(min(value.mesh_ids))
     return value

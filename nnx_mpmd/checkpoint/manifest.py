@@ -105,7 +105,14 @@ def key_impl_name(key: Any) -> str:
 
 
 def stored_array(entry: Entry) -> Any:
-    """The array that is written for ``entry``: the primary copy, key data for keys."""
+    """The array that is written for ``entry``: the primary copy, key data for keys.
+
+    Example:
+      >>> import jax
+      >>> from nnx_mpmd.checkpoint.layout import collect
+      >>> stored_array(collect({"k": jax.random.key(0)}).entries[0]).dtype
+      dtype('uint32')
+    """
     value = primary_copy(entry.value)
     if entry.kind == KEY:
         return jax.random.key_data(value)
