@@ -126,10 +126,11 @@ def test_lm_loss_is_mean_token_cross_entropy():
     rng = np.random.default_rng(0)
     inputs = rng.integers(0, 11, size=(3, 5)).astype(np.int32)
     targets = rng.integers(0, 11, size=(3, 5)).astype(np.int32)
-    logits = np.asarray(model(jnp.asarray(inputs)), np.float64)
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(inputs)), np.float64)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = -np.take_along_axis(log_probs, targets[..., None], -1).mean()
-    got = lm_loss(model, {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)})
+    batch = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    got = nnx.jit(lm_loss)(model, batch)
     assert float(got) == pytest.approx(expected, rel=1e-5)
 
 
@@ -155,21 +156,30 @@ def test_one_jitted_sgd_step_lowers_the_loss(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_sharding_metadata_and_a_sharded_forward(name):
+def test_sharding_metadata(name):
     plain = build_model(name, "tiny", num_stages=2, rngs=nnx.Rngs(0))
     assert all(
         "out_sharding" not in v.get_metadata()
         for _, v in nnx.iter_graph(plain)
         if isinstance(v, nnx.Param)
     )
-    model = build_model(name, "tiny", num_stages=2, rngs=nnx.Rngs(0), fsdp="fsdp", tensor="tensor")
+    model = build_model(name, "tiny", num_stages=2, rngs=nnx.Rngs(0), tensor="tensor")
     params = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
     assert all(len(v.get_metadata()["out_sharding"]) == v.get_value().ndim for v in params)
     attn = model.blocks[0].module.attn
-    assert attn.query.kernel.get_metadata()["out_sharding"] == ("fsdp", "tensor")
-    assert attn.out.kernel.get_metadata()["out_sharding"] == ("tensor", "fsdp")
+    assert attn.query.kernel.get_metadata()["out_sharding"] == (None, "tensor")
+    assert attn.out.kernel.get_metadata()["out_sharding"] == ("tensor", None)
 
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_loss_and_grads_match_unsharded(name, axis_type):
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(kind,) * 3)
+    small = dict(n_layers=1, d_model=32, vocab_size=64, max_len=16)
+    axes = dict(data="data", fsdp="fsdp", tensor="tensor")
+    plain = build_model(name, "tiny", num_stages=1, rngs=nnx.Rngs(0), **small)
+    model = build_model(name, "tiny", num_stages=1, rngs=nnx.Rngs(0), **small, **axes)
     graphdef, state = nnx.split(model)
 
     def shard(variable):
@@ -178,9 +188,21 @@ def test_sharding_metadata_and_a_sharded_forward(name):
         return variable.replace(value)
 
     state = jax.tree.map(shard, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-    sharded = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
-    np.testing.assert_allclose(sharded, plain(tokens), rtol=1e-5, atol=1e-5)
+    tokens = jnp.arange(34, dtype=jnp.int32).reshape(2, 17) % 64
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    sharded_batch = jax.device_put(batch, data)
+
+    @jax.jit
+    def loss_and_grads(state, batch):
+        return jax.value_and_grad(lambda s: lm_loss(nnx.merge(graphdef, s), batch))(state)
+
+    with jax.set_mesh(mesh):
+        loss, grads = loss_and_grads(state, sharded_batch)
+    ref_loss, ref_grads = nnx.jit(nnx.value_and_grad(lm_loss))(plain, batch)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
 def test_registry_and_presets():

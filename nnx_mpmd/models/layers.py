@@ -44,6 +44,7 @@ __all__ = [
     "assign_block_stages",
     "causal_attention",
     "count_params",
+    "gathered",
 ]
 
 Role = str | None  # "fsdp", "tensor" or None, per parameter dimension
@@ -179,6 +180,29 @@ def _param(
     return nnx.Param(value, out_sharding=spec, eager_sharding=False)
 
 
+def gathered(value: jax.Array) -> jax.Array:
+    """``value`` replicated, when it is sharded along Explicit mesh axes.
+
+    Under an Explicit mesh JAX refuses ops whose output sharding is ambiguous
+    (a gather from a table sharded on both dims, a matmul contracting an
+    ``fsdp``-sharded dim). Gathering the parameter first keeps every op
+    well-defined: parameters stay sharded at rest (FSDP memory savings) and
+    are all-gathered where they are used. Under Auto meshes (and outside any
+    mesh) the value is returned unchanged and XLA chooses the layout.
+
+    Example:
+      >>> gathered(jnp.ones(3)).shape
+      (3,)
+    """
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or all(axis is None for axis in spec):
+        return value
+    return jax.sharding.reshard(
+        value, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    )
+
+
 def normal(stddev: float) -> Initializer:
     """A normal initializer with mean 0 and the given standard deviation."""
     return jax.nn.initializers.normal(stddev)
@@ -223,9 +247,9 @@ class Dense(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = jnp.dot(x.astype(self.dtype), gathered(self.kernel[...]).astype(self.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            y = y + gathered(self.bias[...]).astype(self.dtype)
         return y
 
 
@@ -253,11 +277,20 @@ class Embedding(nnx.Module):
         self.table = _param(cfg, rngs, normal(stddev), (num_embeddings, features), roles)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)
+        table = gathered(self.table[...])
+        sharding = getattr(jax.typeof(ids), "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec and any(axis is not None for axis in spec):
+            # Explicit mesh: rows come out sharded like the ids (e.g. batch on data).
+            out_sharding = jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*spec, None)
+            )
+            return table.at[ids].get(out_sharding=out_sharding).astype(self.dtype)
+        return jnp.take(table, ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Scores ``x`` against every row of the table: ``x @ table.T``."""
-        return jnp.dot(x.astype(self.dtype), self.table[...].astype(self.dtype).T)
+        return jnp.dot(x.astype(self.dtype), gathered(self.table[...]).astype(self.dtype).T)
 
 
 class LayerNorm(nnx.Module):
@@ -279,7 +312,7 @@ class LayerNorm(nnx.Module):
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+        return (y * gathered(self.scale[...]) + gathered(self.bias[...])).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -298,7 +331,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return (y * gathered(self.scale[...])).astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
