@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_mpmd.annotate import Stage
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
 from nnx_mpmd.partition import MpmdArray, gather, place
 
@@ -128,3 +129,41 @@ def test_training_after_restore_into_placed_layout(tmp_path):
     resumed = run_steps(resumed_model, resumed_opt, data[position:])
     assert resumed == uninterrupted
     assert_same_values(model, resumed_model)
+
+
+class WithDropout(nnx.Module):
+    def __init__(self, stages, seed):
+        rngs = nnx.Rngs(seed, dropout=seed + 1)
+        self.a = Stage(nnx.Linear(2, 2, rngs=rngs), stage=stages[0])
+        self.b = Stage(nnx.Dropout(0.5, rngs=rngs), stage=stages[1])
+        self.rngs = rngs
+
+
+@pytest.mark.parametrize("target_meshes", [4, 2, 0])
+def test_placed_rng_keys_restore_across_layouts(tmp_path, target_meshes):
+    source = WithDropout((0, 3), seed=0)
+    source.rngs.dropout()  # advance the counter: a fresh target differs
+    place(source, make_mesh(4))
+    assert isinstance(source.rngs.dropout.key.get_value(), MpmdArray)
+    save(tmp_path / "c", {"m": source})
+
+    target = WithDropout((0, 1), seed=7)
+    if target_meshes:
+        place(target, make_mesh(target_meshes))
+    restore(tmp_path / "c", {"m": target})
+    key = target.rngs.dropout.key.get_value()
+    if target_meshes:
+        assert isinstance(key, MpmdArray) and key.mesh_ids == tuple(range(target_meshes))
+    assert jax.random.key_impl(primary(key)) == jax.random.key_impl(
+        primary(source.rngs.dropout.key.get_value())
+    )
+    np.testing.assert_array_equal(
+        jax.random.key_data(primary(key)),
+        jax.random.key_data(primary(source.rngs.dropout.key.get_value())),
+    )
+    saved_count = int(np.asarray(source.rngs.dropout.count.get_value()))
+    assert int(np.asarray(target.rngs.dropout.count.get_value())) == saved_count > 0
+
+
+def primary(value):
+    return value.array(value.mesh_ids[0]) if isinstance(value, MpmdArray) else value
