@@ -1,6 +1,7 @@
 """The model zoo: parameter counts, stage layout, causality, training, sharding, errors."""
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +204,15 @@ def test_sharded_loss_and_grads_match_unsharded(name, axis_type):
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("config_cls", [GPTConfig, LlamaConfig])
+def test_config_json_round_trip(config_cls):
+    cfg = config_cls.preset("tiny", num_stages=2, dtype="bfloat16", tensor="t")
+    restored = config_cls.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert restored == cfg and restored.dtype == jnp.bfloat16
+    with pytest.raises(mp.MpmdError, match=r"unknown field\(s\) \['bogus'\]"):
+        config_cls.from_dict({**cfg.to_dict(), "bogus": 1})
 
 
 def test_registry_and_presets():

@@ -146,6 +146,35 @@ class ModelConfig:
             )
         return cls(**{**cls.PRESETS[name], **overrides})
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable fields (the dtype as its name); see `from_dict`.
+
+        Example:
+          >>> ModelConfig(dtype="bfloat16").to_dict()["dtype"]
+          'bfloat16'
+        """
+        data = dataclasses.asdict(self)
+        data["dtype"] = self.dtype.name
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """Rebuilds a config from `to_dict` output.
+
+        Example:
+          >>> cfg = ModelConfig(n_layers=2)
+          >>> ModelConfig.from_dict(cfg.to_dict()) == cfg
+          True
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise MpmdError(
+                f"{cls.__name__}.from_dict: unknown field(s) {unknown}; was the dict "
+                f"written by another model family? Valid fields are {sorted(fields)}."
+            )
+        return cls(**data)
+
     def sharding(self, *roles: Role) -> tuple[str | None, ...] | None:
         """The ``out_sharding`` metadata for a parameter with these dimension roles.
 
