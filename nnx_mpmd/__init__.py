@@ -1,7 +1,22 @@
-"""nnx_mpmd: MPMD pipeline parallelism for Flax NNX."""
+"""nnx_mpmd: MPMD pipeline parallelism for Flax NNX.
 
+Wrap layers of an NNX model in `Stage`, compile an ordinary NNX train step with
+`jit`, pick a schedule, and each stage runs on its own submesh.
+"""
+
+from nnx_mpmd import annotate as annotate
+from nnx_mpmd import checkpoint as checkpoint
+from nnx_mpmd import errors as errors
+from nnx_mpmd import schedules as schedules
 from nnx_mpmd.annotate import PipelinedModel as PipelinedModel
 from nnx_mpmd.annotate import Stage as Stage
+from nnx_mpmd.annotate import assign_stages as assign_stages
+from nnx_mpmd.annotate import auto_stage as auto_stage
+from nnx_mpmd.api import Lowered as Lowered
+from nnx_mpmd.api import PipelinedFunction as PipelinedFunction
+from nnx_mpmd.api import jit as jit
+from nnx_mpmd.api import value_and_grad as value_and_grad
+from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
 from nnx_mpmd.errors import CheckpointError as CheckpointError
 from nnx_mpmd.errors import CompileError as CompileError
 from nnx_mpmd.errors import DistributedError as DistributedError
@@ -10,5 +25,55 @@ from nnx_mpmd.errors import MpmdError as MpmdError
 from nnx_mpmd.errors import PartitionError as PartitionError
 from nnx_mpmd.errors import PlacementError as PlacementError
 from nnx_mpmd.errors import ScheduleError as ScheduleError
+from nnx_mpmd.mesh import MpmdMesh as MpmdMesh
+from nnx_mpmd.mpmd_array import MpmdArray as MpmdArray
+from nnx_mpmd.partition import gather as gather
+from nnx_mpmd.partition import place as place
+from nnx_mpmd.schedules import Custom as Custom
+from nnx_mpmd.schedules import DualPipeV as DualPipeV
+from nnx_mpmd.schedules import GPipe as GPipe
+from nnx_mpmd.schedules import Interleaved1F1B as Interleaved1F1B
+from nnx_mpmd.schedules import LoopedBFS as LoopedBFS
+from nnx_mpmd.schedules import OneFOneB as OneFOneB
+from nnx_mpmd.schedules import Task as Task
+from nnx_mpmd.schedules import ZeroBubbleH1 as ZeroBubbleH1
+from nnx_mpmd.schedules import ZeroBubbleV as ZeroBubbleV
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CompileError",
+    "Custom",
+    "DistributedError",
+    "DualPipeV",
+    "GPipe",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "Lowered",
+    "MeshError",
+    "MpmdArray",
+    "MpmdError",
+    "MpmdMesh",
+    "MpmdTransferWarning",
+    "OneFOneB",
+    "PartitionError",
+    "PipelinedFunction",
+    "PipelinedModel",
+    "PlacementError",
+    "ScheduleError",
+    "Stage",
+    "Task",
+    "ZeroBubbleH1",
+    "ZeroBubbleV",
+    "annotate",
+    "assign_stages",
+    "auto_stage",
+    "checkpoint",
+    "errors",
+    "gather",
+    "jit",
+    "place",
+    "schedules",
+    "value_and_grad",
+]

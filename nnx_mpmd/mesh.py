@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, Sharding
+from jax.sharding import AxisType, Mesh, Sharding
 
 from nnx_mpmd.errors import MeshError
 
@@ -73,12 +73,14 @@ class MpmdMesh:
         kept = [i for i in range(len(jax_mesh.axis_names)) if i != self._axis_index]
         self._axis_names = tuple(jax_mesh.axis_names[i] for i in kept)
         self._axis_types = tuple(jax_mesh.axis_types[i] for i in kept)
+        # Stage programs run with Auto axes whatever the user's mesh says: GSPMD then
+        # propagates the placed shardings through ordinary (unannotated) model code,
+        # which Explicit axes would reject (e.g. a gather with data-sharded indices).
+        auto = (AxisType.Auto,) * len(self._axis_names)
         submeshes = []
         for index in range(jax_mesh.shape[mpmd_axis]):
             devices = np.take(jax_mesh.devices, index, axis=self._axis_index)
-            submeshes.append(
-                Mesh(np.asarray(devices), self._axis_names, axis_types=self._axis_types)
-            )
+            submeshes.append(Mesh(np.asarray(devices), self._axis_names, axis_types=auto))
         self._submeshes = tuple(submeshes)
         self._mesh_by_devices = {
             _device_ids(sub.devices.flat): i for i, sub in enumerate(self._submeshes)
@@ -101,7 +103,10 @@ class MpmdMesh:
 
     @property
     def axis_types(self) -> tuple[Any, ...]:
-        """Axis types of every submesh, in the order of `axis_names`."""
+        """Axis types of the user's mesh for the submesh axes (in `axis_names` order).
+
+        The submeshes themselves always use Auto axes (see `submeshes`).
+        """
         return self._axis_types
 
     @property
@@ -111,7 +116,13 @@ class MpmdMesh:
 
     @property
     def submeshes(self) -> tuple[Mesh, ...]:
-        """The submeshes, one jax Mesh per index of the mpmd axis."""
+        """The submeshes, one jax Mesh per index of the mpmd axis.
+
+        Each keeps the devices and axis names of its slice of the mesh, with Auto
+        axis types: shardings come from placement (``out_sharding`` metadata, the
+        batch axis) and propagate through the stage programs, so unannotated
+        model code runs on Explicit and Auto meshes alike.
+        """
         return self._submeshes
 
     def _check_index(self, mesh_id: int) -> int:

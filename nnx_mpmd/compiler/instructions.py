@@ -40,7 +40,7 @@ class Call:
 
 @dataclasses.dataclass
 class Transfer:
-    """Copies slot ``src`` to slot ``dst`` on submesh ``dst_mesh``.
+    """Copies slot ``src`` (on ``src_mesh``) to slot ``dst`` on submesh ``dst_mesh``.
 
     ``reshape_microbatches`` (an int m) reshapes a batch ``[B, ...]`` to
     ``[m, B/m, ...]`` on the way; ``spec`` overrides the PartitionSpec (None
@@ -51,6 +51,7 @@ class Transfer:
     dst: int
     dst_mesh: int
     label: str
+    src_mesh: int = -1  # -1: the value comes from the host (not a submesh)
     nbytes: int = 0
     reshape_microbatches: int | None = None
     spec: Any = None

@@ -77,7 +77,8 @@ class SubProgram:
         effects = jcore.no_effects
         for eqn in self.eqns:
             effects = effects | eqn.effects
-        self.jaxpr = jcore.Jaxpr([], unique, self.outvars, self.eqns, effects)
+        debug = jcore.DebugInfo("nnx_mpmd", "pipeline program", None, None)
+        self.jaxpr = jcore.Jaxpr([], unique, self.outvars, self.eqns, effects, debug)
 
     def __call__(self, *args: Any) -> list[Any]:
         unique_args: list[Any] = [None] * len(self._unique)

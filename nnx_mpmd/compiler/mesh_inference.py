@@ -317,9 +317,10 @@ def plan_outer(
                             slots((key, dst)),
                             dst,
                             f"{origin.get(v, '?')} {'host' if src == HOST else src}->{dst}",
-                            var_bytes(v),
-                            num_microbatches if as_batch else None,
-                            batch_spec(v.aval) if as_batch and batch_spec else None,
+                            src_mesh=src,
+                            nbytes=var_bytes(v),
+                            reshape_microbatches=num_microbatches if as_batch else None,
+                            spec=batch_spec(v.aval) if as_batch and batch_spec else None,
                         )
                     )
             for q in range(len(submeshes)):

@@ -196,7 +196,8 @@ def build_region_program(
                             slots(("y", id(v), i, qc)),
                             qc,
                             f"act s{k}->s{c} mb{i}",
-                            var_bytes(v),
+                            src_mesh=q,
+                            nbytes=var_bytes(v),
                         )
                     )
 
@@ -216,7 +217,8 @@ def build_region_program(
                         slots(("ct", id(v), i, k, qp)),
                         qp,
                         f"grad s{k}->s{plan.producer[v]} mb{i}",
-                        var_bytes(v),
+                        src_mesh=q,
+                        nbytes=var_bytes(v),
                     )
                 )
 
@@ -313,7 +315,7 @@ def build_region_program(
                 q = stage_mesh[k]
                 if q != home:
                     dst = slots(("gx", k, pos, home))
-                    program.append(Transfer(src, dst, home, f"shared grad s{k}", 0))
+                    program.append(Transfer(src, dst, home, f"shared grad s{k}", src_mesh=q))
                     src = dst
                 contributions.append(src)
             if not contributions:

@@ -9,12 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
 from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_args
-from nnx_mpmd.errors import CompileError, MeshError
+from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.partition import MpmdArray, place
+from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
+from nnx_mpmd.partition import place
 from nnx_mpmd.runtime.executor import TaskRecord, _Shardings, execute
 
 __all__ = ["Lowered", "PipelinedFunction", "jit", "value_and_grad"]
@@ -73,11 +75,19 @@ def value_and_grad(
     return wrapped
 
 
+def _sharding_key(sharding: Any) -> Any:
+    if isinstance(sharding, NamedSharding):
+        # P() and P(None, None) are the same layout: key them the same.
+        return (sharding.mesh, normalize_spec(sharding.spec), sharding.memory_kind)
+    return sharding
+
+
 def _leaf_key(x: Any) -> Any:
     if isinstance(x, MpmdArray):
-        return ("mpmd", x.shape, str(x.dtype), tuple((q, x.array(q).sharding) for q in x.mesh_ids))
+        shardings = tuple((q, _sharding_key(x.array(q).sharding)) for q in x.mesh_ids)
+        return ("mpmd", x.shape, str(x.dtype), shardings)
     if isinstance(x, jax.Array):
-        return ("array", x.shape, str(x.dtype), x.sharding, x.weak_type)
+        return ("array", x.shape, str(x.dtype), _sharding_key(x.sharding), x.weak_type)
     return ("host", np.shape(x), str(np.result_type(x)))
 
 
@@ -160,7 +170,13 @@ class PipelinedFunction:
         if compiled is None:
             # Unseen signature: place the state (a no-op for leaves already placed;
             # an unplaced array on a device of submesh 0 is not "placed").
-            place(flat.nodes, self.mesh, self.schedule)
+            try:
+                place(flat.nodes, self.mesh, self.schedule)
+            except ScheduleError as e:
+                raise ScheduleError(
+                    f"{type(self.schedule).__name__} cannot place this step's state on "
+                    f"{self.mesh.num_meshes} meshes: {e}"
+                ) from None
             flat = flatten_args(args)
             key = self._key(flat)
             compiled = self._cache.get(key)

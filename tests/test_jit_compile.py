@@ -1,0 +1,122 @@
+"""Compilation behaviour, inspection and profiling of mp.jit steps."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import build, make_batch, make_mesh, train_step_fn
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.stats import count_compilations
+
+
+def _first_step_compilations(num_microbatches: int, schedule) -> int:
+    model, opt, loss_fn, kind = build("lm", "adamw", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 1),
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+    )
+    batch = make_batch(kind, 2 * num_microbatches)
+    with count_compilations() as counter:
+        step(model, opt, batch)
+    with count_compilations() as again:
+        step(model, opt, make_batch(kind, 2 * num_microbatches, seed=1))
+    assert again.count == 0
+    return counter.count
+
+
+@pytest.mark.parametrize("schedule", [mp.GPipe(), mp.OneFOneB()], ids=["gpipe", "1f1b"])
+def test_compilations_do_not_grow_with_microbatches(schedule):
+    assert _first_step_compilations(4, schedule) == _first_step_compilations(16, schedule)
+
+
+def test_one_program_per_stage_and_task_kind():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(4, 1), schedule=mp.OneFOneB(), num_microbatches=8
+    )
+    lowered = step.lower(model, opt, make_batch(kind, 16))
+    labels = [line.split("run ", 1)[1] for line in lowered.instructions() if " run " in line]
+    tasks = [label for label in labels if label[0] in "FB" and "." in label]
+    # 8 microbatches x 4 stages x (F, B): the last stage's F and B fuse.
+    assert sum(label.startswith("FB3.") for label in tasks) == 8
+    assert sum(label.startswith("F0.") for label in tasks) == 8
+    assert sum(label.startswith("B0.") for label in tasks) == 8
+    assert {"F0", "B0", "FB3"} <= set(lowered.programs)
+
+
+def test_lowered_prints_every_mesh_and_transfers():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    text = str(step.lower(model, opt, make_batch(kind, 4)))
+    assert "== mesh 0 ==" in text and "== mesh 1 ==" in text
+    assert "run F0.0" in text and "receive act s0->s1 mb1" in text
+    assert step.lower(model, opt, make_batch(kind, 4)).transfers == []  # optimizer stays local
+
+
+def test_profile_records_each_task_on_its_mesh():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    step(model, opt, make_batch(kind, 8), profile=True)
+    records = [r for r in step.last_profile if r[2] is not None]
+    assert {(r[0], str(r[2])) for r in records} >= {(0, "F0.0"), (1, "F1.3"), (0, "B0.3")}
+    assert all(end >= start for *_, start, end in records)
+
+
+def test_data_parallel_batch_is_sharded_inside_stages():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 2), schedule=mp.GPipe(), num_microbatches=2
+    )
+    lowered = step.lower(model, opt, make_batch(kind, 8))
+    batch_transfers = [
+        ins for ins in lowered.compiled.instructions if getattr(ins, "reshape_microbatches", None)
+    ]
+    assert batch_transfers and all(
+        str(ins.spec) == str(jax_spec("data")) for ins in batch_transfers
+    )
+
+
+def jax_spec(axis):
+    from jax.sharding import PartitionSpec as P
+
+    return P(None, axis)
+
+
+def test_large_transfer_outside_region_is_reported():
+    class Two(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(512, 512, rngs=rngs), stage=0)
+            self.b = mp.Stage(nnx.Linear(512, 512, rngs=rngs), stage=1)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Two(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(lambda m, b: jnp.mean(m(b) ** 2))(model, batch)
+        opt.update(model, grads)
+        # A metric that mixes both stages' full kernels: crosses meshes every step.
+        return loss, jnp.sum(model.a.module.kernel[...] * model.b.module.kernel[...])
+
+    f = mp.jit(
+        step,
+        mesh=make_mesh(2, 1),
+        schedule=mp.GPipe(),
+        num_microbatches=2,
+        transfer_warning_bytes=1 << 16,
+    )
+    with pytest.warns(mp.MpmdTransferWarning, match=r"kernel.*MiB.*moves from mesh"):
+        lowered = f.lower(model, opt, np.ones((4, 512), np.float32))
+    assert any("kernel" in t.what and t.nbytes == 512 * 512 * 4 for t in lowered.transfers)

@@ -1,0 +1,185 @@
+"""Every error path of mp.jit / mp.value_and_grad, with its message."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import MLP, build, make_batch, make_mesh, mlp_loss, train_step_fn
+
+import nnx_mpmd as mp
+
+
+def _step(loss_fn=mlp_loss):
+    return train_step_fn(loss_fn)
+
+
+def test_batch_not_divisible_by_microbatches():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=4)
+    with pytest.raises(mp.CompileError, match=r"shape \(6, 16\).*num_microbatches=4"):
+        f(model, opt, make_batch(kind, 6))
+
+
+def test_unannotated_parameters():
+    model = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(
+        _step(lambda m, b: jnp.mean(m(b["x"]) ** 2)),
+        mesh=make_mesh(2, 1),
+        schedule=mp.GPipe(),
+        num_microbatches=2,
+    )
+    with pytest.raises(mp.PlacementError, match=r"kernel.*Stage|assign_stages"):
+        f(model, opt, make_batch("regression", 4))
+
+
+def test_interleaved_needs_stages_multiple_of_meshes():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 3)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.Interleaved1F1B(), num_microbatches=4)
+    with pytest.raises(
+        mp.ScheduleError,
+        match=r"Interleaved1F1B cannot place.*2 meshes.*num_stages \(3\).*multiple",
+    ):
+        f(model, opt, make_batch(kind, 8))
+
+
+def test_stage_count_must_match_schedule_and_meshes():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 4)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=4)
+    with pytest.raises(mp.ScheduleError, match=r"OneFOneB cannot run.*4 stages on 2 meshes"):
+        f(model, opt, make_batch(kind, 8))
+
+
+def test_stage_called_outside_the_region():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss, model(batch["x"])  # evaluates the model outside the region
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.PartitionError, match=r"Stage 0 \(Linear\).*outside mp.value_and_grad"):
+        f(model, opt, make_batch(kind, 4))
+
+
+def test_stages_called_out_of_order():
+    class Backwards(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=0)
+            self.b = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=1)
+
+        def __call__(self, x):
+            return self.a(self.b(x))
+
+    model = Backwards(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.PartitionError, match=r"stage 0 uses a value computed by stage 1"):
+        f(model, opt, make_batch("regression", 4))
+
+
+def test_stage_gap():
+    class Gap(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=0)
+            self.b = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=2)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = Gap(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(_step(), mesh=make_mesh(4, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.MpmdError, match=r"stage|Stage"):
+        f(model, opt, make_batch("regression", 4))
+
+
+def test_nested_stages_with_different_numbers():
+    class Nested(mp.PipelinedModel):
+        def __init__(self, rngs):
+            inner = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=1)
+            self.outer = mp.Stage(nnx.Sequential(inner), stage=0)
+            self.last = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=1)
+
+        def __call__(self, x):
+            return self.last(self.outer(x))
+
+    model = Nested(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.PartitionError, match=r"called inside the body of stage 0"):
+        f(model, opt, make_batch("regression", 4))
+
+
+def test_loss_must_be_a_scalar():
+    model, opt, _, kind = build("mlp", "sgd", 2)
+    f = mp.jit(
+        _step(lambda m, b: m(b["x"])), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    with pytest.raises(mp.CompileError, match=r"float scalar.*float32\[2,16\]"):
+        f(model, opt, make_batch(kind, 4))
+
+
+def test_one_region_per_step():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        loss2, _ = mp.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss + loss2
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.CompileError, match=r"2 times; one pipelined region per step"):
+        f(model, opt, make_batch(kind, 4))
+
+
+def test_conflicting_microbatch_counts():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    f = mp.jit(
+        train_step_fn(loss_fn, num_microbatches=4),
+        mesh=make_mesh(2, 1),
+        schedule=mp.GPipe(),
+        num_microbatches=2,
+    )
+    with pytest.raises(mp.CompileError, match=r"num_microbatches=4.*num_microbatches=2"):
+        f(model, opt, make_batch(kind, 8))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_num_microbatches_must_be_positive_int(bad):
+    with pytest.raises(mp.CompileError, match=r"num_microbatches must be an int >= 1"):
+        mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=bad)
+
+
+def test_mesh_must_be_an_mpmd_mesh():
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    with pytest.raises(mp.MeshError, match=r"needs an mp.MpmdMesh, got Mesh"):
+        mp.jit(_step(), mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+
+
+def test_no_stage_called_in_the_region():
+    model, opt, _, kind = build("mlp", "sgd", 2)
+    f = mp.jit(
+        _step(lambda m, b: jnp.mean(b["x"] ** 2)),
+        mesh=make_mesh(2, 1),
+        schedule=mp.GPipe(),
+        num_microbatches=2,
+    )
+    with pytest.raises(mp.PartitionError, match=r"called no Stage"):
+        f(model, opt, make_batch(kind, 4))
+
+
+def test_value_and_grad_outside_jit_matches_nnx():
+    model = MLP(2, rngs=nnx.Rngs(0))
+    batch = make_batch("regression", 8)
+    loss, grads = mp.value_and_grad(mlp_loss, num_microbatches=4)(model, batch)
+    ref_loss, ref_grads = nnx.value_and_grad(mlp_loss)(model, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for (_, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-6)
