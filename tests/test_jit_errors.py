@@ -18,7 +18,7 @@ def _step(loss_fn=mlp_loss):
 
 
 def test_batch_not_divisible_by_microbatches():
-    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    model, opt, _loss_fn, kind = build("mlp", "sgd", 2)
     f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=4)
     with pytest.raises(mp.CompileError, match=r"shape \(6, 16\).*num_microbatches=4"):
         f(model, opt, make_batch(kind, 6))
@@ -38,7 +38,7 @@ def test_unannotated_parameters():
 
 
 def test_interleaved_needs_stages_multiple_of_meshes():
-    model, opt, loss_fn, kind = build("mlp", "sgd", 3)
+    model, opt, _loss_fn, kind = build("mlp", "sgd", 3)
     f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.Interleaved1F1B(), num_microbatches=4)
     with pytest.raises(
         mp.ScheduleError,
@@ -48,7 +48,7 @@ def test_interleaved_needs_stages_multiple_of_meshes():
 
 
 def test_stage_count_must_match_schedule_and_meshes():
-    model, opt, loss_fn, kind = build("mlp", "sgd", 4)
+    model, opt, _loss_fn, kind = build("mlp", "sgd", 4)
     f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=4)
     with pytest.raises(mp.ScheduleError, match=r"OneFOneB cannot run.*4 stages on 2 meshes"):
         f(model, opt, make_batch(kind, 8))
