@@ -206,7 +206,14 @@ class PipelinedFunction:
         flat, compiled = self._prepare(args)
         inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
         records: list[TaskRecord] | None = [] if profile else None
-        outputs = execute(compiled, inputs, list(self.mesh.submeshes), self._shardings, records)
+        if self.mesh.is_multi_process:
+            from nnx_mpmd.runtime.multi_process import execute_multi_process
+
+            outputs = execute_multi_process(compiled, inputs, self.mesh, self._shardings, records)
+        else:
+            outputs = execute(
+                compiled, inputs, list(self.mesh.submeshes), self._shardings, records
+            )
         if profile:
             self.last_profile = records
         user = outputs[: compiled.num_user_outputs]
