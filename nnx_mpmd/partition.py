@@ -500,7 +500,9 @@ def _transfer(value: Any, target: NamedSharding, mesh: MpmdMesh) -> jax.Array:
     if mesh.is_multi_process:
         # Each process creates only the shards it owns, from the full host value.
         host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+        return jax.make_array_from_callback(
+            host.shape, target, lambda index: host[index], dtype=host.dtype
+        )
     return jax.device_put(value, target)
 
 
