@@ -1,0 +1,81 @@
+"""Trains the test models with several schedules and writes the losses (spawned by tests).
+
+Runs the same way as one process (8 CPU devices) or under
+``nnx-mpmd launch --processes 2 --devices-per-process 4``; every process writes
+``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from nnx_mpmd.runtime.multi_process import initialize_from_env
+
+info = initialize_from_env()
+if info.num_processes == 1:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+from pipeline_models import build, make_batch, train_step_fn  # noqa: E402
+
+import nnx_mpmd as mp  # noqa: E402
+from nnx_mpmd import schedules  # noqa: E402
+from nnx_mpmd.runtime.multi_process import gather  # noqa: E402
+
+SCHEDULES = {"1f1b": schedules.OneFOneB, "interleaved": schedules.Interleaved1F1B}
+
+
+def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_name: str):
+    devices = np.array(jax.devices()[:8]).reshape(meshes, -1)
+    data = devices.shape[1]
+    mesh = mp.MpmdMesh(
+        Mesh(devices, ("stage", "data"), axis_types=(AxisType.Explicit,) * 2), "stage"
+    )
+    model, opt, loss_fn, kind = build(model_name, opt_name, stages)
+    microbatches = 4
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=mesh, schedule=SCHEDULES[name](), num_microbatches=microbatches
+    )
+    losses = []
+    for i in range(steps):
+        batch = make_batch(kind, microbatches * 2 * data, seed=i)
+        losses.append(float(step(model, opt, batch)))
+    gather(model, mesh)
+    params = {
+        ".".join(map(str, path)): float(np.asarray(v.get_value(), np.float64).sum())
+        for path, v in nnx.iter_graph(model)
+        if isinstance(v, nnx.Param)
+    }
+    return {"losses": losses, "param_sums": params}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--runs", default="1f1b:2:2,interleaved:2:4")
+    parser.add_argument("--model", default="lm")
+    parser.add_argument("--opt", default="clip_adamw_cosine")
+    args = parser.parse_args()
+    results = {}
+    for spec in args.runs.split(","):
+        name, meshes, stages = spec.split(":")
+        results[spec] = run(name, int(meshes), int(stages), args.steps, args.model, args.opt)
+        print(f"{spec}: {results[spec]['losses']}", flush=True)
+    path = os.path.join(args.out, f"losses_{info.process_id}.json")
+    with open(path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
