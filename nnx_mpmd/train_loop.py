@@ -1,0 +1,451 @@
+"""The training loop behind ``nnx-mpmd train``: set-up, steps, checkpoints, outputs.
+
+`Trainer` builds the data, the model, the optimizer, the `MpmdMesh` and the
+pipelined step from a `nnx_mpmd.train.TrainConfig`, resumes from a checkpoint
+if asked, runs the steps under a rich progress bar and writes the run
+directory. `nnx_mpmd.train` imports this module only after it has set the
+simulated CPU device count, since importing it starts JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from nnx_mpmd.api import jit, value_and_grad
+from nnx_mpmd.checkpoint import CheckpointManager
+from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError
+from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
+from nnx_mpmd.partition import gather
+from nnx_mpmd.sampling import generate_text
+from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
+from nnx_mpmd.schedules.simulate import Timeline
+
+__all__ = ["RESUME_KEYS", "Trainer", "measured_timeline", "plot_losses", "train_step"]
+
+#: Settings that must equal the checkpoint's for a resumed run to continue it.
+RESUME_KEYS = ("model", "preset", "layers", "seq_len", "batch_size", "seed", "corpus_bytes")
+SAMPLE_PROMPT = "def "
+VAL_FRACTION = 0.05
+DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
+
+
+def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
+    """One optimizer step on the mean next-token loss (the step ``mp.jit`` compiles).
+
+    Args:
+      model: a zoo language model.
+      optimizer: its ``nnx.Optimizer``.
+      batch: ``{"inputs", "targets"}`` int arrays ``[batch, seq]``.
+
+    Returns:
+      The mean loss over the batch (before the update).
+
+    Example:
+      >>> import numpy as np
+      >>> model = build_model("gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0))
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> tokens = np.zeros((2, 8), np.int32)
+      >>> float(train_step(model, opt, {"inputs": tokens, "targets": tokens})) > 0
+      True
+    """
+    loss, grads = value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def measured_timeline(records: list[Any]) -> Timeline:
+    """A `Timeline` of the stage tasks in a profile (``step.last_profile``).
+
+    Records of instructions that are not schedule tasks (the optimizer update,
+    ...) are left out; times are in seconds from the first task's start.
+
+    Args:
+      records: ``(mesh, label, task, start_s, end_s)`` tuples.
+
+    Returns:
+      The timeline, ready for `nnx_mpmd.schedules.plot_gantt`.
+
+    Example:
+      >>> tl = measured_timeline([(0, "F0", Task(0, 0, "F"), 0.5, 1.0), (1, "opt", None, 1, 2)])
+      >>> tl.makespan, tl.num_meshes
+      (0.5, 1)
+    """
+    tasks = [(int(m), t, float(s), float(e)) for m, _, t, s, e in records if isinstance(t, Task)]
+    if not tasks:
+        raise MpmdError("measured_timeline: the profile has no schedule tasks to draw.")
+    origin = min(s for _, _, s, _ in tasks)
+    entries = sorted(((m, t, s - origin, e - origin) for m, t, s, e in tasks), key=lambda x: x[2:])
+    num_meshes = 1 + max(m for m, *_ in entries)
+    makespan = max(e for *_, e in entries)
+    busy = tuple(sum(e - s for m, _, s, e in entries if m == q) for q in range(num_meshes))
+    idle = 1.0 - sum(busy) / (num_meshes * makespan) if makespan > 0 else 0.0
+    peaks = simulate([[t for m, t, _, _ in entries if m == q] for q in range(num_meshes)])
+    return Timeline(
+        entries=tuple(entries),
+        num_meshes=num_meshes,
+        makespan=makespan,
+        busy=busy,
+        bubble_fraction=idle,
+        peak_activations=peaks.peak_activations,
+    )
+
+
+def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
+    """Draws loss against step into ``path`` (matplotlib, without pyplot).
+
+    Args:
+      metrics: the logged records (``step`` and ``loss`` keys).
+      path: the image file.
+      title: the chart title.
+
+    Example:
+      >>> import tempfile
+      >>> out = pathlib.Path(tempfile.mkdtemp()) / "loss.png"
+      >>> plot_losses([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}], out, "t")
+      >>> out.exists()
+      True
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.6))
+    ax = fig.add_subplot()
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/char)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _progress(total: int, completed: int) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TimeElapsedColumn(),
+    )
+    task = progress.add_task("train", total=total, completed=completed, loss="-", tps="-")
+    return progress, task
+
+
+class Trainer:
+    """Builds everything for one ``nnx-mpmd train`` run and runs it.
+
+    Args:
+      cfg: the parsed options (`nnx_mpmd.train.TrainConfig`).
+      run_dir: the output directory.
+
+    Raises:
+      MpmdError: too few devices, an unknown model, preset or schedule, a
+        schedule that does not fit the stages, or an incompatible checkpoint.
+
+    Example:
+      >>> import tempfile
+      >>> from nnx_mpmd.train import config_from_args
+      >>> cfg = config_from_args(["--meshes", "2", "--data", "1", "--steps", "1",
+      ...     "--batch-size", "4", "--microbatches", "2", "--sample-tokens", "0"])
+      >>> Trainer(cfg, pathlib.Path(tempfile.mkdtemp())).num_stages
+      2
+    """
+
+    def __init__(self, cfg: Any, run_dir: pathlib.Path) -> None:
+        self.cfg = cfg
+        self.run_dir = pathlib.Path(run_dir)
+        devices = jax.devices()
+        needed = cfg.meshes * cfg.data
+        if len(devices) < needed:
+            raise MeshError(
+                f"--meshes {cfg.meshes} x --data {cfg.data} needs {needed} devices but JAX "
+                f"has {len(devices)} ({devices[0].platform}); lower --meshes or --data, or "
+                f"raise --devices (CPU only; XLA_FLAGS={DEVICE_FLAG_HINT})."
+            )
+        self.schedule = get_schedule(cfg.schedule)
+        self.num_stages = cfg.stages or self.schedule.default_num_stages(cfg.meshes)
+        if cfg.model not in MODELS:
+            raise MpmdError(f"unknown --model {cfg.model!r}; choose one of {sorted(MODELS)}.")
+        if cfg.preset not in preset_names(cfg.model):
+            raise MpmdError(
+                f"unknown --preset {cfg.preset!r} for --model {cfg.model}; choose one of "
+                f"{preset_names(cfg.model)}."
+            )
+        self.schedule.check(self.num_stages, cfg.meshes, cfg.microbatches)
+
+        text = stdlib_corpus(cfg.corpus_bytes)
+        self.tokenizer = CharTokenizer.from_text(text)
+        train_tokens, self.val_tokens = train_val_split(self.tokenizer.encode(text), VAL_FRACTION)
+        overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
+        if cfg.layers is not None:
+            overrides["n_layers"] = cfg.layers
+        self.model = build_model(
+            cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
+        )
+        max_len = self.model.config.max_len
+        self.seq_len = cfg.seq_len or max_len
+        if not 1 <= self.seq_len <= max_len:
+            raise MpmdError(
+                f"--seq-len={self.seq_len} must lie in [1, {max_len}] (the {cfg.model} "
+                f"{cfg.preset} context length); pick a shorter one."
+            )
+        self.batches = BatchIterator(train_tokens, cfg.batch_size, self.seq_len, seed=cfg.seed)
+        warmup = min(cfg.warmup, cfg.steps - 1)
+        self.lr = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, warmup, decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr / 10
+        )
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.lr, b2=0.99))
+        self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
+        jax_mesh = jax.make_mesh(
+            (cfg.meshes, cfg.data), ("stage", "data"), devices=devices[:needed]
+        )
+        self.mesh = MpmdMesh(jax_mesh, "stage")
+        self.step_fn = jit(
+            train_step, mesh=self.mesh, schedule=self.schedule, num_microbatches=cfg.microbatches
+        )
+        self.start_step = 0
+
+    # -- run configuration saved with every checkpoint --------------------------------
+
+    def settings(self) -> dict[str, Any]:
+        """The JSON configuration saved in checkpoint metadata."""
+        cfg = self.cfg
+        return {
+            "model": cfg.model,
+            "preset": cfg.preset,
+            "layers": cfg.layers,
+            "seq_len": self.seq_len,
+            "batch_size": cfg.batch_size,
+            "seed": cfg.seed,
+            "corpus_bytes": cfg.corpus_bytes,
+            "schedule": cfg.schedule,
+            "meshes": cfg.meshes,
+            "data": cfg.data,
+            "stages": self.num_stages,
+            "microbatches": cfg.microbatches,
+            "steps": cfg.steps,
+            "lr": cfg.lr,
+            "model_config": self.model.config.to_dict(),
+        }
+
+    def _check_resumable(self, saved: dict[str, Any], where: pathlib.Path) -> None:
+        mine = self.settings()
+        config = saved.get("config", {})
+        differ = [f"{k}: saved {config.get(k)!r}, now {mine[k]!r}" for k in RESUME_KEYS]
+        differ = [d for k, d in zip(RESUME_KEYS, differ, strict=True) if config.get(k) != mine[k]]
+        if saved.get("tokenizer") != self.tokenizer.to_dict():
+            differ.append("the character vocabulary differs (another corpus or Python)")
+        if differ:
+            raise CheckpointError(
+                f"the checkpoint in {where} does not fit this run ({'; '.join(differ)}); "
+                "resume with the saved settings, or start a new --run-dir."
+            )
+
+    def restore_or_start(self, manager: CheckpointManager | None) -> None:
+        """Resumes from the latest checkpoint (``--resume``) or checks the run dir is fresh."""
+        where = self.run_dir / "checkpoints"
+        latest = manager.latest_step() if manager is not None else None
+        if not self.cfg.resume:
+            if latest is not None:
+                raise CheckpointError(
+                    f"{where} already holds checkpoints (latest step {latest}); pass --resume "
+                    "to continue that run, or choose a new --run-dir."
+                )
+            return
+        if latest is None:
+            raise CheckpointError(
+                f"--resume: no finished checkpoint in {where}; run without --resume to "
+                "start, or point --run-dir at a run that saved one."
+            )
+        saved = manager.metadata()
+        self._check_resumable(saved, where)
+        manager.restore({"model": self.model, "optimizer": self.optimizer})
+        self.batches.load_state_dict(saved["data"])
+        self.start_step = int(saved["step"])
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _header(self) -> str:
+        cfg = self.cfg
+        tl = simulate(self.schedule.tasks(self.num_stages, cfg.meshes, cfg.microbatches))
+        return (
+            f"{cfg.model} {cfg.preset}: {count_params(self.model):,} parameters, "
+            f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
+            f"({jax.devices()[0].platform}), schedule {self.schedule!r}, "
+            f"{cfg.microbatches} microbatches (simulated bubble "
+            f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
+            f"run dir {self.run_dir}"
+        )
+
+    def _metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # A resumed run repeats the steps after its checkpoint: drop their old records.
+        return [r for r in records if r["step"] <= self.start_step]
+
+    def train(self) -> dict[str, Any]:
+        """Runs the steps and writes the outputs.
+
+        Returns:
+          ``run_dir``, ``first_loss``, ``last_loss`` (of this process's steps),
+          ``steps_run``, ``val_loss`` and ``sample``.
+        """
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        manager = None
+        if cfg.ckpt_every or cfg.resume:
+            manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=cfg.keep)
+        try:
+            self.restore_or_start(manager)
+            metrics = self._metrics()
+            losses = self._loop(manager, metrics)
+        finally:
+            if manager is not None:
+                manager.close()
+        return self._finish(metrics, losses)
+
+    def _loop(self, manager: CheckpointManager | None, metrics: list[dict[str, Any]]) -> list:
+        cfg = self.cfg
+        end = cfg.stop_at or cfg.steps
+        tokens_per_step = cfg.batch_size * self.seq_len
+        profile_step = min(self.start_step + 2, end) if cfg.profile else None
+        report_every = max(cfg.log_every, cfg.steps // 10)
+        losses: list[float] = []
+        recent: list[float] = []
+        progress, bar = _progress(cfg.steps, self.start_step)
+        progress.console.print(self._header(), soft_wrap=True)
+        if self.start_step:
+            progress.console.print(f"resumed from step {self.start_step}")
+        metrics_file = self.run_dir / "metrics.jsonl"
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in metrics))
+        started = time.perf_counter()
+        with progress, metrics_file.open("a") as log:
+            for step in range(self.start_step + 1, end + 1):
+                batch = next(self.batches)
+                t0 = time.perf_counter()
+                loss = float(
+                    self.step_fn(self.model, self.optimizer, batch, profile=step == profile_step)
+                )
+                seconds = time.perf_counter() - t0
+                if step == profile_step:
+                    self._draw_profile()
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    raise MpmdError(
+                        f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr})."
+                    )
+                # The first step of a process includes compilation: keep it out of tok/s.
+                if step > self.start_step + 1 or end == self.start_step + 1:
+                    recent = [*recent, seconds][-20:]
+                tps = tokens_per_step * len(recent) / sum(recent) if recent else 0.0
+                tps = tps or tokens_per_step / seconds
+                progress.update(bar, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
+                if step % cfg.log_every == 0 or step in (self.start_step + 1, end):
+                    record = {
+                        "step": step,
+                        "loss": loss,
+                        "tokens_per_s": tps,
+                        "step_s": seconds,
+                        "lr": float(self.lr(step - 1)),
+                        "elapsed_s": time.perf_counter() - started,
+                    }
+                    metrics.append(record)
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if step % report_every == 0 or step == end:
+                    progress.console.print(
+                        f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s"
+                    )
+                if (
+                    manager is not None
+                    and cfg.ckpt_every
+                    and (step % cfg.ckpt_every == 0 or step == cfg.steps)
+                ):
+                    manager.save(
+                        step,
+                        {"model": self.model, "optimizer": self.optimizer},
+                        {
+                            "step": step,
+                            "data": self.batches.state_dict(),
+                            "config": self.settings(),
+                            "tokenizer": self.tokenizer.to_dict(),
+                        },
+                    )
+        return losses
+
+    def _draw_profile(self) -> None:
+        records = self.step_fn.last_profile or []
+        timeline = measured_timeline(records)
+        plot_gantt(
+            timeline,
+            self.run_dir / "schedule_measured.png",
+            title=f"measured {self.schedule!r}: {timeline.makespan * 1e3:.1f} ms, "
+            f"bubble {timeline.bubble_fraction:.1%}",
+        )
+
+    def _val_loss(self, batches: int = 4) -> float:
+        it = BatchIterator(self.val_tokens, self.cfg.batch_size, self.seq_len, seed=1)
+        loss_fn = nnx.jit(lm_loss)
+        return float(np.mean([float(loss_fn(self.model, next(it))) for _ in range(batches)]))
+
+    def _finish(self, metrics: list[dict[str, Any]], losses: list[float]) -> dict[str, Any]:
+        cfg = self.cfg
+        tasks = self.schedule.tasks(self.num_stages, cfg.meshes, cfg.microbatches)
+        plot_gantt(
+            tasks,
+            self.run_dir / "schedule.png",
+            title=f"simulated {self.schedule!r}: {self.num_stages} stages, "
+            f"{cfg.meshes} meshes, {cfg.microbatches} microbatches",
+        )
+        if metrics:
+            plot_losses(
+                metrics, self.run_dir / "loss.png", f"{cfg.model} {cfg.preset}, {self.schedule!r}"
+            )
+        gather(self.model)
+        val_loss = self._val_loss()
+        sample = ""
+        if cfg.sample_tokens:
+            sample = generate_text(
+                self.model,
+                self.tokenizer,
+                SAMPLE_PROMPT,
+                cfg.sample_tokens,
+                temperature=0.8,
+                seed=cfg.seed,
+            )
+            (self.run_dir / "sample.txt").write_text(sample + "\n")
+        print(f"validation loss {val_loss:.4f}")
+        if sample:
+            print(f"sample:\n{sample}")
+        return {
+            "run_dir": str(self.run_dir),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "steps_run": len(losses),
+            "val_loss": val_loss,
+            "sample": sample,
+        }

@@ -1,0 +1,157 @@
+"""The main job ``nnx-mpmd train``: outputs, resume, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nnx_mpmd import cli, train
+
+# A run small enough to compile and train in seconds: 2 stages on 2 meshes.
+TINY = [
+    "--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "8",
+    "--microbatches", "2", "--seq-len", "32", "--corpus-bytes", "100000",
+    "--log-every", "1", "--ckpt-every", "2", "--warmup", "1",
+]  # fmt: skip
+
+
+def _env(device_flag: bool = True) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if not device_flag:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 4-step run in a fresh process that must set its own CPU device count."""
+    run_dir = tmp_path_factory.mktemp("run")
+    argv = [*TINY, "--steps", "4", "--devices", "2", "--profile", "--sample-tokens", "12"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", "train", *argv, "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=_env(device_flag=False),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_run_writes_metrics_pictures_checkpoints_and_sample(finished_run):
+    run_dir, proc = finished_run
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for record in metrics:
+        assert {"step", "loss", "tokens_per_s", "lr"} <= record.keys()
+        assert np.isfinite(record["loss"]) and record["tokens_per_s"] > 0
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    for name in ("loss.png", "schedule.png", "schedule_measured.png"):
+        assert (run_dir / name).read_bytes()[:4] == b"\x89PNG", name
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [2, 4]
+    sample = (run_dir / "sample.txt").read_text()
+    assert sample.startswith("def ") and len(sample.rstrip("\n")) == 4 + 12
+    assert "2 stages on 2 meshes x 1 data" in proc.stdout
+    assert "validation loss" in proc.stdout
+
+
+def test_resume_reproduces_uninterrupted_losses(finished_run, tmp_path):
+    reference = {m["step"]: m["loss"] for m in _metrics(finished_run[0])}
+    args = [*TINY, "--steps", "4", "--sample-tokens", "0", "--run-dir", str(tmp_path)]
+    # Stop after step 3 as if killed: the last checkpoint is step 2, so step 3 reruns.
+    assert train.main([*args, "--stop-at", "3"]) == 0
+    assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
+    assert train.main([*args, "--resume"]) == 0
+    resumed = _metrics(tmp_path)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [m["loss"] for m in resumed], [reference[s] for s in (1, 2, 3, 4)], rtol=1e-5
+    )
+
+
+BAD_INPUTS = [
+    (["--schedule", "zigzag"], r"unknown schedule 'zigzag'"),
+    (["--preset", "huge"], r"unknown --preset 'huge' for --model gpt"),
+    (["--model", "bert"], r"unknown --model 'bert'"),
+    (["--meshes", "4", "--data", "4"], r"needs 16 devices but JAX has 8"),
+    (["--batch-size", "10", "--microbatches", "4"], r"--batch-size=10 is not divisible"),
+    (["--batch-size", "8", "--microbatches", "4", "--data", "4"], r"does not split over"),
+    (["--steps", "0"], r"--steps=0 must be >= 1"),
+    (["--stop-at", "9", "--steps", "4"], r"--stop-at=9 must lie in"),
+    (["--seq-len", "500"], r"--seq-len=500 must lie in \[1, 64\]"),
+    (["--schedule", "interleaved"], r"8 stages|more than n_layers"),
+    (["--resume"], r"--resume: no finished checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS, ids=lambda x: str(x)[:40])
+def test_bad_input_exits_2_with_message(argv, message, tmp_path, capsys):
+    status = train.main(["--corpus-bytes", "20000", "--run-dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("nnx-mpmd train: error: ")
+    assert "Traceback" not in err
+    assert __import__("re").search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["--seed", "1"], r"seed: saved 0, now 1"),
+        (["--batch-size", "4"], r"batch_size: saved 8, now 4"),
+    ],
+)
+def test_resume_into_incompatible_settings_exits_2(finished_run, change, message, capsys):
+    run_dir = finished_run[0]
+    argv = [*TINY, "--steps", "6", "--run-dir", str(run_dir), "--resume", *change]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this run" in err and __import__("re").search(message, err), err
+
+
+def test_run_dir_with_checkpoints_needs_resume(finished_run, capsys):
+    argv = [*TINY, "--steps", "6", "--run-dir", str(finished_run[0])]
+    assert train.main(argv) == 2
+    assert "already holds checkpoints (latest step 4); pass --resume" in capsys.readouterr().err
+
+
+def test_command_line_reports_too_few_devices_without_traceback(tmp_path):
+    argv = ["train", "--devices", "2", "--meshes", "2", "--data", "2", "--run-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(device_flag=False),
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "needs 4 devices but JAX has 2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_dispatches_train_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--schedule", "--meshes", "--resume", "--ckpt-every", "--profile"):
+        assert option in out
+
+
+def test_set_cpu_devices_keeps_an_existing_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
+    train.set_cpu_devices(8)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    train.set_cpu_devices(8)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"
