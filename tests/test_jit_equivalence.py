@@ -19,6 +19,9 @@ CONFIGS = [
     (schedules.OneFOneB, 2, 2, 3, 1),
     (schedules.Interleaved1F1B, 4, 8, 8, 2),
     (schedules.LoopedBFS, 2, 4, 4, 2),
+    (schedules.ZeroBubbleH1, 4, 4, 8, 2),
+    (schedules.ZeroBubbleV, 2, 4, 4, 2),
+    (schedules.DualPipeV, 2, 4, 4, 2),
 ]
 MODEL_NAMES = ["mlp", "lm", "lm_tied", "gated"]
 OPT_NAMES = ["sgd", "adamw", "clip_adamw_cosine"]

@@ -145,11 +145,13 @@ def build_region_program(
     program: list[Instruction] = []
     constants: dict[int, Any] = {}
     compiled: dict[str, Any] = {}
-    fwd, bwd, fused, init = {}, {}, {}, {}
+    fwd, bwd, fused, init, bi, bw = {}, {}, {}, {}, {}, {}
     for k, f in enumerate(fns):
         fwd[k] = compiled[f"F{k}"] = jax.jit(f.forward, donate_argnums=(6,))
         bwd[k] = compiled[f"B{k}"] = jax.jit(f.backward, donate_argnums=(2,))
         fused[k] = compiled[f"FB{k}"] = jax.jit(f.fused, donate_argnums=(7, 8))
+        bi[k] = compiled[f"BI{k}"] = jax.jit(f.backward_input)
+        bw[k] = compiled[f"BW{k}"] = jax.jit(f.backward_weight, donate_argnums=(2,))
         init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated))
 
     def idx_slot(i: int, q: int) -> int:
@@ -286,11 +288,31 @@ def build_region_program(
                 )
             )
             emit_cotangent_transfers(k, i)
-        else:
-            raise CompileError(
-                f"task kind {task.kind} ({task}) needs the split-backward runtime, which this "
-                "build does not have yet; use GPipe, OneFOneB, Interleaved1F1B or LoopedBFS."
+        elif task.kind == "BI":
+            program.append(
+                Call(
+                    mesh,
+                    bi[k],
+                    (slots(("res", k, i)), cts_args(k, i)),
+                    (after_backward(k, i), slots(("extras", k, i))),
+                    f"BI{k}.{i}",
+                    task,
+                )
             )
+            emit_cotangent_transfers(k, i)
+        elif task.kind == "BW":
+            program.append(
+                Call(
+                    mesh,
+                    bw[k],
+                    (slots(("res", k, i)), slots(("extras", k, i)), gacc),
+                    gacc,
+                    f"BW{k}.{i}",
+                    task,
+                )
+            )
+        else:
+            raise CompileError(f"unknown task kind {task.kind!r} in task {task}.")
 
     # Region outputs.
     output_slots: list[list[tuple[int, int]]] = []

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nnx_mpmd.compiler.region import RegionInfo
+from nnx_mpmd.compiler.split_backward import run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 
 __all__ = ["StageFunctions", "mean_dtype"]
@@ -103,15 +104,7 @@ class StageFunctions:
         )
 
     def _backward(self, vjp_fn, cts, gacc):
-        seeds = []
-        ct_iter = iter(cts)
-        for v in self.yd:
-            if v is self.loss_var:
-                seeds.append(jnp.full(v.aval.shape, 1.0 / self.m, v.aval.dtype))
-            else:
-                contribs = next(ct_iter)
-                seeds.append(functools.reduce(jnp.add, contribs))
-        g_params, ct_xd = vjp_fn(tuple(seeds))
+        g_params, ct_xd = vjp_fn(tuple(self._seeds(cts)))
         gacc = tuple(a + g.astype(a.dtype) for a, g in zip(gacc, g_params))
         return ct_xd, gacc
 
@@ -130,6 +123,26 @@ class StageFunctions:
         values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
         ct_xd, gacc = self._backward(vjp_fn, cts, gacc)
         return tuple(values[v] for v in self.sends), ct_xd, gacc, self._accumulate(values, racc)
+
+    def _seeds(self, cts):
+        seeds = []
+        ct_iter = iter(cts)
+        for v in self.yd:
+            if v is self.loss_var:
+                seeds.append(jnp.full(v.aval.shape, 1.0 / self.m, v.aval.dtype))
+            else:
+                seeds.append(functools.reduce(jnp.add, next(ct_iter)))
+        return seeds
+
+    def backward_input(self, vjp_fn, cts):
+        """The BI task. -> (ct_xd, extras for BW)."""
+        return run_bi(vjp_fn, self._seeds(cts), len(self.param_inputs))
+
+    def backward_weight(self, vjp_fn, extras, gacc):
+        """The BW task. -> gacc'."""
+        seed_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.yd]
+        grads = run_bw(vjp_fn, extras, seed_avals, len(self.param_inputs))
+        return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
 
     def init(self, params):
         """Zero accumulators: (gacc, racc)."""
