@@ -69,6 +69,7 @@ class TrainConfig(argparse.Namespace):
     profile: bool
     log_every: int
     sample_tokens: int
+    val_batches: int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", action="store_true", help="time every task of one step and draw it")
     p.add_argument("--log-every", type=int, default=5, help="metrics period in steps")
+    p.add_argument("--val-batches", type=int, default=4, help="held-out batches scored at the end")
     p.add_argument(
         "--sample-tokens", type=int, default=200, help="characters to generate at the end"
     )
@@ -162,7 +164,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise MpmdError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 1.")
-    for name in ("ckpt_every", "sample_tokens", "warmup"):
+    for name in ("ckpt_every", "sample_tokens", "warmup", "val_batches"):
         if getattr(cfg, name) < 0:
             raise MpmdError(f"--{name.replace('_', '-')}={getattr(cfg, name)} must be >= 0.")
     if cfg.batch_size % cfg.microbatches:

@@ -68,7 +68,9 @@ def measured_timeline(records: list[Any]) -> Timeline:
     """A `Timeline` of the stage tasks in a profile (``step.last_profile``).
 
     Records of instructions that are not schedule tasks (the optimizer update,
-    ...) are left out; times are in seconds from the first task's start.
+    ...) are left out; times are in seconds from the first task's start. A
+    fused forward+backward program (label ``FB...``) is shown as its ``F`` and
+    ``B`` with its time split 1:2, the ratio of the default `Costs`.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples.
@@ -81,7 +83,16 @@ def measured_timeline(records: list[Any]) -> Timeline:
       >>> tl.makespan, tl.num_meshes
       (0.5, 1)
     """
-    tasks = [(int(m), t, float(s), float(e)) for m, _, t, s, e in records if isinstance(t, Task)]
+    tasks = []
+    for mesh, label, task, start, end in records:
+        if not isinstance(task, Task):
+            continue
+        if str(label).startswith("FB"):
+            # One program ran F and B of this microbatch: split its time 1:2 like Costs().
+            middle = start + (end - start) / 3
+            tasks.append((int(mesh), task, float(start), float(middle)))
+            task, start = Task(task.stage, task.microbatch, "B"), middle
+        tasks.append((int(mesh), task, float(start), float(end)))
     if not tasks:
         raise MpmdError("measured_timeline: the profile has no schedule tasks to draw.")
     origin = min(s for _, _, s, _ in tasks)
@@ -90,14 +101,21 @@ def measured_timeline(records: list[Any]) -> Timeline:
     makespan = max(e for *_, e in entries)
     busy = tuple(sum(e - s for m, _, s, e in entries if m == q) for q in range(num_meshes))
     idle = 1.0 - sum(busy) / (num_meshes * makespan) if makespan > 0 else 0.0
-    peaks = simulate([[t for m, t, _, _ in entries if m == q] for q in range(num_meshes)])
+    peaks = []
+    for q in range(num_meshes):
+        live = peak = 0
+        for m, task, _, _ in entries:
+            if m == q:
+                live += 1 if task.kind == "F" else -1 if task.kind in ("B", "BW") else 0
+                peak = max(peak, live)
+        peaks.append(peak)
     return Timeline(
         entries=tuple(entries),
         num_meshes=num_meshes,
         makespan=makespan,
         busy=busy,
         bubble_fraction=idle,
-        peak_activations=peaks.peak_activations,
+        peak_activations=tuple(peaks),
     )
 
 
@@ -407,7 +425,9 @@ class Trainer:
             f"bubble {timeline.bubble_fraction:.1%}",
         )
 
-    def _val_loss(self, batches: int = 4) -> float:
+    def _val_loss(self, batches: int) -> float | None:
+        if not batches:
+            return None
         it = BatchIterator(self.val_tokens, self.cfg.batch_size, self.seq_len, seed=1)
         loss_fn = nnx.jit(lm_loss)
         return float(np.mean([float(loss_fn(self.model, next(it))) for _ in range(batches)]))
@@ -426,7 +446,7 @@ class Trainer:
                 metrics, self.run_dir / "loss.png", f"{cfg.model} {cfg.preset}, {self.schedule!r}"
             )
         gather(self.model)
-        val_loss = self._val_loss()
+        val_loss = self._val_loss(cfg.val_batches)
         sample = ""
         if cfg.sample_tokens:
             sample = generate_text(
@@ -438,7 +458,8 @@ class Trainer:
                 seed=cfg.seed,
             )
             (self.run_dir / "sample.txt").write_text(sample + "\n")
-        print(f"validation loss {val_loss:.4f}")
+        if val_loss is not None:
+            print(f"validation loss {val_loss:.4f}")
         if sample:
             print(f"sample:\n{sample}")
         return {
