@@ -157,6 +157,7 @@ def test_runner_shares_names_between_blocks_and_has_8_devices(tmp_path):
 # --- the snippets of every page --------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_with_code(), ids=_page_name)
 def test_page_snippets_run(page, tmp_path):
     blocks = extract_python_blocks(page.read_text(encoding="utf-8"))
