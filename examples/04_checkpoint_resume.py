@@ -7,8 +7,8 @@ A new run builds the model with a different stage split on 2 submeshes, restores
 the latest checkpoint into it, continues from the saved data position, and checks
 that its losses equal those of an uninterrupted run.
 
-The train step runs under ``nnx.jit`` on gathered (single-device) state for now;
-it switches to ``nnx_mpmd.jit`` once the pipelined step lands.
+The train step is compiled with ``nnx_mpmd.jit`` (1F1B) for each layout, so
+training, saving and restoring all work on placed, per-mesh state.
 
 Run:  python examples/04_checkpoint_resume.py --steps 4
 """
@@ -23,6 +23,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import functools
 import tempfile
 
 import jax
@@ -34,7 +35,7 @@ from flax import nnx
 import nnx_mpmd as mp
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.partition import gather, place
+from nnx_mpmd.partition import place
 
 WIDTH, LAYERS, BATCH = 16, 4, 32
 
@@ -59,11 +60,21 @@ def batch_at(position: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(x), jnp.asarray(np.cos(x[:, :4].sum(axis=1)))
 
 
-@nnx.jit
-def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
+def loss_fn(model: MLP, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def make_train_step(mesh: MpmdMesh):
+    """The pipelined step for ``mesh`` (1F1B, 4 microbatches)."""
+
+    @functools.partial(mp.jit, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4)
+    def train_step(model: MLP, optimizer: nnx.Optimizer, batch) -> jax.Array:
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
 
 
 def build(stages: list[int], num_meshes: int) -> tuple[MLP, nnx.Optimizer, MpmdMesh]:
@@ -77,6 +88,7 @@ def build(stages: list[int], num_meshes: int) -> tuple[MLP, nnx.Optimizer, MpmdM
 def run(directory: str, steps: int, stages: list[int], num_meshes: int, crash_at=None):
     """Trains until ``steps`` (or the crash), resuming from ``directory`` if possible."""
     model, optimizer, mesh = build(stages, num_meshes)
+    train_step = make_train_step(mesh)
     losses = {}
     with CheckpointManager(directory, max_to_keep=3) as mgr:
         position = 0
@@ -85,11 +97,9 @@ def run(directory: str, steps: int, stages: list[int], num_meshes: int, crash_at
             position = mgr.metadata()["data_position"]
             print(f"  resumed step {mgr.latest_step()} into {num_meshes} meshes, stages {stages}")
         while position < steps:
-            gather((model, optimizer))  # nnx.jit needs one device; nnx_mpmd.jit will not
-            losses[position] = float(train_step(model, optimizer, *batch_at(position)))
+            losses[position] = float(train_step(model, optimizer, batch_at(position)))
             print(f"  step {position}: loss {losses[position]:.6f}")
             position += 1
-            place((model, optimizer), mesh)  # checkpoint the pipelined layout
             mgr.save(
                 position, {"model": model, "optimizer": optimizer}, {"data_position": position}
             )
@@ -115,7 +125,12 @@ def main() -> None:
     after = run(os.path.join(root, "crashy"), args.steps, [0, 0, 1, 1], 2)
 
     combined = {**before, **after}
-    if combined != reference:
+    # Another layout sums gradients in another order: equal up to float rounding.
+    if combined.keys() != reference.keys() or not np.allclose(
+        [combined[k] for k in sorted(combined)],
+        [reference[k] for k in sorted(reference)],
+        rtol=1e-5,
+    ):
         raise SystemExit(f"resumed losses differ: {combined} vs {reference}")
     print(f"resumed losses match the uninterrupted run over {args.steps} steps")
 
