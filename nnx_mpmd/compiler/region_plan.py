@@ -148,10 +148,10 @@ def build_region_program(
     fwd, bwd, fused, init, bi, bw = {}, {}, {}, {}, {}, {}
     for k, f in enumerate(fns):
         fwd[k] = compiled[f"F{k}"] = jax.jit(f.forward, donate_argnums=(6,))
-        bwd[k] = compiled[f"B{k}"] = jax.jit(f.backward, donate_argnums=(2,))
+        bwd[k] = compiled[f"B{k}"] = jax.jit(f.backward, donate_argnums=(3,))
         fused[k] = compiled[f"FB{k}"] = jax.jit(f.fused, donate_argnums=(7, 8))
         bi[k] = compiled[f"BI{k}"] = jax.jit(f.backward_input)
-        bw[k] = compiled[f"BW{k}"] = jax.jit(f.backward_weight, donate_argnums=(2,))
+        bw[k] = compiled[f"BW{k}"] = jax.jit(f.backward_weight, donate_argnums=(3,))
         init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated))
 
     def idx_slot(i: int, q: int) -> int:
@@ -281,7 +281,7 @@ def build_region_program(
                 Call(
                     mesh,
                     bwd[k],
-                    (slots(("res", k, i)), cts_args(k, i), gacc),
+                    (slots(("res", k, i)), forward_args(k, i), cts_args(k, i), gacc),
                     (after_backward(k, i), gacc),
                     f"B{k}.{i}",
                     task,
@@ -293,7 +293,7 @@ def build_region_program(
                 Call(
                     mesh,
                     bi[k],
-                    (slots(("res", k, i)), cts_args(k, i)),
+                    (slots(("res", k, i)), forward_args(k, i), cts_args(k, i)),
                     (after_backward(k, i), slots(("extras", k, i))),
                     f"BI{k}.{i}",
                     task,
@@ -305,7 +305,7 @@ def build_region_program(
                 Call(
                     mesh,
                     bw[k],
-                    (slots(("res", k, i)), slots(("extras", k, i)), gacc),
+                    (slots(("res", k, i)), forward_args(k, i), slots(("extras", k, i)), gacc),
                     gacc,
                     f"BW{k}.{i}",
                     task,

@@ -108,15 +108,37 @@ class StageFunctions:
         gacc = tuple(a + g.astype(a.dtype) for a, g in zip(gacc, g_params))
         return ct_xd, gacc
 
+    # -- residuals -------------------------------------------------------------
+    # jax.vjp's residuals include the task's own inputs (parameters, the stage
+    # input). Returning them from the forward program would copy them once per
+    # microbatch, so the forward keeps only the other residuals and the backward
+    # rebuilds the vjp function from its own copies of the inputs.
+    def _pack(self, vjp_fn, inputs):
+        leaves, tree = jax.tree.flatten(vjp_fn)
+        position = {id(x): i for i, x in enumerate(jax.tree.leaves(inputs))}
+        layout = tuple(position.get(id(leaf), -1) for leaf in leaves)
+        self._residual_layout = (tree, layout)
+        return tuple(leaf for leaf, pos in zip(leaves, layout) if pos < 0)
+
+    def _unpack(self, kept, inputs):
+        tree, layout = self._residual_layout
+        flat_inputs = jax.tree.leaves(inputs)
+        kept_iter = iter(kept)
+        leaves = [flat_inputs[pos] if pos >= 0 else next(kept_iter) for pos in layout]
+        return jax.tree.unflatten(tree, leaves)
+
     # -- the programs --------------------------------------------------------
     def forward(self, params, rest, batch, idx, xd, xn, racc):
-        """-> (sends, residuals, racc')."""
-        values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
-        return tuple(values[v] for v in self.sends), vjp_fn, self._accumulate(values, racc)
+        """-> (sends, kept residuals, racc')."""
+        inputs = (params, rest, batch, idx, xd, xn)
+        values, vjp_fn = self._forward(*inputs)
+        kept = self._pack(vjp_fn, inputs)
+        return tuple(values[v] for v in self.sends), kept, self._accumulate(values, racc)
 
-    def backward(self, vjp_fn, cts, gacc):
-        """cts: one tuple of contributions per differentiated send. -> (ct_xd, gacc')."""
-        return self._backward(vjp_fn, cts, gacc)
+    def backward(self, kept, inputs, cts, gacc):
+        """``inputs``: the forward's inputs. cts: one tuple of contributions per
+        differentiated send. -> (ct_xd, gacc')."""
+        return self._backward(self._unpack(kept, inputs), cts, gacc)
 
     def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
         """Forward and backward of one microbatch. -> (sends, ct_xd, gacc', racc')."""
@@ -134,13 +156,14 @@ class StageFunctions:
                 seeds.append(functools.reduce(jnp.add, next(ct_iter)))
         return seeds
 
-    def backward_input(self, vjp_fn, cts):
+    def backward_input(self, kept, inputs, cts):
         """The BI task. -> (ct_xd, extras for BW)."""
-        return run_bi(vjp_fn, self._seeds(cts), len(self.param_inputs))
+        return run_bi(self._unpack(kept, inputs), self._seeds(cts), len(self.param_inputs))
 
-    def backward_weight(self, vjp_fn, extras, gacc):
+    def backward_weight(self, kept, inputs, extras, gacc):
         """The BW task. -> gacc'."""
         seed_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.yd]
+        vjp_fn = self._unpack(kept, inputs)
         grads = run_bw(vjp_fn, extras, seed_avals, len(self.param_inputs))
         return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
 
