@@ -64,9 +64,9 @@ def main() -> None:
     print("mesh 0 starts with:", "; ".join(line.split(": ", 1)[1] for line in program[:6]))
     np.testing.assert_allclose(losses[0], expected, rtol=1e-5)
     print(f"first loss {losses[0]:.4f} equals the unpipelined {expected:.4f}")
-    head, tail = np.mean(losses[:5]), np.mean(losses[-5:])
-    print(f"loss {head:.3f} (first 5 steps) -> {tail:.3f} (last 5 steps)")
-    assert tail < head - 0.3, "the pipelined GPT did not learn"
+    head, tail = np.mean(losses[:3]), np.mean(losses[-3:])
+    print(f"loss {head:.3f} (first 3 steps) -> {tail:.3f} (last 3 steps)")
+    assert tail < head - 0.2, "the pipelined GPT did not learn"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""Smoke tests: every example runs with a small flag and passes its own checks."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+# (script, small flags, a line its own assertions print only when they passed)
+CASES = [
+    ("01_quickstart.py", ["--steps", "30"], "loss: step 0"),
+    ("02_gpt_pipeline.py", ["--steps", "12"], "equals the unpipelined"),
+    ("03_llama_interleaved.py", ["--steps", "2"], "equal the unpipelined run"),
+    ("04_checkpoint_resume.py", ["--steps", "4"], "resumed losses match"),
+    ("05_annotate_existing_model.py", ["--steps", "3"], "equal to nnx.jit at every step"),
+    ("06_custom_schedule.py", ["--steps", "5"], "equals the unpipelined reference"),
+]
+
+
+def test_every_example_is_smoke_tested():
+    assert sorted(p.name for p in EXAMPLES.glob("[0-9]*.py")) == [c[0] for c in CASES]
+
+
+@pytest.mark.parametrize(("script", "flags", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_example_runs(script, flags, expected, tmp_path):
+    # Without XLA_FLAGS: each example must ask for its 8 CPU devices itself.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if script == "04_checkpoint_resume.py":
+        flags = [*flags, "--dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *flags],
+        capture_output=True,
+        text=True,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert expected in proc.stdout
