@@ -258,9 +258,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       MpmdError: bad settings (devices, schedule, model) or an incompatible checkpoint.
 
     Example:
-      >>> summary = run(config_from_args(["--steps", "2", "--batch-size", "16",
-      ...     "--meshes", "2", "--microbatches", "2", "--sample-tokens", "0",
-      ...     "--run-dir", __import__("tempfile").mkdtemp()]))  # doctest: +SKIP
+      >>> run(config_from_args(["--schedule", "zigzag"]))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      nnx_mpmd.errors.ScheduleError: unknown schedule 'zigzag'; ...
     """
     from nnx_mpmd.train_loop import Trainer
 

@@ -185,23 +185,15 @@ class Trainer:
     Example:
       >>> import tempfile
       >>> from nnx_mpmd.train import config_from_args
-      >>> cfg = config_from_args(["--meshes", "2", "--data", "1", "--steps", "1",
-      ...     "--batch-size", "4", "--microbatches", "2", "--sample-tokens", "0"])
+      >>> cfg = config_from_args(["--meshes", "1", "--data", "1", "--steps", "1",
+      ...     "--batch-size", "4", "--microbatches", "2", "--corpus-bytes", "20000"])
       >>> Trainer(cfg, pathlib.Path(tempfile.mkdtemp())).num_stages
-      2
+      1
     """
 
     def __init__(self, cfg: Any, run_dir: pathlib.Path) -> None:
         self.cfg = cfg
         self.run_dir = pathlib.Path(run_dir)
-        devices = jax.devices()
-        needed = cfg.meshes * cfg.data
-        if len(devices) < needed:
-            raise MeshError(
-                f"--meshes {cfg.meshes} x --data {cfg.data} needs {needed} devices but JAX "
-                f"has {len(devices)} ({devices[0].platform}); lower --meshes or --data, or "
-                f"raise --devices (CPU only; XLA_FLAGS={DEVICE_FLAG_HINT})."
-            )
         self.schedule = get_schedule(cfg.schedule)
         self.num_stages = cfg.stages or self.schedule.default_num_stages(cfg.meshes)
         if cfg.model not in MODELS:
@@ -212,6 +204,14 @@ class Trainer:
                 f"{preset_names(cfg.model)}."
             )
         self.schedule.check(self.num_stages, cfg.meshes, cfg.microbatches)
+        devices = jax.devices()
+        needed = cfg.meshes * cfg.data
+        if len(devices) < needed:
+            raise MeshError(
+                f"--meshes {cfg.meshes} x --data {cfg.data} needs {needed} devices but JAX "
+                f"has {len(devices)} ({devices[0].platform}); lower --meshes or --data, or "
+                f"raise --devices (CPU only; XLA_FLAGS={DEVICE_FLAG_HINT})."
+            )
 
         text = stdlib_corpus(cfg.corpus_bytes)
         self.tokenizer = CharTokenizer.from_text(text)
