@@ -17,7 +17,7 @@ from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.partition import place
-from nnx_mpmd.runtime.executor import TaskRecord, _Shardings, execute
+from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 
 __all__ = ["Lowered", "PipelinedFunction", "jit", "value_and_grad"]
 
@@ -162,6 +162,7 @@ class PipelinedFunction:
         self._cache: dict[Any, CompiledStep] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self.last_profile: list[TaskRecord] | None = None
+        self.last_memory: dict[str, Any] | None = None
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
         flat = flatten_args(args)
@@ -202,20 +203,23 @@ class PipelinedFunction:
             tuple(_leaf_key(x) for x in flat.other_leaves),
         )
 
-    def __call__(self, *args: Any, profile: bool = False) -> Any:
+    def __call__(self, *args: Any, profile: bool = False, memory: bool = False) -> Any:
         flat, compiled = self._prepare(args)
         inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
         records: list[TaskRecord] | None = [] if profile else None
+        recorder = None
         if self.mesh.is_multi_process:
             from nnx_mpmd.runtime.multi_process import execute_multi_process
 
             outputs = execute_multi_process(compiled, inputs, self.mesh, self._shardings, records)
         else:
-            outputs = execute(
-                compiled, inputs, list(self.mesh.submeshes), self._shardings, records
-            )
+            submeshes = list(self.mesh.submeshes)
+            recorder = MemoryRecorder(submeshes) if memory else None
+            outputs = execute(compiled, inputs, submeshes, self._shardings, records, recorder)
         if profile:
             self.last_profile = records
+        if recorder is not None:
+            self.last_memory = recorder.summary()
         user = outputs[: compiled.num_user_outputs]
         new_state = jax.tree.unflatten(flat.state_tree, outputs[compiled.num_user_outputs :])
         nnx.update(flat.nodes, new_state)

@@ -1,0 +1,745 @@
+"""``nnx-mpmd bench``: pipelined steps side by side with the SPMD baselines.
+
+For each GPT preset it measures, in one process on simulated CPU devices:
+
+* (a) the `nnx_mpmd.jit` step for every registered schedule (skipping, with a
+  note, schedules the runtime does not support yet),
+* (b) the SPMD step users would otherwise write: ``nnx.jit`` with microbatched
+  gradient accumulation, data-parallel over all devices,
+* (c) the same microbatched step under ``nnx.jit`` on one device (on a machine
+  whose simulated devices share a few cores, the no-overhead limit),
+
+and reports median step times and ratios, time to first step, the runtime's
+host overhead per task, measured vs simulated peak memory and bubble. Steps are
+timed in interleaved rounds (a, b, c, a, b, c, ...) so that load from other
+processes hits every variant alike.
+
+Example:
+    >>> from nnx_mpmd.bench import parse_args
+    >>> parse_args(["--presets", "tiny", "--rounds", "2"]).rounds
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchSettings", "main", "parse_args", "run_benchmarks"]
+
+#: Schedules benchmarked by default: registry names with their parameters.
+DEFAULT_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "looped-bfs",
+    "zb-h1",
+    "zb-v",
+    "dualpipev",
+)
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    """What to benchmark and how hard.
+
+    Args:
+      presets: GPT presets (``tiny``, ``small``).
+      schedules: schedule registry names.
+      num_meshes: pipeline submeshes (the stage axis).
+      data: devices per submesh (the data axis).
+      microbatches: microbatches of the timed steps.
+      batch: global batch (sequences per step).
+      seq: tokens per sequence.
+      rounds: timed rounds (one step of every variant per round).
+      first_step_microbatches: microbatch counts of the time-to-first-step test.
+      first_step_batch: global batch of that test.
+      overhead_repeats: replays of the no-op executor.
+
+    Example:
+      >>> BenchSettings(presets=("tiny",)).num_meshes
+      4
+    """
+
+    presets: Sequence[str] = ("tiny", "small")
+    schedules: Sequence[str] = DEFAULT_SCHEDULES
+    num_meshes: int = 4
+    data: int = 2
+    microbatches: int = 8
+    batch: int = 64
+    seq: int = 32
+    rounds: int = 5
+    first_step_microbatches: Sequence[int] = (4, 32)
+    first_step_batch: int = 64
+    overhead_repeats: int = 20
+
+
+def _setup_devices(count: int) -> None:
+    """Asks for ``count`` simulated CPU devices; works until JAX's backend starts."""
+    import jax
+
+    from nnx_mpmd.errors import MeshError
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        if jax.config.jax_num_cpu_devices < count:
+            jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # the backend already started: the check below explains
+    if jax.device_count() < count:
+        raise MeshError(
+            f"nnx-mpmd bench needs {count} devices but JAX has {jax.device_count()} "
+            f"({jax.default_backend()}); run it in a fresh process (before anything starts "
+            "JAX's backend), or pass fewer --meshes/--data."
+        )
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _block(x: Any) -> Any:
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+# -- models, batches, steps ---------------------------------------------------------
+
+
+def _model(preset: str, num_stages: int, n_layers: int, seed: int = 0) -> tuple[Any, Any]:
+    import optax
+    from flax import nnx
+
+    from nnx_mpmd.models import build_model
+
+    model = build_model(
+        "gpt", preset, num_stages=num_stages, rngs=nnx.Rngs(seed), n_layers=n_layers
+    )
+    return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+
+def _batches(settings: BenchSettings, batch: int, count: int, vocab: int) -> list[dict]:
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        tokens = rng.integers(0, vocab, (batch, settings.seq + 1)).astype(np.int32)
+        out.append({"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])})
+    return out
+
+
+def _pipelined_fn() -> Callable[..., Any]:
+    import nnx_mpmd as mp
+    from nnx_mpmd.models import lm_loss
+
+    def train_step(model, optimizer, batch):
+        loss, grads = mp.value_and_grad(lm_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
+
+
+def _spmd_step(num_microbatches: int) -> Callable[..., Any]:
+    """A fresh ``nnx.jit`` microbatched step (fresh, so nothing is cached)."""
+    from flax import nnx
+
+    import nnx_mpmd as mp
+    from nnx_mpmd.models import lm_loss
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        grad_fn = mp.value_and_grad(lm_loss, num_microbatches=num_microbatches)
+        loss, grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
+
+
+def _mpmd_mesh(settings: BenchSettings) -> Any:
+    import jax
+
+    import nnx_mpmd as mp
+
+    devices = jax.devices()[: settings.num_meshes * settings.data]
+    mesh = jax.make_mesh((settings.num_meshes, settings.data), ("stage", "data"), devices=devices)
+    return mp.MpmdMesh(mesh, "stage")
+
+
+def _put(tree: Any, sharding: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+
+
+class _Variant:
+    """One timed step: a name, the callable, its arguments and its batches."""
+
+    def __init__(self, name: str, step: Callable[..., Any], args: tuple, batches: list) -> None:
+        self.name, self.step, self.args, self.batches = name, step, args, batches
+        self.times: list[float] = []
+        self.first_step_s = float("nan")
+
+    def first(self) -> None:
+        start = time.perf_counter()
+        _block(self.step(*self.args, self.batches[0]))
+        self.first_step_s = time.perf_counter() - start
+
+    def once(self, n: int) -> None:
+        batch = self.batches[n % len(self.batches)]
+        start = time.perf_counter()
+        _block(self.step(*self.args, batch))
+        self.times.append(time.perf_counter() - start)
+
+
+def _baselines(
+    settings: BenchSettings, preset: str, n_layers: int, batches: list
+) -> list[_Variant]:
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = settings.microbatches
+    devices = settings.num_meshes * settings.data
+    dp_mesh = jax.make_mesh(
+        (devices,),
+        ("data",),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=jax.devices()[:devices],
+    )
+    model, opt = _model(preset, 1, n_layers)
+    state = _put(nnx.state((model, opt)), NamedSharding(dp_mesh, P()))
+    nnx.update((model, opt), state)
+    dp_batches = [_put(b, NamedSharding(dp_mesh, P("data"))) for b in batches]
+    one_device = jax.devices()[0]
+    model1, opt1 = _model(preset, 1, n_layers)
+    nnx.update((model1, opt1), _put(nnx.state((model1, opt1)), one_device))
+    one_batches = [_put(b, one_device) for b in batches]
+    return [
+        _Variant(f"spmd-dp{devices}", _spmd_step(m), (model, opt), dp_batches),
+        _Variant("one-device", _spmd_step(m), (model1, opt1), one_batches),
+    ]
+
+
+def _unsupported(error: Exception) -> bool:
+    text = str(error).lower()
+    return "not" in text and ("support" in text or "does not have" in text)
+
+
+def _pipelined(settings: BenchSettings, preset: str, name: str, batches: list) -> Any:
+    """``(variant, n_layers)`` for schedule ``name``, or a skip note string."""
+    import nnx_mpmd as mp
+    from nnx_mpmd.models.presets import GPT_PRESETS
+    from nnx_mpmd.schedules import get_schedule
+
+    schedule = get_schedule(name)
+    num_stages = schedule.default_num_stages(settings.num_meshes)
+    n_layers = max(GPT_PRESETS[preset]["n_layers"], num_stages)
+    model, opt = _model(preset, num_stages, n_layers)
+    step = mp.jit(
+        _pipelined_fn(),
+        mesh=_mpmd_mesh(settings),
+        schedule=schedule,
+        num_microbatches=settings.microbatches,
+    )
+    variant = _Variant(name, step, (model, opt), batches)
+    try:
+        variant.first()
+    except mp.MpmdError as e:
+        first_line = str(e).splitlines()[0]
+        return f"{'skipped' if _unsupported(e) else 'not run'}: {first_line}"
+    variant.num_stages = num_stages  # type: ignore[attr-defined]
+    return variant, n_layers
+
+
+# -- runtime overhead, memory, bubble ---------------------------------------------
+
+
+def _compiled_and_inputs(variant: _Variant) -> tuple[Any, list[Any]]:
+    from nnx_mpmd.compiler.step import flatten_args
+
+    step = variant.step
+    flat = flatten_args((*variant.args, variant.batches[0]))
+    compiled = step._cache[step._key(flat)]
+    return compiled, [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
+
+
+def measure_overhead(variant: _Variant, repeats: int) -> dict[str, Any]:
+    """Host time of the executor with every program replaced by a cached no-op.
+
+    One real run records each call's results; the replay returns them at once,
+    so what remains is the runtime's own work: building arguments, storing
+    results, transfers' ``device_put`` and freeing.
+
+    Args:
+      variant: a pipelined variant that has run once.
+      repeats: replays to time (the median is reported).
+
+    Returns:
+      ``{"instructions", "stage_tasks", "us_per_instruction", "us_per_task",
+      "dispatch_us_per_task"}``; the last is the host time of a real step
+      until `execute` returns (asynchronous dispatch, not blocked), per task.
+
+    Example:
+      >>> callable(measure_overhead)
+      True
+    """
+    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.runtime.executor import execute
+
+    compiled, inputs = _compiled_and_inputs(variant)
+    submeshes = list(variant.step.mesh.submeshes)
+    results: dict[int, Any] = {}
+
+    def recording(n: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            results[n] = fn(*args)
+            return results[n]
+
+        return run
+
+    def replaying(n: int) -> Callable[..., Any]:
+        return lambda *args: results[n]
+
+    calls = [(n, ins) for n, ins in enumerate(compiled.instructions) if isinstance(ins, Call)]
+    recorder = _with_fns(compiled, {n: recording(n, ins.fn) for n, ins in calls})
+    _block(execute(recorder, inputs, submeshes))
+    replay = _with_fns(compiled, {n: replaying(n) for n, _ in calls})
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _block(execute(replay, inputs, submeshes))
+        times.append(time.perf_counter() - start)
+    dispatch = []
+    for _ in range(max(3, repeats // 4)):
+        start = time.perf_counter()
+        out = execute(compiled, inputs, submeshes)
+        dispatch.append(time.perf_counter() - start)
+        _block(out)
+    n_ins = len(compiled.instructions)
+    n_tasks = sum(1 for _, ins in calls if ins.task is not None)
+    return {
+        "instructions": n_ins,
+        "stage_tasks": n_tasks,
+        "us_per_instruction": _median(times) / n_ins * 1e6,
+        "us_per_task": _median(times) / n_tasks * 1e6,
+        "dispatch_us_per_task": _median(dispatch) / n_tasks * 1e6,
+    }
+
+
+def _with_fns(compiled: Any, fns: dict[int, Callable[..., Any]]) -> Any:
+    instructions = [
+        dataclasses.replace(ins, fn=fns[n]) if n in fns else ins
+        for n, ins in enumerate(compiled.instructions)
+    ]
+    return dataclasses.replace(compiled, instructions=instructions)
+
+
+def measure_memory(variant: _Variant) -> dict[str, Any]:
+    """Measured peak live bytes per mesh vs the simulator's prediction.
+
+    The prediction is ``simulate(tasks).peak_activations[q]`` times the mean
+    bytes one forward task on mesh ``q`` keeps (its sends and residuals); the
+    measured activation peak is the peak during the pipelined region minus the
+    bytes held just before the region's first stage task.
+
+    Args:
+      variant: a pipelined variant that has run once.
+
+    Returns:
+      Per-mesh lists: ``peak_bytes``, ``activation_peak_bytes``,
+      ``predicted_activation_bytes``, ``peak_activations``.
+
+    Example:
+      >>> callable(measure_memory)
+      True
+    """
+    from nnx_mpmd.schedules import simulate
+
+    compiled, _ = _compiled_and_inputs(variant)
+    _block(variant.step(*variant.args, variant.batches[0], memory=True))
+    mem = variant.step.last_memory
+    timeline = mem["timeline"]
+    labels = {label for _, label, _, _ in mem["task_output_bytes"]}
+    task_rows = [i for i, (_, label, _) in enumerate(timeline) if label in labels]
+    first, last = task_rows[0], task_rows[-1]
+    num_meshes = len(mem["peak_bytes"])
+    base = timeline[first - 1][2]
+    region_peak = [max(row[2][q] for row in timeline[first : last + 1]) for q in range(num_meshes)]
+    per_mesh: list[list[int]] = [[] for _ in range(num_meshes)]
+    for q, label, _, nbytes in mem["task_output_bytes"]:
+        if label.startswith("F") and not label.startswith("FB"):
+            per_mesh[q].append(nbytes)
+    peaks = simulate(compiled.tasks).peak_activations
+    predicted = [int(p * (_median(b) if b else 0)) for p, b in zip(peaks, per_mesh)]
+    return {
+        "peak_bytes": mem["peak_bytes"],
+        "activation_peak_bytes": [r - b for r, b in zip(region_peak, base)],
+        "predicted_activation_bytes": predicted,
+        "peak_activations": list(peaks),
+    }
+
+
+def measure_bubble(variant: _Variant) -> dict[str, Any]:
+    """Bubble of the schedule with measured task times vs nominal costs.
+
+    Profiling waits for every task, so real overlap cannot be observed on a
+    machine whose simulated devices share the cores; instead each stage's
+    measured forward and backward times (medians over microbatches) are fed
+    to the simulator. A fused forward+backward is split in the F:B ratio
+    measured on the other stages.
+
+    Args:
+      variant: a pipelined variant that has run once.
+
+    Returns:
+      ``{"measured_bubble", "simulated_bubble", "stage_costs_ms"}``.
+
+    Example:
+      >>> callable(measure_bubble)
+      True
+    """
+    from nnx_mpmd.schedules import Costs, simulate
+
+    compiled, _ = _compiled_and_inputs(variant)
+    _block(variant.step(*variant.args, variant.batches[0], profile=True))
+    durations: dict[tuple[int, str], list[float]] = {}
+    for _, label, task, start, end in variant.step.last_profile:
+        if task is None:
+            continue
+        kind = "FB" if label.startswith("FB") else task.kind
+        durations.setdefault((task.stage, kind), []).append(end - start)
+    med = {key: _median(v) for key, v in durations.items()}
+    ratios = [med[(s, "B")] / med[(s, "F")] for s, k in med if k == "F" and (s, "B") in med]
+    b_over_f = _median(ratios) if ratios else 2.0
+    per_stage: dict[int, dict[str, float]] = {}
+    for (stage, kind), value in med.items():
+        costs = per_stage.setdefault(stage, {})
+        if kind == "FB":
+            costs.setdefault("F", value / (1 + b_over_f))
+            costs.setdefault("B", value * b_over_f / (1 + b_over_f))
+        else:
+            costs[kind] = value
+    measured = simulate(compiled.tasks, Costs(per_stage=per_stage)).bubble_fraction
+    return {
+        "measured_bubble": float(measured),
+        "simulated_bubble": float(simulate(compiled.tasks, Costs()).bubble_fraction),
+        "stage_costs_ms": {
+            str(s): {k: round(v * 1e3, 3) for k, v in c.items()} for s, c in per_stage.items()
+        },
+    }
+
+
+# -- the whole run ------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory, JAX version and load of this machine.
+
+    Returns:
+      A JSON-able dict.
+
+    Example:
+      >>> "cores" in machine_info()
+      True
+    """
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    memory_gib = float("nan")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    return {
+        "hostname": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _first_step_scaling(settings: BenchSettings, preset: str) -> dict[str, Any]:
+    import nnx_mpmd as mp
+    from nnx_mpmd.models.presets import GPT_PRESETS
+
+    n_layers = GPT_PRESETS[preset]["n_layers"]
+    vocab = GPT_PRESETS[preset]["vocab_size"]
+    batches = _batches(settings, settings.first_step_batch, 1, vocab)
+    out: dict[str, Any] = {}
+    for m in settings.first_step_microbatches:
+        model, opt = _model(preset, settings.num_meshes, n_layers)
+        step = mp.jit(
+            _pipelined_fn(), mesh=_mpmd_mesh(settings), schedule=mp.OneFOneB(), num_microbatches=m
+        )
+        variant = _Variant(f"1f1b m={m}", step, (model, opt), batches)
+        variant.first()
+        out[str(m)] = variant.first_step_s
+    counts = [str(m) for m in settings.first_step_microbatches]
+    out["ratio"] = out[counts[-1]] / out[counts[0]]
+    return out
+
+
+def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], None]) -> dict:
+    from nnx_mpmd.models.presets import GPT_PRESETS
+
+    vocab = GPT_PRESETS[preset]["vocab_size"]
+    batches = _batches(settings, settings.batch, 3, vocab)
+    pipelined: dict[str, _Variant] = {}
+    notes: dict[str, str] = {}
+    layers_of: dict[str, int] = {}
+    for name in settings.schedules:
+        log(f"[{preset}] compiling {name}")
+        result = _pipelined(settings, preset, name, batches)
+        if isinstance(result, str):
+            notes[name] = result
+            log(f"[{preset}] {name}: {result}")
+            continue
+        pipelined[name], layers_of[name] = result
+    baselines: dict[int, list[_Variant]] = {}
+    for n_layers in sorted(set(layers_of.values())):
+        log(f"[{preset}] compiling baselines with {n_layers} layers")
+        baselines[n_layers] = _baselines(settings, preset, n_layers, batches)
+        for variant in baselines[n_layers]:
+            variant.first()
+    everything = list(pipelined.values()) + [v for vs in baselines.values() for v in vs]
+    for r in range(settings.rounds):
+        log(f"[{preset}] round {r + 1}/{settings.rounds}")
+        for variant in everything:
+            variant.once(r)
+    rows: dict[str, Any] = {}
+    for n_layers, (spmd, one) in baselines.items():
+        for v in (spmd, one):
+            rows[f"{v.name} ({n_layers} layers)"] = {
+                "median_s": _median(v.times),
+                "times_s": v.times,
+                "first_step_s": v.first_step_s,
+                "n_layers": n_layers,
+            }
+    for name, v in pipelined.items():
+        spmd, one = baselines[layers_of[name]]
+        log(f"[{preset}] {name}: overhead, memory, bubble")
+        rows[name] = {
+            "median_s": _median(v.times),
+            "times_s": v.times,
+            "first_step_s": v.first_step_s,
+            "n_layers": layers_of[name],
+            "num_stages": v.num_stages,  # type: ignore[attr-defined]
+            "ratio_vs_one_device": _median(v.times) / _median(one.times),
+            "ratio_vs_spmd": _median(v.times) / _median(spmd.times),
+            "first_step_ratio_vs_one_device": v.first_step_s / one.first_step_s,
+            "overhead": measure_overhead(v, settings.overhead_repeats),
+            "memory": measure_memory(v),
+            "bubble": measure_bubble(v),
+        }
+    log(f"[{preset}] time to first step at {list(settings.first_step_microbatches)} microbatches")
+    return {
+        "rows": rows,
+        "skipped": notes,
+        "first_step_scaling": _first_step_scaling(settings, preset),
+    }
+
+
+def run_benchmarks(
+    settings: BenchSettings, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
+    """Runs every measurement of `BenchSettings` and returns the report.
+
+    Args:
+      settings: what to run.
+      log: called with a progress line now and then.
+
+    Returns:
+      A JSON-able report: ``machine``, ``settings``, and per preset its rows,
+      skipped schedules and first-step scaling.
+
+    Example:
+      >>> callable(run_benchmarks)
+      True
+    """
+    _setup_devices(settings.num_meshes * settings.data)
+    import jax.numpy as jnp
+
+    _block(jnp.ones(4) + 1)  # start the backend outside any measurement
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_info(),
+        "settings": dataclasses.asdict(settings),
+        "presets": {},
+    }
+    for preset in settings.presets:
+        report["presets"][preset] = _preset_report(settings, preset, log)
+    report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return report
+
+
+def _fmt_bytes(values: Sequence[int]) -> str:
+    return "/".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown tables (one section per preset).
+
+    Args:
+      report: a `run_benchmarks` report.
+
+    Returns:
+      Markdown text.
+
+    Example:
+      >>> format_markdown({"machine": {}, "settings": {}, "presets": {}}).startswith("Machine")
+      True
+    """
+    m, s = report["machine"], report["settings"]
+    lines = [
+        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, "
+        f"jax {m.get('jax')} ({m.get('backend')}, {m.get('devices')} devices); load average "
+        f"{m.get('load_average')} before, {report.get('load_average_after')} after.",
+        f"Settings: {s.get('num_meshes')} meshes x {s.get('data')} data, "
+        f"{s.get('microbatches')} microbatches, batch {s.get('batch')} x {s.get('seq')} tokens, "
+        f"{s.get('rounds')} interleaved rounds (medians).",
+        "",
+    ]
+    for preset, p in report["presets"].items():
+        lines += [
+            f"#### GPT `{preset}`",
+            "",
+            "| step | layers | median ms | (a)/(c) | (a)/(b) | first step s | first/(c) "
+            "| µs/task (no-op) | dispatch µs/task | bubble meas/sim | act. MiB meas/pred (per mesh) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, r in p["rows"].items():
+            if "overhead" not in r:
+                lines.append(
+                    f"| {name} | {r['n_layers']} | {r['median_s'] * 1e3:.1f} | | | "
+                    f"{r['first_step_s']:.2f} | | | | | |"
+                )
+                continue
+            o, mem, b = r["overhead"], r["memory"], r["bubble"]
+            lines.append(
+                f"| {name} | {r['n_layers']} | {r['median_s'] * 1e3:.1f} | "
+                f"{r['ratio_vs_one_device']:.2f} | {r['ratio_vs_spmd']:.2f} | "
+                f"{r['first_step_s']:.2f} | {r['first_step_ratio_vs_one_device']:.2f} | "
+                f"{o['us_per_task']:.0f} | {o['dispatch_us_per_task']:.0f} | "
+                f"{b['measured_bubble']:.2f}/{b['simulated_bubble']:.2f} | "
+                f"{_fmt_bytes(mem['activation_peak_bytes'])} vs "
+                f"{_fmt_bytes(mem['predicted_activation_bytes'])} |"
+            )
+        for name, note in p["skipped"].items():
+            lines.append(f"| {name} | | {note} | | | | | | | | |")
+        fs = p["first_step_scaling"]
+        counts = [k for k in fs if k != "ratio"]
+        lines += [
+            "",
+            "Time to first step (1F1B): "
+            + ", ".join(f"m={k}: {fs[k]:.2f} s" for k in counts)
+            + f" (ratio {fs['ratio']:.2f}).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Reads the command line of ``nnx-mpmd bench``.
+
+    Args:
+      argv: the arguments after ``bench``.
+
+    Returns:
+      The parsed options.
+
+    Example:
+      >>> parse_args([]).presets
+      'tiny,small'
+    """
+    d = BenchSettings()
+    parser = argparse.ArgumentParser(prog="nnx-mpmd bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default=",".join(d.presets), help="GPT presets")
+    parser.add_argument("--schedules", default=",".join(d.schedules), help="schedule names")
+    parser.add_argument("--microbatches", type=int, default=d.microbatches)
+    parser.add_argument("--batch", type=int, default=d.batch, help="global batch")
+    parser.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds")
+    parser.add_argument(
+        "--first-step-microbatches", default=",".join(map(str, d.first_step_microbatches))
+    )
+    parser.add_argument("--first-step-batch", type=int, default=d.first_step_batch)
+    parser.add_argument("--overhead-repeats", type=int, default=d.overhead_repeats)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    parser.add_argument("--markdown", default=None, help="also write the tables to this file")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(list(argv))
+
+
+def _settings(args: argparse.Namespace) -> BenchSettings:
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    return BenchSettings(
+        presets=names(args.presets),
+        schedules=names(args.schedules),
+        microbatches=args.microbatches,
+        batch=args.batch,
+        seq=args.seq,
+        rounds=args.rounds,
+        first_step_microbatches=tuple(int(x) for x in names(args.first_step_microbatches)),
+        first_step_batch=args.first_step_batch,
+        overhead_repeats=args.overhead_repeats,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``nnx-mpmd bench``: runs, prints the tables, writes JSON.
+
+    Args:
+      argv: the arguments after ``bench`` (default: ``sys.argv[2:]``).
+
+    Returns:
+      The exit status.
+
+    Example:
+      >>> main(["--help"])  # doctest: +SKIP
+    """
+    args = parse_args(sys.argv[2:] if argv is None else argv)
+    settings = _settings(args)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    report = run_benchmarks(settings, log)
+    text = format_markdown(report)
+    print(text)
+    out = args.out
+    if out is None:
+        host = report["machine"]["hostname"] or "machine"
+        out = f"benchmarks/results/{report['date']}-{host}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    log(f"wrote {out}")
+    return 0
