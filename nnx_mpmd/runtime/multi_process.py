@@ -25,13 +25,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -65,6 +67,7 @@ __all__ = [
     "ProcessInfo",
     "execute_multi_process",
     "gather",
+    "global_view",
     "initialize_from_env",
     "is_remote",
     "launch_env",
@@ -502,6 +505,82 @@ def _local_copy(x: Any) -> tuple[jax.Array | None, jax.Array]:
     return (local[0] if local else None), copies[0]
 
 
+class _Fetcher:
+    """Collects arrays to this process; every process must fetch the same sequence.
+
+    `fetch_all` sends one bundle per (owner, receiver) pair: one pull per peer
+    instead of one per array.
+    """
+
+    def __init__(self, mesh: MpmdMesh) -> None:
+        self.mesh = mesh
+        owners = mesh_owners(mesh)
+        self.me = jax.process_index()
+        self.local = [q for q, p in enumerate(owners) if p == self.me]
+        self.transport = get_transport()
+        self.round = _next_round()
+
+    def fetch_all(self, values: Sequence[Any], where: str) -> list[Any]:
+        results = list(values)
+        outgoing: dict[int, list[jax.Array]] = {}
+        incoming: dict[int, list[tuple[int, jax.ShapeDtypeStruct]]] = {}
+        for i, x in enumerate(values):
+            if not isinstance(x, jax.Array | MpmdArray):
+                continue
+            mine, sent = _local_copy(x)
+            holders: set[int] = set()
+            for copy in x.arrays.values() if isinstance(x, MpmdArray) else [x]:
+                holders |= {d.process_index for d in copy.sharding.device_set}
+            sender = min(holders)
+            if self.me == sender:
+                for receiver in sorted(set(range(jax.process_count())) - holders):
+                    outgoing.setdefault(receiver, []).append(mine)
+            if mine is None:
+                if self.mesh.mesh_id_of(sent) is None:
+                    devices = sorted(d.id for d in sent.sharding.device_set)
+                    raise DistributedError(
+                        f"cannot fetch an array on devices {devices}, which are not a submesh "
+                        f"of {self.mesh!r}; place it with mp.place first."
+                    )
+                aval = aval_of(meta_of(sent), self.mesh.submesh(self.local[0]))
+                incoming.setdefault(sender, []).append((i, aval))
+            else:
+                results[i] = mine
+        for receiver, arrays in outgoing.items():
+            # Offer only computed arrays: pulls of pending host-to-device copies hung
+            # intermittently in tests (jax 0.10.2, CPU).
+            jax.block_until_ready(arrays)
+            self.transport.send(_uuid(self.round, self.me, receiver), arrays)
+        for sender, wanted in incoming.items():
+            uuid = _uuid(self.round, sender, self.me)
+            arrays = self.transport.receive(uuid, sender, [aval for _, aval in wanted])
+            for (i, _), array in zip(wanted, arrays):
+                results[i] = array
+        where = f"{where} (call {self.round})"
+        _wait_ready(results, self.transport, where)
+        # The owners keep their offered arrays until every receiver has them.
+        self.transport.barrier(f"fetch/{self.round}", where)
+        return results
+
+
+def _variables(tree: Any) -> list[nnx.Variable]:
+    """Every Variable of the NNX objects in ``tree``, once, in a deterministic order."""
+    found: list[nnx.Variable] = []
+    seen: set[int] = set()
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.Variable)):
+        if isinstance(node, nnx.Variable):
+            candidates = [node]
+        elif isinstance(node, nnx.Pytree):
+            candidates = [v for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)]
+        else:
+            continue
+        for variable in candidates:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+    return found
+
+
 def gather(tree: Any, mesh: MpmdMesh) -> Any:
     """Brings placed state to every process as ordinary arrays on its default device.
 
@@ -529,67 +608,116 @@ def gather(tree: Any, mesh: MpmdMesh) -> Any:
 
     if not mesh.is_multi_process:
         return gather_local(tree)
-    owners = mesh_owners(mesh)
-    me = jax.process_index()
-    local = [q for q, p in enumerate(owners) if p == me]
-    transport = get_transport()
-    round_ = _next_round()
-    counter = [0]
-    pending: list[Any] = []
-
-    def fetch(x: Any) -> Any:
-        if not isinstance(x, jax.Array | MpmdArray):
-            return x
-        index = counter[0]
-        counter[0] += 1
-        mine, sent = _local_copy(x)
-        holders = set()
-        for copy in x.arrays.values() if isinstance(x, MpmdArray) else [x]:
-            holders |= {d.process_index for d in copy.sharding.device_set}
-        sender = min(holders)
-        if me == sender:
-            receivers = sorted(set(range(jax.process_count())) - holders)
-            for receiver in receivers:
-                transport.send(_uuid(round_, index, receiver), [mine])
-        if mine is None:
-            q = mesh.mesh_id_of(sent)
-            target = mesh.submesh(local[0]) if q is not None else None
-            if target is None:
-                raise DistributedError(
-                    f"cannot gather an array on devices {sorted(d.id for d in sent.sharding.device_set)}"
-                    f" outside the submeshes of {mesh!r}; place it with mp.place first."
-                )
-            (mine,) = transport.receive(
-                _uuid(round_, index, me), sender, [aval_of(meta_of(sent), target)]
-            )
-        pending.append(mine)
-        return mine
-
-    def convert(x: Any) -> Any:
-        if isinstance(x, nnx.State):
-            return nnx.from_flat_state(
-                [
-                    (path, leaf.replace(fetch(leaf.get_value())))
-                    if isinstance(leaf, nnx.Variable)
-                    else (path, fetch(leaf))
-                    for path, leaf in nnx.to_flat_state(x)
-                ]
-            )
-        if isinstance(x, nnx.Pytree | nnx.Variable):
-            variables = [x] if isinstance(x, nnx.Variable) else [v for _, v in nnx.iter_graph(x)]
-            for variable in variables:
-                if isinstance(variable, nnx.Variable):
-                    value = variable.get_value()
-                    new = fetch(value)
-                    if new is not value:
-                        variable.set_value(new)
-            return x
-        return fetch(x)
-
-    fetched = jax.tree.map(
-        convert,
-        tree,
-        is_leaf=lambda x: isinstance(x, nnx.State | nnx.Pytree | nnx.Variable | MpmdArray),
+    leaves, treedef = jax.tree.flatten(
+        tree, is_leaf=lambda x: isinstance(x, nnx.State | nnx.Pytree | nnx.Variable | MpmdArray)
     )
-    _wait_ready(pending, transport, f"gathering state (call {round_})")
+    # Phase 1: every array value, in one deterministic order on every process.
+    values: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, nnx.State):
+            values.extend(
+                v.get_value() if isinstance(v, nnx.Variable) else v
+                for _, v in nnx.to_flat_state(leaf)
+            )
+        elif isinstance(leaf, nnx.Pytree | nnx.Variable):
+            values.extend(v.get_value() for v in _variables(leaf))
+        else:
+            values.append(leaf)
+    fetched = iter(_Fetcher(mesh).fetch_all(values, "gathering state"))
+    # Phase 2: put the local arrays back in the same order.
+    converted = []
+    for leaf in leaves:
+        if isinstance(leaf, nnx.State):
+            converted.append(
+                nnx.from_flat_state(
+                    [
+                        (path, v.replace(next(fetched)))
+                        if isinstance(v, nnx.Variable)
+                        else (path, next(fetched))
+                        for path, v in nnx.to_flat_state(leaf)
+                    ]
+                )
+            )
+        elif isinstance(leaf, nnx.Pytree | nnx.Variable):
+            for variable in _variables(leaf):
+                value, new = variable.get_value(), next(fetched)
+                if new is not value:
+                    variable.set_value(new)
+            converted.append(leaf)
+        else:
+            converted.append(next(fetched))
+    fetched = jax.tree.unflatten(treedef, converted)
     return gather_local(fetched)
+
+
+def _replicated(local: jax.Array, mesh: MpmdMesh) -> jax.Array:
+    host = np.asarray(local)
+    sharding = NamedSharding(mesh.jax_mesh, PartitionSpec())
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )
+
+
+def _placed_like(value: Any, like: Any) -> Any:
+    """``value`` (a replicated global array) with the placement of ``like``."""
+    if isinstance(like, MpmdArray):
+        return MpmdArray({q: _placed_like(value, like.array(q)) for q in like.mesh_ids})
+    if not isinstance(value, jax.Array) or not isinstance(like, jax.Array):
+        return value
+    host = np.asarray(value.addressable_shards[0].data)
+    return jax.make_array_from_callback(
+        host.shape, like.sharding, lambda index: host[index], dtype=host.dtype
+    )
+
+
+@contextlib.contextmanager
+def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
+    """Temporarily gives every Variable in ``tree`` a fully replicated global value.
+
+        Checkpointing libraries (orbax) need every process to pass the same global
+        arrays. Inside the block each Variable of the NNX objects in ``tree`` holds
+        one ``jax.Array`` replicated over all devices of ``mesh``; on exit each
+        Variable gets its placement back, keeping any value written meanwhile (a
+        restore). A collective: every process enters it with the same tree.
+        It needs each array to fit in every process's memory.
+
+        Args:
+          tree: NNX models and optimizers (placed on ``mesh``).
+          mesh: the `MpmdMesh`.
+
+        Yields:
+          ``tree``.
+
+        Raises:
+          DistributedError: a peer died or timed out.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import numpy as np
+    from flax import nnx
+          >>> mesh = MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
+          >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+          >>> with global_view(model, mesh):
+          ...     len(model.kernel.get_value().sharding.device_set)
+          2
+    """
+    variables = [
+        v
+        for v in _variables(tree)
+        if isinstance(v.get_value(), jax.Array | MpmdArray)
+        and not jax.dtypes.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
+    ]
+    originals = [v.get_value() for v in variables]
+    if mesh.is_multi_process:
+        locals_ = _Fetcher(mesh).fetch_all(originals, "building a global view")
+    else:
+        locals_ = [_local_copy(value)[0] for value in originals]
+    views = [_replicated(local, mesh) for local in locals_]
+    for variable, view in zip(variables, views):
+        variable.set_value(view)
+    try:
+        yield tree
+    finally:
+        for variable, view, original in zip(variables, views, originals):
+            current = variable.get_value()
+            variable.set_value(original if current is view else _placed_like(current, original))

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -169,6 +171,13 @@ class Transport:
         self._connections: dict[int, Any] = {}
         self._last_liveness = 0.0
         self.publish(f"transfer_address/{process_id}", self.server.address())
+        atexit.register(self._drain_at_exit)
+
+    def _drain_at_exit(self) -> None:
+        # A sender must not leave while a peer still pulls what it offered; a dead
+        # peer makes the barrier fail, which is fine at exit.
+        with contextlib.suppress(Exception):
+            self.barrier("exit", "exiting", timeout_s=min(peer_timeout_s(), 60.0))
 
     # ------------------------------------------------------------------ liveness
 
@@ -246,6 +255,28 @@ class Transport:
                     f"while process {self.process_id} was {where}. All processes must run the "
                     f"same steps in the same order; raise {ENV_TIMEOUT} if the peer is just slow."
                 )
+
+    def barrier(self, name: str, where: str, timeout_s: float | None = None) -> None:
+        """Waits until every process reached barrier ``name`` (ids must be unique).
+
+        Args:
+          name: the barrier id, the same on every process.
+          where: what this process was doing, for the message.
+          timeout_s: how long to wait (default `peer_timeout_s`).
+
+        Raises:
+          DistributedError: a peer died or did not arrive in time.
+        """
+        timeout = peer_timeout_s() if timeout_s is None else timeout_s
+        try:
+            self.client.wait_at_barrier(f"{_KEY_PREFIX}/{name}", int(timeout * 1000))
+        except Exception as e:
+            self.check_peers(where, force=True)
+            raise DistributedError(
+                f"process {self.process_id} waited {timeout:.0f} s at barrier {name!r} while "
+                f"{where}, but not every process arrived: {e}. All processes must make the same "
+                "calls in the same order."
+            ) from None
 
     # ------------------------------------------------------------------ arrays
 

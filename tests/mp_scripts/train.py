@@ -10,8 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
+if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script hangs
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["NNX_MPMD_DUMP_AFTER_S"]), exit=True)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from nnx_mpmd.runtime.multi_process import initialize_from_env
@@ -47,8 +53,12 @@ def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_na
         train_step_fn(loss_fn), mesh=mesh, schedule=SCHEDULES[name](), num_microbatches=microbatches
     )
     losses = []
+    kill_at = int(os.environ.get("NNX_MPMD_TEST_KILL_AT_STEP", "-1"))
     for i in range(steps):
         batch = make_batch(kind, microbatches * 2 * data, seed=i)
+        if i == kill_at and info.process_id == info.num_processes - 1:
+            # Die mid-step: the timer fires while this step's programs run.
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
         losses.append(float(step(model, opt, batch)))
     gather(model, mesh)
     params = {
@@ -78,4 +88,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except mp.DistributedError as error:
+        print(f"DistributedError: {error}", flush=True)
+        os._exit(3)

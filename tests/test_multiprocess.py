@@ -1,0 +1,129 @@
+"""Multi-process runs: 2 processes x 4 CPU devices under `nnx-mpmd launch`.
+
+Each test spawns real processes (bounded with ``timeout -k 5 N``, listening on
+127.0.0.1 only) and compares with the same script run as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
+    env.update(extra)
+    return env
+
+
+def _launch(script: str, *args: str, timeout: int = 120, **env: str):
+    command = [
+        "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
+        "--processes", "2", "--devices-per-process", "4", "--grace", "30", "--",
+        sys.executable, str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(command, cwd=ROOT, env=_env(**env), capture_output=True, text=True)
+    return done, time.monotonic() - start
+
+
+def _single(script: str, *args: str, timeout: int = 120):
+    command = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPTS / script), *args]
+    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
+
+
+def _check(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def _read(directory: Path, name: str) -> dict:
+    return json.loads((directory / name).read_text())
+
+
+RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4"]
+
+
+@pytest.fixture(scope="module")
+def training_results(tmp_path_factory):
+    multi, single = tmp_path_factory.mktemp("multi"), tmp_path_factory.mktemp("single")
+    runs = ",".join(RUNS)
+    done, _ = _launch("train.py", "--out", str(multi), "--runs", runs, "--steps", "3")
+    _check(done)
+    _check(_single("train.py", "--out", str(single), "--runs", runs, "--steps", "3"))
+    return [_read(multi, "losses_0.json"), _read(multi, "losses_1.json")], _read(
+        single, "losses_0.json"
+    )
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_train_like_one(training_results, run):
+    per_process, single = training_results
+    for result in per_process:  # every process sees the loss and the gathered parameters
+        assert result[run]["losses"] == pytest.approx(single[run]["losses"], rel=1e-5)
+        assert result[run]["param_sums"].keys() == single[run]["param_sums"].keys()
+        for path, total in single[run]["param_sums"].items():
+            assert result[run]["param_sums"][path] == pytest.approx(total, rel=1e-4, abs=1e-4)
+    assert single[run]["losses"][-1] < single[run]["losses"][0]
+
+
+def test_checkpoint_round_trip_between_layouts(tmp_path):
+    outs = [tmp_path / f"out{i}" for i in range(3)]
+    for out in outs:
+        out.mkdir()
+    two_ckpt, one_ckpt = tmp_path / "two", tmp_path / "one"
+    done, _ = _launch("checkpoint_roundtrip.py", "--out", str(outs[0]), "--save", str(two_ckpt))
+    _check(done)
+    _check(
+        _single(
+            "checkpoint_roundtrip.py",
+            "--out",
+            str(outs[1]),
+            "--restore",
+            str(two_ckpt),
+            "--save",
+            str(one_ckpt),
+            "--seed",
+            "1",
+        )
+    )
+    done, _ = _launch(
+        "checkpoint_roundtrip.py", "--out", str(outs[2]), "--restore", str(one_ckpt), "--seed", "2"
+    )
+    _check(done)
+    saved_by_two = _read(outs[0], "ckpt_0.json")
+    restored_by_one = _read(outs[1], "ckpt_0.json")
+    assert restored_by_one["restored"] == pytest.approx(saved_by_two["trained"], rel=1e-6)
+    for process in (0, 1):
+        restored_by_two = _read(outs[2], f"ckpt_{process}.json")
+        assert restored_by_two["restored"] == pytest.approx(restored_by_one["trained"], rel=1e-6)
+
+
+def test_killed_peer_stops_the_others_with_distributed_error(tmp_path):
+    done, elapsed = _launch(
+        "train.py",
+        "--out",
+        str(tmp_path),
+        "--runs",
+        "1f1b:2:2",
+        "--steps",
+        "6",
+        NNX_MPMD_TEST_KILL_AT_STEP="2",
+    )
+    assert done.returncode != 0
+    assert "[p0] DistributedError: " in done.stdout, done.stdout[-6000:]
+    assert "died" in done.stdout or "failed" in done.stdout
+    assert elapsed < 100  # bounded: no hang until the outer timeout
+    assert not (tmp_path / "losses_0.json").exists()
