@@ -10,3 +10,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# Many tests compile the same stage programs (the same model and schedule with a
+# different optimizer, say). A compilation cache shared by this test run (and its
+# xdist workers) turns those repeats into cache hits. A cache hit still counts as
+# a compilation in nnx_mpmd.compiler.stats, so recompilation tests stay exact.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if _run_id:  # shared by the workers of one run; the OS cleans the temp dir
+        _cache_dir = os.path.join(tempfile.gettempdir(), f"nnx-mpmd-jax-cache-{_run_id}")
+        os.makedirs(_cache_dir, exist_ok=True)
+    else:
+        _cache_dir = tempfile.mkdtemp(prefix="nnx-mpmd-jax-cache-")
+        atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
