@@ -508,8 +508,7 @@ def _local_copy(x: Any) -> tuple[jax.Array | None, jax.Array]:
 class _Fetcher:
     """Collects arrays to this process; every process must fetch the same sequence.
 
-    `fetch_all` sends one bundle per (owner, receiver) pair: one pull per peer
-    instead of one per array.
+    Owners publish each array once; every process without a copy reads it.
     """
 
     def __init__(self, mesh: MpmdMesh) -> None:
@@ -522,7 +521,7 @@ class _Fetcher:
 
     def fetch_all(self, values: Sequence[Any], where: str) -> list[Any]:
         results = list(values)
-        outgoing: dict[int, list[jax.Array]] = {}
+        outgoing_by_index: dict[int, jax.Array] = {}
         incoming: dict[int, list[tuple[int, jax.ShapeDtypeStruct]]] = {}
         for i, x in enumerate(values):
             if not isinstance(x, jax.Array | MpmdArray):
@@ -532,9 +531,8 @@ class _Fetcher:
             for copy in x.arrays.values() if isinstance(x, MpmdArray) else [x]:
                 holders |= {d.process_index for d in copy.sharding.device_set}
             sender = min(holders)
-            if self.me == sender:
-                for receiver in sorted(set(range(jax.process_count())) - holders):
-                    outgoing.setdefault(receiver, []).append(mine)
+            if self.me == sender and set(range(jax.process_count())) - holders:
+                outgoing_by_index[i] = mine
             if mine is None:
                 if self.mesh.mesh_id_of(sent) is None:
                     devices = sorted(d.id for d in sent.sharding.device_set)
@@ -546,16 +544,17 @@ class _Fetcher:
                 incoming.setdefault(sender, []).append((i, aval))
             else:
                 results[i] = mine
-        for receiver, arrays in outgoing.items():
-            # Offer only computed arrays: pulls of pending host-to-device copies hung
-            # intermittently in tests (jax 0.10.2, CPU).
-            jax.block_until_ready(arrays)
-            self.transport.send(_uuid(self.round, self.me, receiver), arrays)
+        # State moves through the coordination service's key-value store: bundled
+        # transfer-server pulls of many arrays intermittently never completed on
+        # jax 0.10.2 / CPU, while the key-value store is reliable.
+        for index, array in outgoing_by_index.items():
+            self.transport.publish_array(f"fetch/{self.round}/{index}", np.asarray(array))
         for sender, wanted in incoming.items():
-            uuid = _uuid(self.round, sender, self.me)
-            arrays = self.transport.receive(uuid, sender, [aval for _, aval in wanted])
-            for (i, _), array in zip(wanted, arrays):
-                results[i] = array
+            for i, aval in wanted:
+                host = self.transport.fetch_array(
+                    f"fetch/{self.round}/{i}", sender, aval.shape, aval.dtype, where
+                )
+                results[i] = jax.device_put(host, aval.sharding)
         where = f"{where} (call {self.round})"
         _wait_ready(results, self.transport, where)
         # The owners keep their offered arrays until every receiver has them.

@@ -278,6 +278,33 @@ class Transport:
                 "calls in the same order."
             ) from None
 
+    def publish_array(self, key: str, value: np.ndarray) -> None:
+        """Stores a host array's bytes under ``key`` (small state, not activations)."""
+        data = np.ascontiguousarray(value).tobytes()
+        self.client.key_value_set_bytes(f"{_KEY_PREFIX}/{key}", data, allow_overwrite=True)
+
+    def fetch_array(self, key: str, peer: int, shape: Any, dtype: Any, where: str) -> np.ndarray:
+        """Waits for the array a peer stored with `publish_array`."""
+        deadline = time.monotonic() + peer_timeout_s()
+        full = f"{_KEY_PREFIX}/{key}"
+        while True:
+            try:
+                data = self.client.blocking_key_value_get_bytes(full, 500)
+                return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+                    raise DistributedError(
+                        f"process {self.process_id} could not read {full!r} from process {peer} "
+                        f"while {where}: {e}"
+                    ) from None
+            self.check_peers(where, force=True)
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"process {peer} did not publish {full!r} within {peer_timeout_s():.0f} s "
+                    f"while process {self.process_id} was {where}; raise {ENV_TIMEOUT} if the "
+                    "peer is just slow."
+                )
+
     # ------------------------------------------------------------------ arrays
 
     def connection(self, peer: int) -> Any:
