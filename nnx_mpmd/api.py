@@ -87,7 +87,8 @@ def _leaf_key(x: Any) -> Any:
         shardings = tuple((q, _sharding_key(x.array(q).sharding)) for q in x.mesh_ids)
         return ("mpmd", x.shape, str(x.dtype), shardings)
     if isinstance(x, jax.Array):
-        return ("array", x.shape, str(x.dtype), _sharding_key(x.sharding), x.weak_type)
+        weak = getattr(x, "weak_type", False)  # PRNG key arrays have none
+        return ("array", x.shape, str(x.dtype), _sharding_key(x.sharding), weak)
     return ("host", np.shape(x), str(np.result_type(x)))
 
 

@@ -251,30 +251,38 @@ def reference_value_and_grad(
     gradients.
     """
     graphdef, diff_state, other_state = _split_model(model, wrt)
+    diff_leaves, diff_tree = jax.tree.flatten(diff_state)
+    other_leaves, other_tree = jax.tree.flatten(other_state)
     stacked = split_microbatches(batch, num_microbatches)
 
-    def one(diff: nnx.State, other: nnx.State, mb: Any) -> Any:
-        local = nnx.merge(graphdef, diff, other)
+    # Raw leaves cross the transforms; Variables are rebuilt inside the trace so
+    # that state updates (RNG counters, batch statistics) happen at its level.
+    def one(diff: list[Any], other: list[Any], mb: Any) -> Any:
+        local = nnx.merge(
+            graphdef, jax.tree.unflatten(diff_tree, diff), jax.tree.unflatten(other_tree, other)
+        )
         out = loss_fn(local, mb)
         loss, aux = out if has_aux else (out, None)
         _, _, new_other = _split_model(local, wrt)
-        return loss, (aux, new_other)
+        return loss, (aux, jax.tree.leaves(new_other))
 
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
     def step(carry: Any, mb: Any) -> Any:
         other, loss_sum, aux_sum, grad_sum = carry
-        (loss, (aux, other)), grads = grad_fn(diff_state, other, mb)
+        (loss, (aux, other)), grads = grad_fn(diff_leaves, other, mb)
         add = lambda a, b: a + b  # noqa: E731
         aux_sum = jax.tree.map(add, aux_sum, aux) if aux_sum is not None else aux
         return (other, loss_sum + loss, aux_sum, jax.tree.map(add, grad_sum, grads)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, diff_state)
+    zeros = [jnp.zeros_like(x) for x in diff_leaves]
     first_mb = jax.tree.map(lambda x: x[0], stacked)
-    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_state, other_state, first_mb)
+    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, other_leaves, first_mb)
     aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
-    init = (other_state, jnp.zeros(loss0.shape, loss0.dtype), aux_zeros, zeros)
-    (other_state, loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(step, init, stacked)
+    init = (other_leaves, jnp.zeros(loss0.shape, loss0.dtype), aux_zeros, zeros)
+    (other_leaves, loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(step, init, stacked)
+    other_state = jax.tree.unflatten(other_tree, other_leaves)
+    grad_sum = jax.tree.unflatten(diff_tree, grad_sum)
     nnx.update(model, other_state)
     scale = 1.0 / num_microbatches
     loss = loss_sum * scale

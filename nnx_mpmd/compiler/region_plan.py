@@ -169,11 +169,20 @@ def build_region_program(
         racc = tuple(slots(("racc", k, j)) for j in range(len(f.accumulated)))
         program.append(Call(q, init[k], (params,), (gacc, racc), f"init{k}"))
 
+    def state_slot(r: int, i: int, q: int) -> int:
+        # Microbatch i reads the state the forward of microbatch i-1 left.
+        return input_slot(r, q) if i == 0 else slots(("carry", r, i))
+
+    def carried_outs(k: int, i: int) -> tuple:
+        return tuple(slots(("carry", r, i + 1)) for r in fns[k].carries)
+
     def forward_args(k: int, i: int) -> tuple:
         f, q = fns[k], stage_mesh[k]
         return (
             tuple(input_slot(r, q) for r in f.param_inputs),
-            tuple(input_slot(r, q) for r in f.rest_inputs),
+            tuple(
+                state_slot(r, i, q) if r in f.carries else input_slot(r, q) for r in f.rest_inputs
+            ),
             tuple(input_slot(r, q) for r in f.batch_inputs),
             idx_slot(i, q),
             tuple(slots(("y", id(v), i, q)) for v in f.xd),
@@ -257,7 +266,7 @@ def build_region_program(
                         mesh,
                         fused[k],
                         (*forward_args(k, i), cts_args(k, i), gacc, racc),
-                        (sends, after_backward(k, i), gacc, racc),
+                        (sends, after_backward(k, i), gacc, racc, carried_outs(k, i)),
                         f"FB{k}.{i}",
                         task,
                     )
@@ -270,7 +279,7 @@ def build_region_program(
                     mesh,
                     fwd[k],
                     (*forward_args(k, i), racc),
-                    (sends, slots(("res", k, i)), racc),
+                    (sends, slots(("res", k, i)), racc, carried_outs(k, i)),
                     f"F{k}.{i}",
                     task,
                 )
@@ -353,15 +362,28 @@ def build_region_program(
                     Call(home, _sum_jit, tuple(contributions), out, f"sum shared grad {d}")
                 )
             output_slots.append([(home, out)])
-    for source in plan.outputs[n_acc_outputs:]:
+    first_other = info.n_closure + info.n_diff
+    for j, source in enumerate(plan.outputs[n_acc_outputs:]):
+        r = first_other + j
         if source.kind == "input":
             output_slots.append([("input", source.input_index)])
         elif source.kind == "literal":
             output_slots.append([("literal", source.value)])
         else:
-            raise CompileError(
-                f"stage {source.stage} changes model state that is not a parameter (for "
-                "example RNG counters or batch statistics); this build does not pipeline "
-                "mutable state yet. Keep such state out of the Stage bodies."
-            )
+            readers = sorted(set(plan.input_stages.get(r, [])) | {source.stage})
+            if len(readers) > 1:
+                raise CompileError(
+                    f"{info.other_paths[j]} is updated by stage {source.stage} and used by "
+                    f"stages {readers}: mutable state (RNG counters, batch statistics) must "
+                    "belong to one stage. Give each stage its own state, e.g. one nnx.Rngs "
+                    "stream per Stage (nnx.Dropout forks its own)."
+                )
+            k, m = source.stage, info.num_microbatches
+            q, home = stage_mesh[k], home_mesh(r)
+            final = slots(("carry", r, m))
+            if q != home:
+                moved = slots(("carry home", r))
+                program.append(Transfer(final, moved, home, f"state {j}", src_mesh=q))
+                final = moved
+            output_slots.append([(home, final)])
     return RegionProgram(program, output_slots, constants, compiled)

@@ -62,6 +62,13 @@ class StageFunctions:
         if self.loss_var is not None and self.loss_var not in self.yd:
             self.yd.append(self.loss_var)
         self.yn = [v for v in sl.boundary_out if v not in self.yd]
+        # Non-parameter state this stage updates (RNG counters, batch statistics):
+        # each forward takes the value left by the previous microbatch's forward.
+        first_other = info.n_closure + info.n_diff
+        self.carries: dict[int, Any] = {}
+        for j, source in enumerate(plan.outputs[1 + info.n_aux :]):
+            if source.kind == "stage" and source.stage == stage:
+                self.carries[first_other + j] = source.var
         # Region outputs produced here (loss, aux) are averaged over microbatches.
         self.accumulated = [
             o.var for o in plan.outputs[: 1 + info.n_aux] if o.kind == "stage" and o.stage == stage
@@ -128,12 +135,16 @@ class StageFunctions:
         return jax.tree.unflatten(tree, leaves)
 
     # -- the programs --------------------------------------------------------
+    def _carried(self, values):
+        return tuple(values[v] for v in self.carries.values())
+
     def forward(self, params, rest, batch, idx, xd, xn, racc):
-        """-> (sends, kept residuals, racc')."""
+        """-> (sends, kept residuals, racc', carried state)."""
         inputs = (params, rest, batch, idx, xd, xn)
         values, vjp_fn = self._forward(*inputs)
         kept = self._pack(vjp_fn, inputs)
-        return tuple(values[v] for v in self.sends), kept, self._accumulate(values, racc)
+        sends = tuple(values[v] for v in self.sends)
+        return sends, kept, self._accumulate(values, racc), self._carried(values)
 
     def backward(self, kept, inputs, cts, gacc):
         """``inputs``: the forward's inputs. cts: one tuple of contributions per
@@ -141,10 +152,14 @@ class StageFunctions:
         return self._backward(self._unpack(kept, inputs), cts, gacc)
 
     def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
-        """Forward and backward of one microbatch. -> (sends, ct_xd, gacc', racc')."""
+        """Forward and backward of one microbatch.
+
+        Returns ``(sends, ct_xd, gacc', racc', carried state)``.
+        """
         values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
         ct_xd, gacc = self._backward(vjp_fn, cts, gacc)
-        return tuple(values[v] for v in self.sends), ct_xd, gacc, self._accumulate(values, racc)
+        sends = tuple(values[v] for v in self.sends)
+        return sends, ct_xd, gacc, self._accumulate(values, racc), self._carried(values)
 
     def _seeds(self, cts):
         seeds = []

@@ -1,0 +1,108 @@
+"""RNG streams and batch statistics inside stages equal the sequential reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import WIDTH, make_batch, make_mesh, params_of
+
+import nnx_mpmd as mp
+
+
+class DropoutBatchNorm(mp.PipelinedModel):
+    """Dropout in every stage (each forks its own RNG stream), BatchNorm on the last."""
+
+    def __init__(self, num_stages, *, rngs):
+        self.layers = nnx.List(
+            [
+                mp.Stage(
+                    nnx.Sequential(
+                        nnx.Linear(WIDTH, WIDTH, rngs=rngs), nnx.Dropout(0.3, rngs=rngs)
+                    ),
+                    stage=s,
+                )
+                for s in range(num_stages)
+            ]
+        )
+        self.norm = mp.Stage(nnx.BatchNorm(WIDTH, rngs=rngs), stage=num_stages - 1)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return self.norm(x)
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _step(num_microbatches=None):
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(_loss, num_microbatches=num_microbatches)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    return step
+
+
+def _build(num_stages):
+    model = DropoutBatchNorm(num_stages, rngs=nnx.Rngs(0, dropout=1))
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+
+def _state(model):
+    return {
+        ".".join(map(str, path)): np.asarray(var.get_value())
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.BatchStat, nnx.RngCount)))
+    }
+
+
+@pytest.mark.parametrize(
+    "schedule,meshes,stages",
+    [(mp.OneFOneB(), 2, 2), (mp.ZeroBubbleH1(), 2, 2), (mp.Interleaved1F1B(), 2, 4)],
+    ids=["1f1b", "zb-h1", "interleaved"],
+)
+def test_dropout_and_batchnorm_equal_reference(schedule, meshes, stages):
+    ref_model, ref_opt = _build(stages)
+    model, opt = _build(stages)
+    reference = nnx.jit(_step(4))
+    pipelined = mp.jit(_step(), mesh=make_mesh(meshes, 1), schedule=schedule, num_microbatches=4)
+    for step in range(3):
+        batch = make_batch("regression", 8, seed=step)
+        np.testing.assert_allclose(
+            pipelined(model, opt, batch), reference(ref_model, ref_opt, batch), rtol=1e-5
+        )
+    expected, got = _state(ref_model), _state(model)
+    assert expected.keys() == got.keys() and any("count" in k for k in got)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-5, err_msg=path)
+    # 3 steps x 4 microbatches: every dropout stream advanced 12 times.
+    assert all(int(v) == 12 for k, v in got.items() if k.endswith("count"))
+    for path, value in params_of(ref_model).items():
+        np.testing.assert_allclose(params_of(model)[path], value, atol=1e-4, err_msg=path)
+
+
+def test_state_shared_by_two_stages_is_rejected():
+    class SharedRngs(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+            self.b = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=1)
+            self.rngs = rngs
+
+        def __call__(self, x):
+            x = self.a(x) + jax_random_noise(self.rngs, x)
+            return self.b(x) + jax_random_noise(self.rngs, x)
+
+    def jax_random_noise(rngs, x):
+        import jax
+
+        return 0.01 * jax.random.normal(rngs.noise(), x.shape)
+
+    model = SharedRngs(nnx.Rngs(0, noise=1))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.CompileError, match=r"rngs.noise.count.*stages \[0, 1\].*one stage"):
+        f(model, opt, make_batch("regression", 4))
