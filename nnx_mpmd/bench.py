@@ -39,13 +39,8 @@ __all__ = ["BenchSettings", "main", "parse_args", "run_benchmarks"]
 
 #: Schedules benchmarked by default: registry names with their parameters.
 DEFAULT_SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped-bfs",
-    "zb-h1",
-    "zb-v",
-    "dualpipev",
+    *("gpipe", "1f1b", "interleaved", "looped-bfs"),
+    *("zb-h1", "zb-v", "dualpipev"),
 )
 
 
@@ -109,12 +104,7 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def _block(x: Any) -> Any:
-    import jax
-
-    return jax.block_until_ready(x)
-
-
-# -- models, batches, steps ---------------------------------------------------------
+    return sys.modules["jax"].block_until_ready(x)
 
 
 def _model(preset: str, num_stages: int, n_layers: int, seed: int = 0) -> tuple[Any, Any]:
@@ -183,7 +173,7 @@ def _mpmd_mesh(settings: BenchSettings) -> Any:
 def _put(tree: Any, sharding: Any) -> Any:
     import jax
 
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+    return jax.device_put(tree, sharding)
 
 
 class _Variant:
@@ -267,9 +257,6 @@ def _pipelined(settings: BenchSettings, preset: str, name: str, batches: list) -
     return variant, n_layers
 
 
-# -- runtime overhead, memory, bubble ---------------------------------------------
-
-
 def _compiled_and_inputs(variant: _Variant) -> tuple[Any, list[Any]]:
     from nnx_mpmd.compiler.step import flatten_args
 
@@ -279,25 +266,13 @@ def _compiled_and_inputs(variant: _Variant) -> tuple[Any, list[Any]]:
     return compiled, [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
 
 
-def measure_overhead(variant: _Variant, repeats: int) -> dict[str, Any]:
+def _measure_overhead(variant: _Variant, repeats: int) -> dict[str, Any]:
     """Host time of the executor with every program replaced by a cached no-op.
 
     One real run records each call's results; the replay returns them at once,
     so what remains is the runtime's own work: building arguments, storing
-    results, transfers' ``device_put`` and freeing.
-
-    Args:
-      variant: a pipelined variant that has run once.
-      repeats: replays to time (the median is reported).
-
-    Returns:
-      ``{"instructions", "stage_tasks", "us_per_instruction", "us_per_task",
-      "dispatch_us_per_task"}``; the last is the host time of a real step
-      until `execute` returns (asynchronous dispatch, not blocked), per task.
-
-    Example:
-      >>> callable(measure_overhead)
-      True
+    results, transfers' ``device_put`` and freeing. ``dispatch_us_per_task``
+    is a real step's host time until `execute` returns (not blocked), per task.
     """
     from nnx_mpmd.compiler.instructions import Call
     from nnx_mpmd.runtime.executor import execute
@@ -350,24 +325,13 @@ def _with_fns(compiled: Any, fns: dict[int, Callable[..., Any]]) -> Any:
     return dataclasses.replace(compiled, instructions=instructions)
 
 
-def measure_memory(variant: _Variant) -> dict[str, Any]:
+def _measure_memory(variant: _Variant) -> dict[str, Any]:
     """Measured peak live bytes per mesh vs the simulator's prediction.
 
     The prediction is ``simulate(tasks).peak_activations[q]`` times the mean
     bytes one forward task on mesh ``q`` keeps (its sends and residuals); the
     measured activation peak is the peak during the pipelined region minus the
     bytes held just before the region's first stage task.
-
-    Args:
-      variant: a pipelined variant that has run once.
-
-    Returns:
-      Per-mesh lists: ``peak_bytes``, ``activation_peak_bytes``,
-      ``predicted_activation_bytes``, ``peak_activations``.
-
-    Example:
-      >>> callable(measure_memory)
-      True
     """
     from nnx_mpmd.schedules import simulate
 
@@ -395,7 +359,7 @@ def measure_memory(variant: _Variant) -> dict[str, Any]:
     }
 
 
-def measure_bubble(variant: _Variant) -> dict[str, Any]:
+def _measure_bubble(variant: _Variant) -> dict[str, Any]:
     """Bubble of the schedule with measured task times vs nominal costs.
 
     Profiling waits for every task, so real overlap cannot be observed on a
@@ -403,16 +367,6 @@ def measure_bubble(variant: _Variant) -> dict[str, Any]:
     measured forward and backward times (medians over microbatches) are fed
     to the simulator. A fused forward+backward is split in the F:B ratio
     measured on the other stages.
-
-    Args:
-      variant: a pipelined variant that has run once.
-
-    Returns:
-      ``{"measured_bubble", "simulated_bubble", "stage_costs_ms"}``.
-
-    Example:
-      >>> callable(measure_bubble)
-      True
     """
     from nnx_mpmd.schedules import Costs, simulate
 
@@ -443,9 +397,6 @@ def measure_bubble(variant: _Variant) -> dict[str, Any]:
             str(s): {k: round(v * 1e3, 3) for k, v in c.items()} for s, c in per_stage.items()
         },
     }
-
-
-# -- the whole run ------------------------------------------------------------------
 
 
 def machine_info() -> dict[str, Any]:
@@ -555,9 +506,9 @@ def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], No
             "ratio_vs_one_device": _median(v.times) / _median(one.times),
             "ratio_vs_spmd": _median(v.times) / _median(spmd.times),
             "first_step_ratio_vs_one_device": v.first_step_s / one.first_step_s,
-            "overhead": measure_overhead(v, settings.overhead_repeats),
-            "memory": measure_memory(v),
-            "bubble": measure_bubble(v),
+            "overhead": _measure_overhead(v, settings.overhead_repeats),
+            "memory": _measure_memory(v),
+            "bubble": _measure_bubble(v),
         }
     log(f"[{preset}] time to first step at {list(settings.first_step_microbatches)} microbatches")
     return {

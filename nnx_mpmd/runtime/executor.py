@@ -153,9 +153,10 @@ def _plan_for(step: CompiledStep, shardings: _Shardings | None) -> tuple[_Shardi
 class MemoryRecorder:
     """Per-mesh bytes of the live arrays held in a step's slots, after every instruction.
 
-    Bytes are per device: for each array on a mesh, the size of its first
-    addressable shard (residual pytrees counted leaf by leaf). An array held
-    in several slots counts once.
+    Bytes are per device: for each array on a mesh, the size of one shard
+    (what ``addressable_shards[0].data.nbytes`` gives, computed from the
+    sharding without touching the shards; residual pytrees counted leaf by
+    leaf). An array held in several slots counts once.
 
     Args:
       submeshes: the jax Mesh of each mesh id.
@@ -181,6 +182,18 @@ class MemoryRecorder:
         }
         self.timeline: list[tuple[int, str, list[int]]] = []
         self.output_bytes: list[tuple[int, str, Any, int]] = []
+        self._cache: dict[tuple[Any, ...], tuple[int | None, int]] = {}
+
+    def _leaf(self, leaf: jax.Array) -> tuple[int | None, int]:
+        """``(mesh, bytes per device)`` of an array, cached per shape/dtype/sharding."""
+        key = (leaf.shape, leaf.dtype, leaf.sharding)
+        info = self._cache.get(key)
+        if info is None:
+            device = next(iter(leaf.sharding.device_set))
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            nbytes = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
+            info = self._cache[key] = (self.mesh_of_device.get(device.id), nbytes)
+        return info
 
     def _bytes(self, values: Sequence[Any]) -> list[int]:
         totals = [0] * self.num_meshes
@@ -189,12 +202,9 @@ class MemoryRecorder:
             if not isinstance(leaf, jax.Array) or id(leaf) in seen or leaf.is_deleted():
                 continue
             seen.add(id(leaf))
-            shards = leaf.addressable_shards
-            if not shards:
-                continue
-            q = self.mesh_of_device.get(shards[0].device.id)
+            q, nbytes = self._leaf(leaf)
             if q is not None:
-                totals[q] += shards[0].data.nbytes
+                totals[q] += nbytes
         return totals
 
     def record(self, index: int, label: str, store: Sequence[Any]) -> None:
