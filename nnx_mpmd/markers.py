@@ -23,12 +23,18 @@ from nnx_mpmd.errors import PartitionError
 
 __all__ = [
     "StageMarkerInfo",
+    "StageOutsideRegionError",
     "call_stage",
     "current_stage",
     "outer_tracing",
     "pipeline_tracing",
     "stage_marker_p",
 ]
+
+
+class StageOutsideRegionError(PartitionError):
+    """A `Stage` ran while `mp.jit` traced the step outside its pipelined region."""
+
 
 stage_marker_p = Primitive("mpmd_stage_marker")
 stage_marker_p.multiple_results = True
@@ -154,7 +160,7 @@ def call_stage(
     """
     if not _state.active:
         if _state.outer:
-            raise PartitionError(
+            raise StageOutsideRegionError(
                 f"Stage {stage}{where} was called by the step outside mp.value_and_grad: "
                 "mp.jit can only place stage code inside the pipelined region. Call the model "
                 "inside the loss function given to mp.value_and_grad."

@@ -169,11 +169,17 @@ def trace_region(
             graphdef, jax.tree.unflatten(diff_tree, diff), jax.tree.unflatten(other_tree, other)
         )
         out = loss_fn(local, jax.tree.unflatten(batch_tree, mb))
-        loss, aux = out if has_aux else (out, None)
-        aux_leaves, aux_tree = jax.tree.flatten(aux)
+        if with_grad:
+            loss, aux = out if has_aux else (out, None)
+            aux_leaves, aux_tree = jax.tree.flatten(aux)
+            head = [loss, *aux_leaves]
+        else:  # forward only: every output leaf is collected per microbatch
+            head, aux_tree = jax.tree.flatten(out)
+            if not head:
+                raise CompileError("a forward-only pipelined step must return arrays.")
         aux_tree_box.append(aux_tree)
         _, _, new_other = _split_model(local, wrt)
-        return [loss, *aux_leaves, *jax.tree.leaves(new_other)]
+        return [*head, *jax.tree.leaves(new_other)]
 
     def aval(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
@@ -222,6 +228,9 @@ def trace_region(
     )
     _region_state.regions.append(info)
     outs = region_p.bind(*consts, *diff_leaves, *other_leaves, *batch_leaves, info=info)
+    if not with_grad:
+        nnx.update(model, jax.tree.unflatten(other_tree, outs[1 + n_aux :]))
+        return jax.tree.unflatten(aux_tree_box[-1], outs[: 1 + n_aux])
     loss, rest = outs[0], outs[1:]
     aux = jax.tree.unflatten(aux_tree_box[-1], rest[:n_aux])
     rest = rest[n_aux:]
@@ -229,8 +238,6 @@ def trace_region(
         grads = jax.tree.unflatten(diff_tree, rest[: len(diff_leaves)])
         rest = rest[len(diff_leaves) :]
     nnx.update(model, jax.tree.unflatten(other_tree, rest))
-    if not with_grad:
-        return (loss, aux) if has_aux else loss
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 

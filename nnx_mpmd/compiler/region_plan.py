@@ -113,6 +113,7 @@ def _sum(*xs: Any) -> Any:
 
 _sum_jit = jax.jit(_sum)
 _zeros_like_jit = jax.jit(jnp.zeros_like)
+_stack_jit = jax.jit(lambda *xs: jnp.stack(xs))
 
 
 def build_region_program(
@@ -145,12 +146,13 @@ def build_region_program(
     program: list[Instruction] = []
     constants: dict[int, Any] = {}
     compiled: dict[str, Any] = {}
-    fwd, bwd, fused, init, bi, bw = {}, {}, {}, {}, {}, {}
+    fwd, bwd, fused, init, bi, bw, fwd_only = {}, {}, {}, {}, {}, {}, {}
     for k, f in enumerate(fns):
         fwd[k] = compiled[f"F{k}"] = jax.jit(f.forward, donate_argnums=(6,))
         bwd[k] = compiled[f"B{k}"] = jax.jit(f.backward, donate_argnums=(3,))
         fused[k] = compiled[f"FB{k}"] = jax.jit(f.fused, donate_argnums=(7, 8))
         bi[k] = compiled[f"BI{k}"] = jax.jit(f.backward_input)
+        fwd_only[k] = compiled[f"Fwd{k}"] = jax.jit(f.forward_only)
         bw[k] = compiled[f"BW{k}"] = jax.jit(f.backward_weight, donate_argnums=(3,))
         init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated))
 
@@ -161,8 +163,8 @@ def build_region_program(
             constants[slots(key)] = jax.device_put(np.int32(i), sharding)
         return slots(key)
 
-    # Accumulators.
-    for k, f in enumerate(fns):
+    # Accumulators (training only).
+    for k, f in enumerate(fns if info.with_grad else []):
         q = stage_mesh[k]
         params = tuple(input_slot(r, q) for r in f.param_inputs)
         gacc = tuple(slots(("g", k, j)) for j in range(len(f.param_inputs)))
@@ -233,6 +235,8 @@ def build_region_program(
                     )
                 )
 
+    if not info.with_grad:  # inference: the schedule's forwards, in its order
+        tasks = tuple(tuple(t for t in mesh_tasks if t.kind == "F") for mesh_tasks in tasks)
     order = dispatch_order(plan, tasks, fns)
     skip: set[int] = set()
     for n, (mesh, task) in enumerate(order):
@@ -248,7 +252,20 @@ def build_region_program(
         gacc = tuple(slots(("g", k, j)) for j in range(len(f.param_inputs)))
         racc = tuple(slots(("racc", k, j)) for j in range(len(f.accumulated)))
         sends = tuple(slots(("y", id(v), i, mesh)) for v in f.sends)
-        if task.kind == "F":
+        if task.kind == "F" and not info.with_grad:
+            outs = tuple(slots(("out", k, j, i)) for j in range(len(f.accumulated)))
+            program.append(
+                Call(
+                    mesh,
+                    fwd_only[k],
+                    forward_args(k, i),
+                    (sends, outs, carried_outs(k, i)),
+                    f"F{k}.{i}",
+                    task,
+                )
+            )
+            after_forward(k, i)
+        elif task.kind == "F":
             nxt = next(
                 (j for j in range(n + 1, len(order)) if order[j][0] == mesh and j not in skip),
                 None,
@@ -325,8 +342,21 @@ def build_region_program(
 
     # Region outputs.
     output_slots: list[list[tuple[int, int]]] = []
-    n_acc_outputs = 1 + info.n_aux if info.with_grad else 0
-    for o_index, source in enumerate(plan.outputs[:n_acc_outputs]):
+    n_acc_outputs = 1 + info.n_aux
+    if not info.with_grad:  # stack each output's microbatches: [m, ...]
+        for o_index, source in enumerate(plan.outputs[:n_acc_outputs]):
+            if source.kind != "stage":
+                raise CompileError(
+                    f"output {o_index} of the forward-only step does not come from a stage; "
+                    "return values computed by the model."
+                )
+            k, q = source.stage, stage_mesh[source.stage]
+            j = fns[k].accumulated.index(source.var)
+            parts = tuple(slots(("out", k, j, i)) for i in range(info.num_microbatches))
+            out = slots(("stacked", o_index))
+            program.append(Call(q, _stack_jit, parts, out, f"stack output {o_index}"))
+            output_slots.append([(q, out)])
+    for o_index, source in enumerate(plan.outputs[:n_acc_outputs] if info.with_grad else []):
         if source.kind != "stage":
             raise CompileError(
                 f"region output {o_index} (loss/aux) does not come from a stage; compute it "

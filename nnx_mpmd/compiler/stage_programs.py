@@ -69,7 +69,8 @@ class StageFunctions:
         for j, source in enumerate(plan.outputs[1 + info.n_aux :]):
             if source.kind == "stage" and source.stage == stage:
                 self.carries[first_other + j] = source.var
-        # Region outputs produced here (loss, aux) are averaged over microbatches.
+        # Region outputs produced here (loss, aux) are averaged over microbatches
+        # (forward-only steps collect them instead).
         self.accumulated = [
             o.var for o in plan.outputs[: 1 + info.n_aux] if o.kind == "stage" and o.stage == stage
         ]
@@ -145,6 +146,14 @@ class StageFunctions:
         kept = self._pack(vjp_fn, inputs)
         sends = tuple(values[v] for v in self.sends)
         return sends, kept, self._accumulate(values, racc), self._carried(values)
+
+    def forward_only(self, params, rest, batch, idx, xd, xn):
+        """Inference: -> (sends, this microbatch's outputs, carried state)."""
+        mb = [lax.dynamic_index_in_dim(b, idx, 0, keepdims=False) for b in batch]
+        args = self._program_args(params, rest, mb, xd, xn)
+        values = dict(zip(self.slice.boundary_out, self.slice.program(*args)))
+        outputs = tuple(values[v] for v in self.accumulated)
+        return tuple(values[v] for v in self.sends), outputs, self._carried(values)
 
     def backward(self, kept, inputs, cts, gacc):
         """``inputs``: the forward's inputs. cts: one tuple of contributions per

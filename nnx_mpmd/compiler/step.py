@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from nnx_mpmd import markers
 from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
 from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
-from nnx_mpmd.compiler.region import region_tracing
+from nnx_mpmd.compiler.region import region_tracing, trace_region
 from nnx_mpmd.compiler.region_plan import build_region_program
 from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan, cut_stages
@@ -138,10 +138,40 @@ def compile_step(
         out_tree_box.append(out_tree)
         return out_leaves, new_leaves
 
-    with region_tracing(num_microbatches) as regions, markers.outer_tracing():
-        closed = jax.make_jaxpr(pure)(
-            [_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves]
+    def pure_inference(state_leaves: list[Any], other_leaves: list[Any]) -> Any:
+        # A step that runs stages without mp.value_and_grad is a forward-only
+        # pipeline: the whole function is the region, applied per microbatch of
+        # its array arguments, and its outputs are concatenated in order.
+        nodes = nnx.merge(flat.graphdef, jax.tree.unflatten(flat.state_tree, state_leaves))
+
+        def forward(local_nodes: Any, batch_leaves: list[Any]) -> Any:
+            leaves = list(flat.args_leaves)
+            for pos, node in zip(flat.node_positions, local_nodes):
+                leaves[pos] = node
+            for pos, leaf in zip(flat.other_positions, batch_leaves):
+                leaves[pos] = leaf
+            return fn(*jax.tree.unflatten(flat.args_tree, leaves))
+
+        stacked = trace_region(
+            forward, nodes, list(other_leaves), has_aux=False, wrt=nnx.Nothing, with_grad=False
         )
+        out = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])) if x.ndim >= 2 else x, stacked)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        _, new_state = nnx.split(nodes)
+        return out_leaves, jax.tree.leaves(new_state)
+
+    avals = ([_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves])
+    traced: list[list[Any]] = []
+    try:
+        with region_tracing(num_microbatches) as regions, markers.outer_tracing():
+            traced.append(regions)
+            closed = jax.make_jaxpr(pure)(*avals)
+    except markers.StageOutsideRegionError:
+        if traced and traced[0]:
+            raise  # stages called both inside and outside the region
+        with region_tracing(num_microbatches) as regions:
+            closed = jax.make_jaxpr(pure_inference)(*avals)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     consts = list(closed.consts)
