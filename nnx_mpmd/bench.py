@@ -95,7 +95,7 @@ def _setup_devices(count: int) -> None:
         raise MeshError(
             f"nnx-mpmd bench needs {count} devices but JAX has {jax.device_count()} "
             f"({jax.default_backend()}); run it in a fresh process (before anything starts "
-            "JAX's backend), or pass fewer --meshes/--data."
+            "JAX's backend) with at least that many devices."
         )
 
 
