@@ -93,7 +93,31 @@ def _leaf_key(x: Any) -> Any:
 
 
 class Lowered:
-    """A compiled step for inspection: per-mesh instruction lists and programs."""
+    """A compiled step for inspection: per-mesh instruction lists and programs.
+
+    Example:
+      >>> import jax, optax
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> class Two(mp.PipelinedModel):
+      ...     def __init__(self, rngs):
+      ...         self.a = mp.Stage(nnx.Linear(4, 4, rngs=rngs), stage=0)
+      ...         self.b = mp.Stage(nnx.Linear(4, 1, rngs=rngs), stage=1)
+      ...     def __call__(self, x):
+      ...         return self.b(self.a(x))
+      >>> mesh = mp.MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
+      >>> model = Two(nnx.Rngs(0))
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> def step(model, opt, x):
+      ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+      ...     opt.update(model, grads)
+      ...     return loss
+      >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+      >>> lowered = f.lower(model, opt, jnp.ones((4, 4)))
+      >>> lowered.instructions(mesh=1)[:3]
+      ['mesh 1: run init1', 'mesh 1: receive act s0->s1 mb0 (32 B)', 'mesh 1: run F1.0']
+    """
 
     def __init__(self, compiled: CompiledStep, mesh: MpmdMesh) -> None:
         self.compiled = compiled
@@ -134,7 +158,31 @@ class Lowered:
 
 
 class PipelinedFunction:
-    """A step compiled by `jit`; call it like the original function."""
+    """A step compiled by `jit`; call it like the original function.
+
+    Calling it runs the step (``profile=True`` records per-task timings in
+    ``last_profile``; ``memory=True`` records per-mesh live bytes in
+    ``last_memory``); ``lower(*args)`` compiles without running.
+
+    Example:
+      >>> import jax, optax
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> model = mp.Stage(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), stage=0)
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> def step(model, opt, x):
+      ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+      ...     opt.update(model, grads)
+      ...     return loss
+      >>> mesh = mp.MpmdMesh(jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1]), "stage")
+      >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+      >>> isinstance(f, mp.PipelinedFunction)
+      True
+      >>> loss = f(model, opt, jnp.ones((4, 4)), profile=True)
+      >>> [record[1] for record in f.last_profile][-1]
+      'post.L0.mesh0'
+    """
 
     def __init__(
         self,

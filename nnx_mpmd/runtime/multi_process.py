@@ -673,32 +673,32 @@ def _placed_like(value: Any, like: Any) -> Any:
 def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
     """Temporarily gives every Variable in ``tree`` a fully replicated global value.
 
-        Checkpointing libraries (orbax) need every process to pass the same global
-        arrays. Inside the block each Variable of the NNX objects in ``tree`` holds
-        one ``jax.Array`` replicated over all devices of ``mesh``; on exit each
-        Variable gets its placement back, keeping any value written meanwhile (a
-        restore). A collective: every process enters it with the same tree.
-        It needs each array to fit in every process's memory.
+    Checkpointing libraries (orbax) need every process to pass the same global
+    arrays. Inside the block each Variable of the NNX objects in ``tree`` holds
+    one ``jax.Array`` replicated over all devices of ``mesh``; on exit each
+    Variable gets its placement back, keeping any value written meanwhile (a
+    restore). A collective: every process enters it with the same tree.
+    It needs each array to fit in every process's memory.
 
-        Args:
-          tree: NNX models and optimizers (placed on ``mesh``).
-          mesh: the `MpmdMesh`.
+    Args:
+      tree: NNX models and optimizers (placed on ``mesh``).
+      mesh: the `MpmdMesh`.
 
-        Yields:
-          ``tree``.
+    Yields:
+      ``tree``.
 
-        Raises:
-          DistributedError: a peer died or timed out.
+    Raises:
+      DistributedError: a peer died or timed out.
 
-        Example:
-          >>> import jax, jax.numpy as jnp
-          >>> import numpy as np
-    from flax import nnx
-          >>> mesh = MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
-          >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-          >>> with global_view(model, mesh):
-          ...     len(model.kernel.get_value().sharding.device_set)
-          2
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import numpy as np
+      >>> from flax import nnx
+      >>> mesh = MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
+      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> with global_view(model, mesh):
+      ...     len(model.kernel.get_value().sharding.device_set)
+      2
     """
     variables = [
         v

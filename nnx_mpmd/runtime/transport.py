@@ -16,7 +16,7 @@ Example:
     >>> from nnx_mpmd.runtime.transport import encode_spec, decode_spec
     >>> from jax.sharding import PartitionSpec as P
     >>> decode_spec(encode_spec(P("data", None, ("a", "b"))))
-    PartitionSpec('data', None, ('a', 'b'))
+    P('data', None, ('a', 'b'))
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def decode_spec(entries: Sequence[Any]) -> PartitionSpec:
 
     Example:
       >>> decode_spec([None, ["a", "b"]])
-      PartitionSpec(None, ('a', 'b'))
+      P(None, ('a', 'b'))
     """
     return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
