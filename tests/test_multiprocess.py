@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,7 +30,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(script: str, *args: str, timeout: int = 120, **env: str):
+# Multi-process runs on CPU hang intermittently (about 1 run in 4, cause not yet
+# found; see docs/guides/multi-process.md, "Known issues"). A run that hits the
+# time limit is tried again, at most ATTEMPTS times in all; any other failure,
+# or a hang on every attempt, fails the test.
+ATTEMPTS = 3
+TIMED_OUT = (124, 137)
+
+
+def _launch(script: str, *args: str, timeout: int = 120, fresh=(), **env: str):
+    """Runs ``script`` on 2 processes.
+
+    ``fresh``: ``(path, is_output_folder)`` pairs removed before a retry (output
+    folders are recreated empty).
+    """
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            for path, keep_dir in fresh:
+                shutil.rmtree(path, ignore_errors=True)
+                if keep_dir:  # an output folder the script expects to exist
+                    Path(path).mkdir(parents=True)
+        done, elapsed = _launch_once(script, *args, timeout=timeout, **env)
+        if done.returncode not in TIMED_OUT:
+            break
+    return done, elapsed
+
+
+def _launch_once(script: str, *args: str, timeout: int = 120, **env: str):
     command = [
         "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
         "--processes", "2", "--devices-per-process", "4", "--grace", "30", "--",
@@ -60,7 +87,9 @@ RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4"]
 def training_results(tmp_path_factory):
     multi, single = tmp_path_factory.mktemp("multi"), tmp_path_factory.mktemp("single")
     runs = ",".join(RUNS)
-    done, _ = _launch("train.py", "--out", str(multi), "--runs", runs, "--steps", "3")
+    done, _ = _launch(
+        "train.py", "--out", str(multi), "--runs", runs, "--steps", "3", fresh=((multi, True),)
+    )
     _check(done)
     _check(_single("train.py", "--out", str(single), "--runs", runs, "--steps", "3"))
     return [_read(multi, "losses_0.json"), _read(multi, "losses_1.json")], _read(
@@ -84,7 +113,10 @@ def test_checkpoint_round_trip_between_layouts(tmp_path):
     for out in outs:
         out.mkdir()
     two_ckpt, one_ckpt = tmp_path / "two", tmp_path / "one"
-    done, _ = _launch("checkpoint_roundtrip.py", "--out", str(outs[0]), "--save", str(two_ckpt))
+    done, _ = _launch(
+        "checkpoint_roundtrip.py", "--out", str(outs[0]), "--save", str(two_ckpt),
+        fresh=((outs[0], True), (two_ckpt, False)),
+    )  # fmt: skip
     _check(done)
     _check(
         _single(
@@ -100,8 +132,9 @@ def test_checkpoint_round_trip_between_layouts(tmp_path):
         )
     )
     done, _ = _launch(
-        "checkpoint_roundtrip.py", "--out", str(outs[2]), "--restore", str(one_ckpt), "--seed", "2"
-    )
+        "checkpoint_roundtrip.py", "--out", str(outs[2]), "--restore", str(one_ckpt),
+        "--seed", "2", fresh=((outs[2], True),),
+    )  # fmt: skip
     _check(done)
     saved_by_two = _read(outs[0], "ckpt_0.json")
     restored_by_one = _read(outs[1], "ckpt_0.json")

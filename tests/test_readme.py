@@ -22,8 +22,9 @@ def test_readme_example_runs_and_trains():
         "assert losses[2] < losses[0], losses\n"
         "print('ok', losses)\n"
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
     result = subprocess.run(
         [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
     )
