@@ -151,7 +151,13 @@ class Lowered:
         for q in range(self.mesh.num_meshes):
             out.append(f"== mesh {q} ==")
             out.extend("  " + line.split(": ", 1)[1] for line in self.instructions(q))
+        out.append("== programs (one per stage and task kind) ==")
+        out.append("  " + ", ".join(sorted(self.compiled.programs)))
         return "\n".join(out)
+
+    def program_text(self, label: str, *args: Any) -> str:
+        """The jaxpr of program ``label`` (e.g. ``"F0"``) for the given arguments."""
+        return str(jax.make_jaxpr(self.compiled.programs[label])(*args))
 
     def __str__(self) -> str:
         return self.as_text()
