@@ -8,6 +8,7 @@
   ``<!-- no-test -->`` comment is skipped.
 * The schedule table of docs/concepts.md matches the simulator, and every
   schedule picture exists.
+* The results copied into docs/benchmarks.md match BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -235,6 +236,37 @@ def test_schedule_picture_exists_and_is_shown(name):
         f"{picture} is missing; run python docs/gen_pictures.py"
     )
     assert f"(img/schedule-{name}.png)" in (DOCS / "concepts.md").read_text(encoding="utf-8")
+
+
+# --- the benchmark numbers ------------------------------------------------------------
+
+
+def _marked_block(text: str, name: str) -> str | None:
+    match = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.DOTALL)
+    return match[1].strip() if match else None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("a\n<!-- t:start -->\n| x |\n<!-- t:end -->\nb", "| x |"),
+        ("a\n<!-- t:start -->\n| x |\n", None),
+        ("<!-- u:start -->\n| x |\n<!-- u:end -->", None),
+    ],
+)
+def test_marked_block(text, expected):
+    assert _marked_block(text, "t") == expected
+
+
+def test_benchmarks_page_copies_benchmarks_md():
+    block = _marked_block((DOCS / "benchmarks.md").read_text(encoding="utf-8"), "benchmarks")
+    assert block, "docs/benchmarks.md lost its benchmarks:start / benchmarks:end markers"
+    assert "| --- |" in block, "the copied benchmark section has no table"
+    source = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert block in source, (
+        "the results in docs/benchmarks.md differ from BENCHMARKS.md; paste the current "
+        "section of BENCHMARKS.md between the benchmarks:start and benchmarks:end markers"
+    )
 
 
 # --- the site --------------------------------------------------------------------------
