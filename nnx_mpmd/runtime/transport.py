@@ -143,6 +143,9 @@ def _local_address(coordinator: str | None) -> str:
         return f"{socket.gethostbyname(socket.gethostname())}:0"
 
 
+_EXIT_WAIT_S = 10.0
+
+
 class Transport:
     """One process's transfer server, peer connections and liveness checks.
 
@@ -178,6 +181,20 @@ class Transport:
         # peer makes the barrier fail, which is fine at exit.
         with contextlib.suppress(Exception):
             self.barrier("exit", "exiting", timeout_s=min(peer_timeout_s(), 60.0))
+        # With recoverability on, jax skips its shutdown barrier: if process 0 (which
+        # hosts the coordination service) left first, the others would abort while
+        # disconnecting. So the others disconnect now, and process 0 waits (bounded)
+        # until it no longer sees them before its own shutdown runs.
+        if self.process_id != 0:
+            with contextlib.suppress(Exception):
+                jax.distributed.shutdown()
+            return
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline:
+                if len(self.dead_peers()) == self.num_processes - 1:
+                    break
+                time.sleep(0.05)
 
     # ------------------------------------------------------------------ liveness
 
