@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python -m nnx_mpmd train $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks
