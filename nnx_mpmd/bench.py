@@ -184,15 +184,18 @@ class _Variant:
         self.times: list[float] = []
         self.first_step_s = float("nan")
 
+    # A step is done when its outputs AND the updated model/optimizer state are: the
+    # loss alone can be ready long before the last update (under GPipe it is complete
+    # once the forwards ran).
     def first(self) -> None:
         start = time.perf_counter()
-        _block(self.step(*self.args, self.batches[0]))
+        _block((self.step(*self.args, self.batches[0]), self.args))
         self.first_step_s = time.perf_counter() - start
 
     def once(self, n: int) -> None:
         batch = self.batches[n % len(self.batches)]
         start = time.perf_counter()
-        _block(self.step(*self.args, batch))
+        _block((self.step(*self.args, batch), self.args))
         self.times.append(time.perf_counter() - start)
 
 
