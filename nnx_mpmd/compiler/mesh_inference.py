@@ -54,10 +54,6 @@ class OuterPlan:
     programs: dict[str, Any]
 
 
-def _levels_key(segment: int, level: int, mesh: int) -> tuple[int, int, int]:
-    return (segment, level, mesh)
-
-
 def plan_outer(
     jaxpr: Any,
     invar_meshes: Sequence[frozenset[int]],
@@ -262,7 +258,7 @@ def plan_outer(
     # -- programs per (segment, level, mesh) ----------------------------------------
     groups: dict[tuple[int, int, int], list[int]] = {}
     for (i, q), lvl in eqn_level.items():
-        groups.setdefault(_levels_key(segment_of(i), lvl, q), []).append(i)
+        groups.setdefault((segment_of(i), lvl, q), []).append(i)
     readers: dict[Any, set[tuple[int, int, int]]] = {}
     for key, members in groups.items():
         for i in members:

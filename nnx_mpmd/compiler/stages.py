@@ -88,15 +88,6 @@ def _input_kind(info: RegionInfo, index: int) -> tuple[str, int]:
     raise IndexError(index)
 
 
-def describe_input(info: RegionInfo, index: int) -> str:
-    kind, local = _input_kind(info, index)
-    if kind == "diff":
-        return f"parameter {info.diff_paths[local]}"
-    if kind == "other":
-        return f"state {info.other_paths[local]}"
-    return f"{kind} input #{local}"
-
-
 def cut_stages(info: RegionInfo) -> StagePlan:
     """Cuts ``info.body`` at its stage markers.
 

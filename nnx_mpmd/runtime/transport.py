@@ -254,11 +254,16 @@ class Transport:
         Raises:
           DistributedError: the peer died, or nothing arrived within `peer_timeout_s`.
         """
+        raw = self._wait_for_key(key, peer, where, self.client.blocking_key_value_get)
+        return json.loads(raw)
+
+    def _wait_for_key(self, key: str, peer: int, where: str, get: Any) -> Any:
+        """Polls ``get(key)`` until the peer published it, checking peer liveness."""
         deadline = time.monotonic() + peer_timeout_s()
         full = f"{_KEY_PREFIX}/{key}"
         while True:
             try:
-                return json.loads(self.client.blocking_key_value_get(full, 500))
+                return get(full, 500)
             except Exception as e:
                 if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
                     raise DistributedError(
@@ -302,25 +307,9 @@ class Transport:
 
     def fetch_array(self, key: str, peer: int, shape: Any, dtype: Any, where: str) -> np.ndarray:
         """Waits for the array a peer stored with `publish_array`."""
-        deadline = time.monotonic() + peer_timeout_s()
-        full = f"{_KEY_PREFIX}/{key}"
-        while True:
-            try:
-                data = self.client.blocking_key_value_get_bytes(full, 500)
-                return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-            except Exception as e:
-                if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
-                    raise DistributedError(
-                        f"process {self.process_id} could not read {full!r} from process {peer} "
-                        f"while {where}: {e}"
-                    ) from None
-            self.check_peers(where, force=True)
-            if time.monotonic() > deadline:
-                raise DistributedError(
-                    f"process {peer} did not publish {full!r} within {peer_timeout_s():.0f} s "
-                    f"while process {self.process_id} was {where}; raise {ENV_TIMEOUT} if the "
-                    "peer is just slow."
-                )
+        get = self.client.blocking_key_value_get_bytes
+        data = self._wait_for_key(key, peer, where, get)
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
     # ------------------------------------------------------------------ arrays
 

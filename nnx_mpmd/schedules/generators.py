@@ -10,6 +10,7 @@ This module is pure Python: it imports neither JAX nor Flax.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import heapq
 from collections.abc import Callable, Iterable
@@ -38,7 +39,7 @@ def _check_positive(name: str, value: int, schedule: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Schedule(abc.ABC):
     """Base class of every schedule: placement, checks, and validated task lists.
 
     Subclasses set the class attributes and implement ``_generate``; they
@@ -147,8 +148,9 @@ class Schedule:
         )
         return lists
 
+    @abc.abstractmethod
     def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
-        raise NotImplementedError(f"{type(self).__name__} must implement _generate")
+        """The per-mesh task lists; `tasks` checks and validates them."""
 
 
 def _one_stage_per_mesh(name: str, num_stages: int, num_meshes: int) -> None:
