@@ -92,6 +92,15 @@ def _leaf_key(x: Any) -> Any:
     return ("host", np.shape(x), str(np.result_type(x)))
 
 
+def _write_back(flat: FlatArgs, new_leaves: list[Any]) -> None:
+    """Stores a step's new state leaves into the caller's Variables."""
+    if flat.variables is None:
+        nnx.update(flat.nodes, jax.tree.unflatten(flat.state_tree, new_leaves))
+        return
+    for variable, value in zip(flat.variables, new_leaves, strict=True):
+        variable.set_raw_value(value)
+
+
 class Lowered:
     """A compiled step for inspection: per-mesh instruction lists and programs.
 
@@ -276,8 +285,7 @@ class PipelinedFunction:
         if recorder is not None:
             self.last_memory = recorder.summary()
         user = outputs[: compiled.num_user_outputs]
-        new_state = jax.tree.unflatten(flat.state_tree, outputs[compiled.num_user_outputs :])
-        nnx.update(flat.nodes, new_state)
+        _write_back(flat, outputs[compiled.num_user_outputs :])
         return jax.tree.unflatten(compiled.out_tree, user)
 
     def lower(self, *args: Any) -> Lowered:

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -57,6 +58,7 @@ class BenchSettings:
       batch: global batch (sequences per step).
       seq: tokens per sequence.
       rounds: timed rounds (one step of every variant per round).
+      warmup_rounds: untimed rounds before them.
       first_step_microbatches: microbatch counts of the time-to-first-step test.
       first_step_batch: global batch of that test.
       overhead_repeats: replays of the no-op executor.
@@ -73,7 +75,8 @@ class BenchSettings:
     microbatches: int = 8
     batch: int = 64
     seq: int = 32
-    rounds: int = 5
+    rounds: int = 7
+    warmup_rounds: int = 1
     first_step_microbatches: Sequence[int] = (4, 32)
     first_step_batch: int = 64
     overhead_repeats: int = 20
@@ -182,6 +185,8 @@ class _Variant:
     def __init__(self, name: str, step: Callable[..., Any], args: tuple, batches: list) -> None:
         self.name, self.step, self.args, self.batches = name, step, args, batches
         self.times: list[float] = []
+        self.host_cpu: list[float] = []  # CPU seconds of the calling thread in the call
+        self.process_cpu: list[float] = []  # CPU seconds of all threads until ready
         self.first_step_s = float("nan")
 
     # A step is done when its outputs AND the updated model/optimizer state are: the
@@ -194,9 +199,33 @@ class _Variant:
 
     def once(self, n: int) -> None:
         batch = self.batches[n % len(self.batches)]
-        start = time.perf_counter()
-        _block((self.step(*self.args, batch), self.args))
+        cpu_start, start = _process_cpu(), time.perf_counter()
+        thread_start = time.thread_time()
+        out = self.step(*self.args, batch)
+        thread_end = time.thread_time()
+        _block((out, self.args))
         self.times.append(time.perf_counter() - start)
+        self.process_cpu.append(_process_cpu() - cpu_start)
+        self.host_cpu.append(thread_end - thread_start)
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.host_cpu.clear()
+        self.process_cpu.clear()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "median_s": _median(self.times),
+            "times_s": self.times,
+            "host_cpu_ms": _median(self.host_cpu) * 1e3,
+            "process_cpu_s": _median(self.process_cpu),
+            "first_step_s": self.first_step_s,
+        }
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _baselines(
@@ -484,26 +513,24 @@ def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], No
         for variant in baselines[n_layers]:
             variant.first()
     everything = list(pipelined.values()) + [v for vs in baselines.values() for v in vs]
-    for r in range(settings.rounds):
-        log(f"[{preset}] round {r + 1}/{settings.rounds}")
+    # One untimed round first: the second call of a step still allocates its buffers
+    # for the first time (and GPipe's first steady step was 1.7x its median).
+    for r in range(settings.warmup_rounds + settings.rounds):
+        log(f"[{preset}] round {r + 1}/{settings.warmup_rounds + settings.rounds}")
+        if r == settings.warmup_rounds:
+            for variant in everything:
+                variant.clear()
         for variant in everything:
             variant.once(r)
     rows: dict[str, Any] = {}
     for n_layers, (spmd, one) in baselines.items():
         for v in (spmd, one):
-            rows[f"{v.name} ({n_layers} layers)"] = {
-                "median_s": _median(v.times),
-                "times_s": v.times,
-                "first_step_s": v.first_step_s,
-                "n_layers": n_layers,
-            }
+            rows[f"{v.name} ({n_layers} layers)"] = {**v.summary(), "n_layers": n_layers}
     for name, v in pipelined.items():
         spmd, one = baselines[layers_of[name]]
         log(f"[{preset}] {name}: overhead, memory, bubble")
         rows[name] = {
-            "median_s": _median(v.times),
-            "times_s": v.times,
-            "first_step_s": v.first_step_s,
+            **v.summary(),
             "n_layers": layers_of[name],
             "num_stages": v.num_stages,  # type: ignore[attr-defined]
             "ratio_vs_one_device": _median(v.times) / _median(one.times),
@@ -558,6 +585,12 @@ def _fmt_bytes(values: Sequence[int]) -> str:
     return "/".join(f"{v / 2**20:.1f}" for v in values)
 
 
+def _cpu_columns(row: dict[str, Any]) -> str:
+    if "host_cpu_ms" not in row:  # a report written before these were measured
+        return " | "
+    return f"{row['host_cpu_ms']:.0f} | {row['process_cpu_s']:.2f}"
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown tables (one section per preset).
 
@@ -578,7 +611,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"{m.get('load_average')} before, {report.get('load_average_after')} after.",
         f"Settings: {s.get('num_meshes')} meshes x {s.get('data')} data, "
         f"{s.get('microbatches')} microbatches, batch {s.get('batch')} x {s.get('seq')} tokens, "
-        f"{s.get('rounds')} interleaved rounds (medians).",
+        f"{s.get('rounds')} interleaved rounds after {s.get('warmup_rounds', 0)} untimed "
+        "(medians).",
         "",
     ]
     for preset, p in report["presets"].items():
@@ -586,14 +620,15 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"#### GPT `{preset}`",
             "",
             "| step | layers | median ms | (a)/(c) | (a)/(b) | first step s | first/(c) "
-            "| µs/task (no-op) | dispatch µs/task | bubble meas/sim | act. MiB meas/pred (per mesh) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| host CPU ms | CPU s/step | µs/task (no-op) | dispatch µs/task | bubble meas/sim "
+            "| act. MiB meas/pred (per mesh) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for name, r in p["rows"].items():
             if "overhead" not in r:
                 lines.append(
                     f"| {name} | {r['n_layers']} | {r['median_s'] * 1e3:.1f} | | | "
-                    f"{r['first_step_s']:.2f} | | | | | |"
+                    f"{r['first_step_s']:.2f} | | {_cpu_columns(r)} | | | | |"
                 )
                 continue
             o, mem, b = r["overhead"], r["memory"], r["bubble"]
@@ -601,13 +636,13 @@ def format_markdown(report: dict[str, Any]) -> str:
                 f"| {name} | {r['n_layers']} | {r['median_s'] * 1e3:.1f} | "
                 f"{r['ratio_vs_one_device']:.2f} | {r['ratio_vs_spmd']:.2f} | "
                 f"{r['first_step_s']:.2f} | {r['first_step_ratio_vs_one_device']:.2f} | "
-                f"{o['us_per_task']:.0f} | {o['dispatch_us_per_task']:.0f} | "
+                f"{_cpu_columns(r)} | {o['us_per_task']:.0f} | {o['dispatch_us_per_task']:.0f} | "
                 f"{b['measured_bubble']:.2f}/{b['simulated_bubble']:.2f} | "
                 f"{_fmt_bytes(mem['activation_peak_bytes'])} vs "
                 f"{_fmt_bytes(mem['predicted_activation_bytes'])} |"
             )
         for name, note in p["skipped"].items():
-            lines.append(f"| {name} | | {note} | | | | | | | | |")
+            lines.append(f"| {name} | | {note} | | | | | | | | | | |")
         fs = p["first_step_scaling"]
         counts = [k for k in fs if k != "ratio"]
         lines += [
@@ -642,6 +677,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
     parser.add_argument("--rounds", type=int, default=d.rounds, help="timed rounds")
     parser.add_argument(
+        "--warmup-rounds", type=int, default=d.warmup_rounds, help="untimed rounds first"
+    )
+    parser.add_argument(
         "--first-step-microbatches", default=",".join(map(str, d.first_step_microbatches))
     )
     parser.add_argument("--first-step-batch", type=int, default=d.first_step_batch)
@@ -663,6 +701,7 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
         batch=args.batch,
         seq=args.seq,
         rounds=args.rounds,
+        warmup_rounds=args.warmup_rounds,
         first_step_microbatches=tuple(int(x) for x in names(args.first_step_microbatches)),
         first_step_batch=args.first_step_batch,
         overhead_repeats=args.overhead_repeats,

@@ -97,7 +97,8 @@ def test_runner_smoke_writes_json_and_tables(tmp_path, capsys):
         "--microbatches=4",
         "--batch=8",
         "--seq=8",
-        "--rounds=1",
+        "--rounds=2",
+        "--warmup-rounds=1",
         "--first-step-microbatches=4",
         "--first-step-batch=8",
         "--overhead-repeats=2",
@@ -111,6 +112,9 @@ def test_runner_smoke_writes_json_and_tables(tmp_path, capsys):
     row = preset["rows"]["1f1b"]
     assert row["overhead"]["stage_tasks"] > 0 and row["overhead"]["us_per_task"] > 0
     assert len(row["memory"]["peak_bytes"]) == 4
+    assert len(row["times_s"]) == 2 and report["settings"]["warmup_rounds"] == 1
+    assert row["host_cpu_ms"] > 0 and row["process_cpu_s"] > 0
+    assert preset["rows"]["one-device (4 layers)"]["host_cpu_ms"] > 0
     assert 0 <= row["bubble"]["simulated_bubble"] < 1
     assert {"spmd-dp8 (4 layers)", "one-device (4 layers)"} <= set(preset["rows"])
     assert set(preset["first_step_scaling"]) == {"4", "ratio"}

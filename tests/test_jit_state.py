@@ -106,3 +106,52 @@ def test_state_shared_by_two_stages_is_rejected():
     f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
     with pytest.raises(mp.CompileError, match=r"rngs.noise.count.*stages \[0, 1\].*one stage"):
         f(model, opt, make_batch("regression", 4))
+
+
+def test_new_state_is_written_into_the_callers_variables_without_nnx_update(monkeypatch):
+    ref_model, ref_opt = _build(2)
+    model, opt = _build(2)
+    pipelined = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=4)
+    pipelined(model, opt, make_batch("regression", 8, seed=0))  # compiles (and places)
+    nnx.jit(_step(4))(ref_model, ref_opt, make_batch("regression", 8, seed=0))
+    kernel = model.layers[0].layers[0].kernel
+
+    def no_update(*args, **kwargs):
+        raise AssertionError("the steady-state step should not walk the graph with nnx.update")
+
+    monkeypatch.setattr(nnx, "update", no_update)
+    before = kernel.get_raw_value()
+    pipelined(model, opt, make_batch("regression", 8, seed=1))
+    monkeypatch.undo()
+    nnx.jit(_step(4))(ref_model, ref_opt, make_batch("regression", 8, seed=1))
+    assert model.layers[0].layers[0].kernel is kernel and kernel.get_raw_value() is not before
+    for path, value in params_of(ref_model).items():
+        np.testing.assert_allclose(params_of(model)[path], value, atol=1e-5, err_msg=path)
+    assert int(np.asarray(opt.step.get_value())) == 2
+
+
+class _PairState(nnx.Variable):
+    pass
+
+
+def test_variable_holding_a_pytree_is_written_back_through_nnx_update():
+    from nnx_mpmd.compiler.step import flatten_args
+
+    model, opt = _build(2)
+    model.pair = _PairState((jnp.zeros(3), jnp.ones(3)))
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(_loss)(model, batch)
+        opt.update(model, grads)
+        first, second = model.pair.get_value()
+        model.pair.set_value((first + 1, second * 2))
+        return loss
+
+    assert flatten_args((model, opt)).variables is None
+    assert flatten_args((_build(2)[0],)).variables is not None
+    pipelined = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    for seed in range(2):
+        pipelined(model, opt, make_batch("regression", 4, seed=seed))
+    first, second = model.pair.get_value()
+    np.testing.assert_allclose(np.asarray(first), 2.0)
+    np.testing.assert_allclose(np.asarray(second), 4.0)

@@ -45,6 +45,23 @@ class FlatArgs:
     other_positions: list[int]
     other_leaves: list[Any]
     args_leaves: list[Any]
+    # The Variable objects behind ``state_leaves`` (one leaf each, same order), so a
+    # step can write its new state back with one assignment per Variable instead of
+    # ``nnx.update``'s walk over the graph; None when some Variable does not hold
+    # exactly one plain array (then ``nnx.update`` is used).
+    variables: list[Any] | None = None
+
+
+def _one_leaf_variables(state: Any, state_leaves: list[Any]) -> list[Any] | None:
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if len(variables) != len(state_leaves):
+        return None
+    for variable, leaf in zip(variables, state_leaves):
+        if not isinstance(variable, nnx.Variable) or variable.get_raw_value() is not leaf:
+            return None
+        if getattr(variable, "ref", False) or getattr(variable, "hijax", False):
+            return None  # the raw value is a mutable reference: let nnx.update write into it
+    return variables
 
 
 def flatten_args(args: tuple[Any, ...]) -> FlatArgs:
@@ -64,6 +81,7 @@ def flatten_args(args: tuple[Any, ...]) -> FlatArgs:
         other_positions,
         [leaves[i] for i in other_positions],
         leaves,
+        _one_leaf_variables(state, state_leaves),
     )
 
 
