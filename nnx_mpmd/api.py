@@ -18,6 +18,7 @@ from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.partition import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
+from nnx_mpmd.runtime.precompile import precompile
 
 __all__ = ["Lowered", "PipelinedFunction", "jit", "value_and_grad"]
 
@@ -208,6 +209,7 @@ class PipelinedFunction:
         num_microbatches: int,
         batch_axis: str | None = "data",
         transfer_warning_bytes: int = 1 << 20,
+        compile_threads: int | None = None,
     ) -> None:
         if not isinstance(mesh, MpmdMesh):
             raise MeshError(
@@ -222,7 +224,15 @@ class PipelinedFunction:
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.batch_axis = batch_axis
+        if compile_threads is not None and (
+            not isinstance(compile_threads, int) or compile_threads < 1
+        ):
+            raise CompileError(
+                f"compile_threads must be an int >= 1 or None, got {compile_threads!r}; "
+                "use 1 to compile each program when the first run reaches it."
+            )
         self.transfer_warning_bytes = transfer_warning_bytes
+        self.compile_threads = compile_threads
         self._cache: dict[Any, CompiledStep] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self.last_profile: list[TaskRecord] | None = None
@@ -246,7 +256,7 @@ class PipelinedFunction:
             key = self._key(flat)
             compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._cache[key] = compile_step(
+            compiled = compile_step(
                 self.fn,
                 flat,
                 self.mesh,
@@ -255,6 +265,17 @@ class PipelinedFunction:
                 batch_axis=self.batch_axis,
                 transfer_warning_bytes=self.transfer_warning_bytes,
             )
+            if self.compile_threads != 1 and not self.mesh.is_multi_process:
+                inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
+                precompile(
+                    compiled,
+                    inputs,
+                    list(self.mesh.submeshes),
+                    self._shardings,
+                    max_workers=self.compile_threads,
+                    batch_axis=self.batch_axis,
+                )
+            self._cache[key] = compiled
         return flat, compiled
 
     @staticmethod
@@ -307,6 +328,7 @@ def jit(
     num_microbatches: int,
     batch_axis: str | None = "data",
     transfer_warning_bytes: int = 1 << 20,
+    compile_threads: int | None = None,
 ) -> Any:
     """Compiles an NNX train step into per-mesh programs driven by a schedule.
 
@@ -328,6 +350,9 @@ def jit(
         when it divides evenly (None: replicate the batch).
       transfer_warning_bytes: warn about transfers outside the pipelined region
         larger than this.
+      compile_threads: threads that compile a new step's programs side by side
+        before its first run (default: the number of CPUs, at most 8; 1 compiles
+        each program when the run first reaches it, one after the other).
 
     Returns:
       A `PipelinedFunction`.
@@ -364,6 +389,7 @@ def jit(
             num_microbatches=num_microbatches,
             batch_axis=batch_axis,
             transfer_warning_bytes=transfer_warning_bytes,
+            compile_threads=compile_threads,
         )
     return PipelinedFunction(
         fn,
@@ -372,4 +398,5 @@ def jit(
         num_microbatches=num_microbatches,
         batch_axis=batch_axis,
         transfer_warning_bytes=transfer_warning_bytes,
+        compile_threads=compile_threads,
     )

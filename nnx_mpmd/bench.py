@@ -672,6 +672,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="nnx-mpmd bench", description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default=",".join(d.presets), help="GPT presets")
     parser.add_argument("--schedules", default=",".join(d.schedules), help="schedule names")
+    parser.add_argument("--num-meshes", type=int, default=d.num_meshes, help="pipeline meshes")
+    parser.add_argument("--data", type=int, default=d.data, help="devices per mesh")
     parser.add_argument("--microbatches", type=int, default=d.microbatches)
     parser.add_argument("--batch", type=int, default=d.batch, help="global batch")
     parser.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence")
@@ -697,6 +699,8 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
     return BenchSettings(
         presets=names(args.presets),
         schedules=names(args.schedules),
+        num_meshes=args.num_meshes,
+        data=args.data,
         microbatches=args.microbatches,
         batch=args.batch,
         seq=args.seq,

@@ -153,3 +153,9 @@ def test_format_markdown_lists_skipped_schedules():
 def test_setup_devices_refuses_too_many_devices():
     with pytest.raises(mp.MeshError, match="needs 64 devices but JAX has 8"):
         bench._setup_devices(64)
+
+
+def test_mesh_shape_comes_from_the_command_line():
+    settings = bench._settings(bench.parse_args(["--num-meshes=2", "--data=1", "--rounds=3"]))
+    assert (settings.num_meshes, settings.data, settings.rounds) == (2, 1, 3)
+    assert settings.warmup_rounds == bench.BenchSettings().warmup_rounds

@@ -120,3 +120,58 @@ def test_large_transfer_outside_region_is_reported():
     with pytest.warns(mp.MpmdTransferWarning, match=r"kernel.*MiB.*moves from mesh"):
         lowered = f.lower(model, opt, np.ones((4, 512), np.float32))
     assert any("kernel" in t.what and t.nbytes == 512 * 512 * 4 for t in lowered.transfers)
+
+
+def _compilations(schedule, data, compile_threads):
+    """(compilations while lowering, while then running step 1, the loss)."""
+    stages = schedule.default_num_stages(4)
+    model, opt, loss_fn, kind = build("lm", "adamw", stages)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, data),
+        schedule=schedule,
+        num_microbatches=8,
+        compile_threads=compile_threads,
+    )
+    batch = make_batch(kind, 16)
+    with count_compilations() as lowering:
+        step.lower(model, opt, batch)
+    with count_compilations() as running:
+        loss = float(step(model, opt, batch))
+    return lowering.count, running.count, loss
+
+
+@pytest.mark.parametrize(
+    "schedule, data",
+    [(mp.OneFOneB(), 2), (mp.ZeroBubbleH1(), 1), (mp.Interleaved1F1B(), 2), (mp.DualPipeV(), 1)],
+    ids=["1f1b-dp2", "zb-h1", "interleaved-dp2", "dualpipev"],
+)
+def test_concurrent_compilation_compiles_every_program_of_the_first_run_once(schedule, data):
+    lowered, ran, loss = _compilations(schedule, data, compile_threads=4)
+    assert lowered > 0 and ran == 0  # every program of the run was compiled ahead
+    serial_lowered, serial_ran, serial_loss = _compilations(schedule, data, compile_threads=1)
+    assert serial_lowered == 0 and serial_ran == lowered  # and nothing twice
+    assert loss == serial_loss
+
+
+def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_mpmd.runtime import precompile
+
+    _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1)
+    monkeypatch.setattr(precompile._Guess, "spec", lambda self, shape: P(*([None] * len(shape))))
+    lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2)
+    assert lowered > 0 and ran > 0 and loss == expected  # the right programs compile late
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "4"])
+def test_compile_threads_must_be_a_positive_int(bad):
+    with pytest.raises(mp.CompileError, match=r"compile_threads must be an int >= 1 or None, got"):
+        mp.jit(
+            lambda m: m,
+            mesh=make_mesh(2, 1),
+            schedule=mp.GPipe(),
+            num_microbatches=2,
+            compile_threads=bad,
+        )

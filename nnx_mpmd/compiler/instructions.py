@@ -44,7 +44,8 @@ class Transfer:
 
     ``reshape_microbatches`` (an int m) reshapes a batch ``[B, ...]`` to
     ``[m, B/m, ...]`` on the way; ``spec`` overrides the PartitionSpec (None
-    keeps the source's).
+    keeps the source's). ``per_microbatch`` marks a stage's activation or
+    cotangent for one microbatch (a batch-sharded value).
     """
 
     src: int
@@ -55,6 +56,7 @@ class Transfer:
     nbytes: int = 0
     reshape_microbatches: int | None = None
     spec: Any = None
+    per_microbatch: bool = False
 
     def reads(self) -> list[int]:
         return [self.src]

@@ -96,12 +96,19 @@ class _LazyInit:
     def __init__(self, fn: Callable[..., Any], submesh: Any, num_acc: int) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = fn, submesh, num_acc, None
 
-    def __call__(self, params: tuple[Any, ...]) -> Any:
+    def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
             replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
             out = (tuple(p.sharding for p in params), (replicated,) * self.num_acc)
             self.jitted = jax.jit(self.fn, out_shardings=out)
-        return self.jitted(params)
+        return self.jitted
+
+    def __call__(self, params: tuple[Any, ...]) -> Any:
+        return self._jitted(params)(params)
+
+    def trace(self, params: tuple[Any, ...]) -> Any:
+        """``jax.jit``'s trace, for ahead-of-time compilation (abstract ``params``)."""
+        return self._jitted(params).trace(params)
 
 
 def _sum(*xs: Any) -> Any:
@@ -211,6 +218,7 @@ def build_region_program(
                             f"act s{k}->s{c} mb{i}",
                             src_mesh=q,
                             nbytes=var_bytes(v),
+                            per_microbatch=True,
                         )
                     )
 
@@ -232,6 +240,7 @@ def build_region_program(
                         f"grad s{k}->s{plan.producer[v]} mb{i}",
                         src_mesh=q,
                         nbytes=var_bytes(v),
+                        per_microbatch=True,
                     )
                 )
 

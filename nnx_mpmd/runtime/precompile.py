@@ -1,0 +1,354 @@
+"""Compiling a step's programs concurrently before its first run.
+
+The first run of a compiled step would compile its stage programs one after
+the other, each when the executor first reaches it. XLA compilation releases
+the GIL, so programs whose argument shapes and shardings are known can compile
+side by side. This module walks the instruction list once *abstractly*: slots
+hold ``jax.ShapeDtypeStruct`` values with shardings, a call's outputs become
+known when its program is compiled (``lowered.out_info`` with the compiled
+output shardings), and a transfer's output is its input on the destination
+mesh. Each distinct ``(program, argument signature)`` is lowered and compiled
+once in a thread pool, as soon as its arguments are known; ``jax.jit``'s own
+cache then serves the real run.
+
+It is an optimisation only: a program whose abstract arguments turn out to
+differ from the real ones is compiled again by the real call, and a program
+that fails to lower here raises its error in the real call, where the error
+belongs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnx_mpmd.compiler.instructions import Call, Transfer
+from nnx_mpmd.compiler.step import CompiledStep
+from nnx_mpmd.runtime.executor import _build, _Shardings, _value_on
+
+__all__ = ["precompile"]
+
+
+class _Unknown:
+    """A slot whose abstract value could not be derived (its producer failed)."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
+        )
+    if isinstance(x, jax.ShapeDtypeStruct) or x is None:
+        return x
+    if isinstance(x, np.ndarray | np.generic | int | float | bool | complex):
+        return x  # host values stay concrete: jit keys them by type and shape
+    return jax.tree.map(_abstract, x)
+
+
+def _signature(value: Any) -> Any:
+    leaves, tree = jax.tree.flatten(value)
+    key = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            key.append((leaf.shape, str(leaf.dtype), leaf.sharding, leaf.weak_type))
+        else:
+            key.append((type(leaf).__name__, np.shape(leaf), str(np.result_type(leaf))))
+    return tree, tuple(key)
+
+
+def _outputs(out_tree: Any, out_avals: Any, shardings: Any) -> Any:
+    """Abstract outputs (weak types kept: ``Lowered.out_info`` drops them)."""
+    avals = jax.tree.leaves(out_avals)
+    if shardings is None:
+        flat_shardings = [None] * len(avals)
+    else:
+        flat_shardings = jax.tree.leaves(
+            shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+        )
+    if not (len(avals) == len(flat_shardings) == out_tree.num_leaves):
+        return _UNKNOWN
+    return jax.tree.unflatten(
+        out_tree,
+        [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type)
+            for a, s in zip(avals, flat_shardings, strict=True)
+        ],
+    )
+
+
+def _contains_unknown(value: Any) -> bool:
+    return any(leaf is _UNKNOWN for leaf in jax.tree.leaves(value, is_leaf=lambda x: x is _UNKNOWN))
+
+
+def _assign(store: dict[int, Any], tree: Any, value: Any) -> None:
+    if isinstance(tree, int):
+        store[tree] = value
+        return
+    if value is _UNKNOWN or not isinstance(value, tuple | list) or len(value) != len(tree):
+        for slot in _slots(tree):
+            store[slot] = _UNKNOWN
+        return
+    for t, v in zip(tree, value, strict=True):
+        _assign(store, t, v)
+
+
+def _slots(tree: Any) -> list[int]:
+    if isinstance(tree, int):
+        return [tree]
+    return [s for t in tree for s in _slots(t)]
+
+
+class _Pending(NamedTuple):
+    """Slot ``slot`` of the dict that ``job`` will hold (None: the job's whole value)."""
+
+    job: Future
+    slot: int | None
+    traced: Future | None = None  # the same, with shapes only, once traced
+
+
+class _Compiler:
+    """Traces, lowers and compiles each distinct (program, signature) once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: dict[Any, Future] = {}
+        self.compiled = 0
+
+    def outputs(self, fn: Any, args: tuple[Any, ...], on_traced: Any) -> Any:
+        """The abstract outputs of ``fn(*args)``, or a Future of them.
+
+        A Future comes back when another job compiles the same signature: the
+        caller finishes when it does, without holding a thread meanwhile.
+        ``on_traced`` is called with the outputs' shapes (no shardings) as soon
+        as they are known, which is before compilation for the owning call.
+        """
+        if _contains_unknown(args) or not hasattr(fn, "trace"):
+            on_traced(_UNKNOWN)
+            return _UNKNOWN
+        key = (id(fn), _signature(args))
+        with self.lock:
+            job = self.jobs.get(key)
+            owner = job is None
+            if owner:
+                job = self.jobs[key] = Future()
+        if not owner:
+            return job
+        try:
+            traced = fn.trace(*args)
+            on_traced(_outputs(traced.out_tree, traced.out_avals, None))
+            compiled = traced.lower().compile()
+            job.set_result(_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings))
+            with self.lock:
+                self.compiled += 1
+        except Exception:  # the real call raises it where it belongs
+            job.set_result(_UNKNOWN)
+        return job.result()
+
+
+def precompile(
+    step: CompiledStep,
+    inputs: Sequence[Any],
+    submeshes: Sequence[Any],
+    shardings: _Shardings | None = None,
+    max_workers: int | None = None,
+    batch_axis: str | None = "data",
+) -> int:
+    """Compiles the programs of ``step``'s first run concurrently.
+
+    A transfer that keeps its source's PartitionSpec would make each stage's
+    program wait for the previous stage's compilation (the spec is chosen by
+    the compiler). Its receiver is compiled for a guess instead, made when the
+    source is traced: the leading axis sharded over ``batch_axis`` when it
+    divides, else replicated, which is what the stage programs produce for
+    batch-sharded activations. A wrong guess costs one extra compilation.
+
+    Args:
+      step: the compiled step.
+      inputs: its real inputs (consts, state leaves, other leaves); only their
+        shapes, dtypes and shardings are read.
+      submeshes: the jax Mesh of each mesh id.
+      shardings: a sharding cache to reuse.
+      max_workers: compile threads (default: the number of CPUs, at most 8).
+      batch_axis: the submesh axis activations are sharded over (the
+        ``batch_axis`` of `nnx_mpmd.jit`).
+
+    Returns:
+      How many programs were compiled here.
+
+    Example:
+      >>> # `nnx_mpmd.jit` calls it before a new step's first run.
+      >>> callable(precompile)
+      True
+    """
+    shardings = shardings or _Shardings(submeshes)
+    workers = max_workers or min(8, os.cpu_count() or 2)
+    store: list[Any] = [None] * step.num_slots
+    for slot, value in step.constants.items():
+        store[slot] = _abstract(value)
+    for value, slots_of in zip(inputs, step.input_slots):
+        for q, slot in slots_of.items():
+            store[slot] = _abstract(_value_on(value, q))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile") as pool:
+        compiler = _Compiler()
+        # A slot holds its abstract value, or a _Pending while its job runs. A job
+        # starts once every job it reads from has finished, so threads never wait
+        # on each other (except on a duplicate signature's compilation).
+        slots: list[Any] = list(store)
+        jobs: list[Future] = []
+        for ins in step.instructions:
+            if isinstance(ins, Call):
+                reads = {slot: slots[slot] for slot in ins.reads()}
+                traced: Future = Future()
+                job = _after(pool, reads.values(), _run_call, compiler, ins, reads, traced)
+                jobs += [job, traced]
+                for slot in ins.writes():
+                    slots[slot] = _Pending(job, slot, traced)
+            elif isinstance(ins, Transfer):
+                source = slots[ins.src]
+                if (
+                    ins.per_microbatch
+                    and ins.spec is None
+                    and isinstance(source, _Pending)
+                    and source.traced is not None
+                ):
+                    early = _Pending(source.traced, source.slot)
+                    guess = _Guess(submeshes[ins.dst_mesh], batch_axis)
+                    job = _after(None, [early], _run_transfer, ins, early, shardings, guess)
+                else:
+                    job = _after(None, [source], _run_transfer, ins, source, shardings, None)
+                jobs.append(job)
+                slots[ins.dst] = _Pending(job, None)
+        wait(jobs)  # before the pool closes: finished jobs submit their dependants
+    return compiler.compiled
+
+
+def _after(pool: ThreadPoolExecutor | None, inputs: Any, fn: Any, *args: Any) -> Future:
+    """A future of ``fn(*args)``, run once every pending input is done.
+
+    It runs in ``pool``, or with no pool (cheap work) in the thread that
+    finished the last input.
+    """
+    result: Future = Future()
+    deps = [value.job for value in inputs if isinstance(value, _Pending)]
+    remaining = [len(deps)]
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except Exception:  # an optimisation only: the real run reports errors
+            value = _UNKNOWN
+        if isinstance(value, Future):
+            value.add_done_callback(lambda done: result.set_result(done.result()))
+        else:
+            result.set_result(value)
+
+    def on_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            ready = remaining[0] == 0
+        if ready:
+            start()
+
+    def start() -> None:
+        if pool is None:
+            run()
+        else:
+            pool.submit(run)
+
+    if not deps:
+        start()
+    for dep in deps:
+        dep.add_done_callback(on_done)
+    return result
+
+
+def _resolve(value: Any) -> Any:
+    if not isinstance(value, _Pending):
+        return value
+    result = value.job.result()
+    if result is _UNKNOWN or value.slot is None:
+        return result
+    return result.get(value.slot, _UNKNOWN)
+
+
+def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Future) -> Any:
+    def by_slot(result: Any) -> Any:
+        out: dict[int, Any] = {}
+        _assign(out, ins.outs, result)
+        return out
+
+    def on_traced(result: Any) -> None:
+        if not traced.done():
+            traced.set_result(by_slot(result))
+
+    try:
+        view = _SlotView({slot: _resolve(value) for slot, value in reads.items()})
+        args = tuple(_build(view, a) for a in ins.args)  # type: ignore[arg-type]
+        result = compiler.outputs(ins.fn, args, on_traced)
+    except Exception:
+        result = _UNKNOWN
+    if isinstance(result, Future):  # a duplicate: finish when its owner does
+        finished: Future = Future()
+
+        def done(owner: Future) -> None:
+            on_traced(owner.result())
+            finished.set_result(by_slot(owner.result()))
+
+        result.add_done_callback(done)
+        return finished
+    on_traced(_UNKNOWN)  # a no-op once traced: transfers waiting on it go on
+    return by_slot(result)
+
+
+class _SlotView:
+    def __init__(self, values: dict[int, Any]) -> None:
+        self.values = values
+
+    def __getitem__(self, slot: int) -> Any:
+        return self.values[slot]
+
+
+class _Guess(NamedTuple):
+    mesh: Any
+    batch_axis: str | None
+
+    def spec(self, shape: tuple[int, ...]) -> Any:
+        size = dict(self.mesh.shape).get(self.batch_axis) if self.batch_axis else None
+        if size and shape and shape[0] % size == 0:
+            return P(self.batch_axis)
+        return P()
+
+
+def _run_transfer(ins: Transfer, source: Any, shardings: _Shardings, guess: _Guess | None) -> Any:
+    value = _resolve(source)
+    if isinstance(value, np.ndarray | np.generic | int | float | bool | complex):
+        # a host value: device_put makes a committed array of its canonical dtype
+        dtype = jax.dtypes.canonicalize_dtype(np.result_type(value))
+        weak = not isinstance(value, np.ndarray | np.generic)
+        value = jax.ShapeDtypeStruct(np.shape(value), dtype, weak_type=weak)
+    if not isinstance(value, jax.ShapeDtypeStruct):
+        return _UNKNOWN
+    shape = value.shape
+    if ins.reshape_microbatches:
+        m = ins.reshape_microbatches
+        shape = (m, shape[0] // m, *shape[1:])
+    spec = ins.spec
+    if spec is None and guess is not None:
+        spec = guess.spec(value.shape)
+    elif spec is None:
+        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else P()
+    return jax.ShapeDtypeStruct(
+        shape, value.dtype, sharding=shardings(ins.dst_mesh, spec), weak_type=value.weak_type
+    )
