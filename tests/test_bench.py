@@ -101,6 +101,7 @@ def test_runner_smoke_writes_json_and_tables(tmp_path, capsys):
         "--warmup-rounds=1",
         "--first-step-microbatches=4",
         "--first-step-batch=8",
+        "--first-step-repeats=1",
         "--overhead-repeats=2",
         f"--out={out}",
         f"--markdown={table}",
@@ -117,7 +118,7 @@ def test_runner_smoke_writes_json_and_tables(tmp_path, capsys):
     assert preset["rows"]["one-device (4 layers)"]["host_cpu_ms"] > 0
     assert 0 <= row["bubble"]["simulated_bubble"] < 1
     assert {"spmd-dp8 (4 layers)", "one-device (4 layers)"} <= set(preset["rows"])
-    assert set(preset["first_step_scaling"]) == {"4", "ratio"}
+    assert set(preset["first_step_scaling"]) == {"4", "ratio", "samples_s"}
     assert "| 1f1b |" in table.read_text() and "#### GPT `tiny`" in capsys.readouterr().out
 
 
