@@ -9,10 +9,10 @@ mesh, `Transfer` copies a value to another submesh keeping its PartitionSpec,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Call", "Free", "Instruction", "SlotTable", "Transfer", "insert_frees"]
+__all__ = ["Call", "Free", "Instruction", "SlotTable", "Transfer", "insert_frees", "slots_in"]
 
 
 @dataclasses.dataclass
@@ -32,10 +32,10 @@ class Call:
     task: Any = None  # the schedule Task, for stage tasks
 
     def reads(self) -> list[int]:
-        return list(_slots(self.args))
+        return list(slots_in(self.args))
 
     def writes(self) -> list[int]:
-        return list(_slots(self.outs))
+        return list(slots_in(self.outs))
 
 
 @dataclasses.dataclass
@@ -81,12 +81,13 @@ class Free:
 Instruction = Call | Transfer | Free
 
 
-def _slots(tree: Any):
+def slots_in(tree: Any) -> Iterator[int]:
+    """The slot numbers in a nested tuple of slots, in order."""
     if isinstance(tree, int):
         yield tree
     elif isinstance(tree, tuple | list):
         for t in tree:
-            yield from _slots(t)
+            yield from slots_in(t)
 
 
 class SlotTable:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.instructions import Call, Transfer
+from nnx_mpmd.compiler.instructions import Call, Transfer, slots_in
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.runtime.executor import _build, _Shardings, _value_on
 
@@ -96,17 +96,11 @@ def _assign(store: dict[int, Any], tree: Any, value: Any) -> None:
         store[tree] = value
         return
     if value is _UNKNOWN or not isinstance(value, tuple | list) or len(value) != len(tree):
-        for slot in _slots(tree):
+        for slot in slots_in(tree):
             store[slot] = _UNKNOWN
         return
     for t, v in zip(tree, value, strict=True):
         _assign(store, t, v)
-
-
-def _slots(tree: Any) -> list[int]:
-    if isinstance(tree, int):
-        return [tree]
-    return [s for t in tree for s in _slots(t)]
 
 
 class _Pending(NamedTuple):
