@@ -103,14 +103,23 @@ def _value_on(x: Any, q: int) -> Any:
     return x
 
 
+def _transferred_shape(ins: Transfer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``ins`` delivers for a source of ``shape`` (microbatch reshape)."""
+    m = ins.reshape_microbatches
+    return (m, shape[0] // m, *shape[1:]) if m else tuple(shape)
+
+
+def _kept_spec(sharding: Any) -> Any:
+    """The PartitionSpec a transfer without its own ``spec`` keeps from its source."""
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
 def _transfer(ins: Transfer, value: Any, shardings: _Shardings) -> Any:
     if ins.reshape_microbatches:
-        m = ins.reshape_microbatches
-        value = value.reshape((m, value.shape[0] // m, *value.shape[1:]))
+        value = value.reshape(_transferred_shape(ins, value.shape))
     spec = ins.spec
     if spec is None:
-        sharding = getattr(value, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        spec = _kept_spec(getattr(value, "sharding", None))
     if not isinstance(value, jax.Array):
         value = np.asarray(value)
     return jax.device_put(value, shardings(ins.dst_mesh, spec))

@@ -27,12 +27,17 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Transfer, slots_in
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.runtime.executor import _build, _Shardings, _value_on
+from nnx_mpmd.runtime.executor import (
+    _build,
+    _kept_spec,
+    _Shardings,
+    _transferred_shape,
+    _value_on,
+)
 
 __all__ = ["precompile"]
 
@@ -288,8 +293,8 @@ def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Fut
             traced.set_result(by_slot(result))
 
     try:
-        view = _SlotView({slot: _resolve(value) for slot, value in reads.items()})
-        args = tuple(_build(view, a) for a in ins.args)  # type: ignore[arg-type]
+        values = {slot: _resolve(value) for slot, value in reads.items()}
+        args = tuple(_build(values, a) for a in ins.args)  # type: ignore[arg-type]
         result = compiler.outputs(ins.fn, args, on_traced)
     except Exception:
         result = _UNKNOWN
@@ -304,14 +309,6 @@ def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Fut
         return finished
     on_traced(_UNKNOWN)  # a no-op once traced: transfers waiting on it go on
     return by_slot(result)
-
-
-class _SlotView:
-    def __init__(self, values: dict[int, Any]) -> None:
-        self.values = values
-
-    def __getitem__(self, slot: int) -> Any:
-        return self.values[slot]
 
 
 class _Guess(NamedTuple):
@@ -334,15 +331,12 @@ def _run_transfer(ins: Transfer, source: Any, shardings: _Shardings, guess: _Gue
         value = jax.ShapeDtypeStruct(np.shape(value), dtype, weak_type=weak)
     if not isinstance(value, jax.ShapeDtypeStruct):
         return _UNKNOWN
-    shape = value.shape
-    if ins.reshape_microbatches:
-        m = ins.reshape_microbatches
-        shape = (m, shape[0] // m, *shape[1:])
+    shape = _transferred_shape(ins, value.shape)
     spec = ins.spec
     if spec is None and guess is not None:
         spec = guess.spec(value.shape)
     elif spec is None:
-        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else P()
+        spec = _kept_spec(value.sharding)
     return jax.ShapeDtypeStruct(
         shape, value.dtype, sharding=shardings(ins.dst_mesh, spec), weak_type=value.weak_type
     )
