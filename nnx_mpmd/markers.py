@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from flax import nnx
+from flax.nnx import graph as nnx_graph
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from nnx_mpmd.errors import PartitionError
+from nnx_mpmd.errors import CompileError, PartitionError
 
 __all__ = [
     "StageMarkerInfo",
@@ -45,7 +48,7 @@ class StageMarkerInfo:
     """Static facts a marker carries into the jaxpr (hashable)."""
 
     stage: int
-    boundary: str  # "enter" or "exit"
+    boundary: str  # "enter" or "exit" ("probe": a check outside the region, never kept)
     remat: bool = False
     policy: Callable[..., Any] | None = None
 
@@ -60,7 +63,74 @@ def _marker_abstract_eval(*avals: Any, info: StageMarkerInfo) -> tuple[Any, ...]
     return tuple(avals)
 
 
+# Where JAX and Flax implement the differentiation transforms a user may wrap around
+# Stage calls: (module, function) -> the public name. Only used to name the
+# transform in an error message; an unknown frame falls back to a generic name.
+_TRANSFORM_FRAMES = {
+    ("jax._src.api", "grad_f"): "jax.grad",
+    ("jax._src.api", "grad_f_aux"): "jax.grad",
+    ("jax._src.api", "value_and_grad_f"): "jax.value_and_grad",
+    ("jax._src.api", "vjp"): "jax.vjp",
+    ("jax._src.api", "jvp"): "jax.jvp",
+    ("jax._src.api", "linearize"): "jax.linearize",
+    ("jax._src.api", "jacfun"): "jax.jacfwd/jax.jacrev",
+}
+_LIBRARY_PREFIXES = ("jax.", "jaxlib.", "flax.", "optax.", "nnx_mpmd.", "contextlib")
+
+
+def _differentiation_site() -> tuple[str, str]:
+    """The outermost differentiation transform on the Python stack, and its call site.
+
+    Returns:
+      ``(transform, where)``: e.g. ``("nnx.value_and_grad", " at step.py:12")``;
+      a generic name and ``""`` when the stack does not tell.
+    """
+    transform, caller = "", None
+    try:
+        frame = inspect.currentframe()
+        while frame is not None:
+            module = str(frame.f_globals.get("__name__", ""))
+            name = frame.f_code.co_name
+            found = _TRANSFORM_FRAMES.get((module, name))
+            if module == "flax.nnx.transforms.autodiff" and name in (
+                "grad_wrapper",
+                "tree_grad_wrapper",
+            ):
+                value = frame.f_locals.get("return_value")
+                found = {True: "nnx.value_and_grad", False: "nnx.grad"}.get(value, "nnx.grad")
+            elif module == "flax.nnx.transforms.autodiff" and name.startswith(("vjp", "jvp")):
+                found = f"nnx.{name[:3]}"
+            if found:
+                transform, caller = found, None
+            elif transform and caller is None and not module.startswith(_LIBRARY_PREFIXES):
+                caller = frame
+            frame = frame.f_back
+    except Exception:  # naming the transform is best effort
+        transform, caller = "", None
+    if not transform:
+        return "a differentiation transform (jax.grad, nnx.value_and_grad, ...)", ""
+    where = ""
+    if caller is not None:
+        where = f" at {caller.f_code.co_filename}:{caller.f_lineno}"
+    return transform, where
+
+
+def _differentiated_stage_error(info: StageMarkerInfo) -> CompileError:
+    transform, where = _differentiation_site()
+    return CompileError(
+        f"{transform}{where} differentiates through Stage {info.stage} while mp.jit traces "
+        "the step: mp.jit pipelines only the gradient taken by mp.value_and_grad. Use "
+        "`loss, grads = mp.value_and_grad(loss_fn)(model, batch)` for the pipelined region "
+        "(it differentiates per stage, over microbatches); nnx.value_and_grad, nnx.grad and "
+        "jax.grad are fine outside mp.jit (e.g. under nnx.jit) or inside one Stage's body."
+    )
+
+
 def _marker_jvp(primals, tangents, *, info):
+    if _state.active or _state.outer:
+        # A grad transform around Stage calls inside mp.jit's trace: the compiler
+        # would see one forward-only program with the backward pass as glue code.
+        raise _differentiated_stage_error(info)
     return stage_marker_p.bind(*primals, info=info), tuple(tangents)
 
 
@@ -119,7 +189,10 @@ def _is_array(x: Any) -> bool:
 
 
 def _mark(tree: Any, info: StageMarkerInfo) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
+    # NNX objects passed to or returned by a stage (an nnx.Rngs given at call time)
+    # stay the caller's objects: flattening would hand the body a copy, and keys it
+    # draws would not advance the caller's counters.
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=nnx_graph.is_graph_node)
     positions = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     if not positions:
         # Keep the bracket even for a call without array arguments (e.g. a stage
@@ -130,6 +203,19 @@ def _mark(tree: Any, info: StageMarkerInfo) -> Any:
     for i, value in zip(positions, marked, strict=True):
         leaves[i] = value
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _probe_differentiation(stage: int, fn: Any, call_args: Any) -> None:
+    """Raises the grad-transform error if a Stage call outside the region is differentiated.
+
+    Binding a marker on the call's arrays and the module's state runs the marker's
+    JVP rule exactly when a grad transform (of any flavour: jax or nnx) traces them.
+    """
+    leaves = [x for x in jax.tree.leaves(call_args) if _is_array(x)]
+    with contextlib.suppress(Exception):  # fn may be a plain function, not an NNX node
+        leaves += [x for x in jax.tree.leaves(nnx.state(fn)) if _is_array(x)]
+    if leaves:
+        stage_marker_p.bind(*leaves, info=StageMarkerInfo(stage, "probe"))
 
 
 def call_stage(
@@ -160,6 +246,7 @@ def call_stage(
     """
     if not _state.active:
         if _state.outer:
+            _probe_differentiation(stage, fn, (args, kwargs))
             raise StageOutsideRegionError(
                 f"Stage {stage}{where} was called by the step outside mp.value_and_grad: "
                 "mp.jit can only place stage code inside the pipelined region. Call the model "

@@ -28,11 +28,18 @@ from jax.extend import core as jcore
 from jax.extend.core import Primitive
 
 from nnx_mpmd import markers
+from nnx_mpmd.compiler.captured import (
+    CapturedVariable,
+    bound_variables,
+    captured_variables,
+    outer_trace_error,
+)
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
     "RegionInfo",
     "active_microbatches",
+    "check_microbatches",
     "reference_value_and_grad",
     "region_p",
     "region_tracing",
@@ -108,22 +115,48 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
+def check_microbatches(batch: Any, num_microbatches: int) -> None:
+    """Checks that ``batch`` splits into ``num_microbatches`` equal microbatches.
+
+    Raises:
+      CompileError: a leaf has no leading axis, the leaves' leading sizes
+        disagree (all are listed), or the size is not divisible by m.
+    """
+    paths_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    sizes: dict[str, int] = {}
+    for path, leaf in paths_leaves:
+        shape = jnp.shape(leaf)
+        where = jax.tree_util.keystr(path) or "batch"
+        if not shape:
+            raise CompileError(
+                f"batch leaf {where} is a scalar: every leaf of the batch needs a leading "
+                f"(batch) axis to split into num_microbatches={num_microbatches} microbatches. "
+                "Pass per-example arrays, or close over the scalar in the loss function."
+            )
+        sizes[where] = shape[0]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise CompileError(
+            f"the batch leaves have different leading (batch) sizes ({listed}): every leaf "
+            "is split along axis 0 into the same microbatches, so they must agree. Give every "
+            "leaf of the batch the same number of rows."
+        )
+    for where, size in sizes.items():
+        if size % num_microbatches:
+            raise CompileError(
+                f"batch leaf {where} has {size} rows: its leading (batch) axis must divide "
+                f"into num_microbatches={num_microbatches} equal microbatches. Use a batch "
+                "size that is a multiple of num_microbatches."
+            )
+
+
 def split_microbatches(batch: Any, num_microbatches: int) -> Any:
     """Reshapes every leaf of ``batch`` from ``[B, ...]`` to ``[m, B/m, ...]``.
 
     Raises:
-      CompileError: if a leaf has no leading axis or it is not divisible by m.
+      CompileError: see `check_microbatches`.
     """
-    paths_leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for path, leaf in paths_leaves:
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] % num_microbatches:
-            where = jax.tree_util.keystr(path) or "batch"
-            raise CompileError(
-                f"batch leaf {where} has shape {tuple(shape)}: its leading (batch) axis must "
-                f"divide into num_microbatches={num_microbatches} equal microbatches. Use a "
-                "batch size that is a multiple of num_microbatches."
-            )
+    check_microbatches(batch, num_microbatches)
     return jax.tree.map(
         lambda x: jnp.reshape(x, (num_microbatches, x.shape[0] // num_microbatches, *x.shape[1:])),
         batch,
@@ -133,6 +166,117 @@ def split_microbatches(batch: Any, num_microbatches: int) -> Any:
 def _split_model(model: Any, wrt: Any) -> tuple[Any, nnx.State, nnx.State]:
     graphdef, diff_state, other_state = nnx.split(model, wrt, ...)
     return graphdef, diff_state, other_state
+
+
+def _count_positions(state: Any, first: int = 0) -> list[int]:
+    """Leaf positions (from ``first``) of the RNG counters among ``state``'s leaves."""
+    positions, cursor = [], first
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        n = len(jax.tree.leaves(variable))
+        if isinstance(variable, nnx.RngCount) and n == 1:
+            positions.append(cursor)
+        cursor += n
+    return positions
+
+
+def _count_increments(
+    jaxpr: jcore.Jaxpr, counts: list[int], first_in: int, first_out: int, paths: list[str]
+) -> dict[int, int]:
+    """How much each RNG counter advances per microbatch (``{other index: K}``).
+
+    An NNX RNG stream adds 1 to its counter per key drawn, independently of the
+    data, so the counter after microbatch ``i`` is ``count0 + (i + 1) * K``. Each
+    counter's update is cut out of the body (dead-code elimination) and evaluated
+    at two concrete counts to find ``K`` and check that the update is that shift.
+
+    Raises:
+      CompileError: a counter's new value depends on anything but the counter, or
+        is not the counter plus a constant.
+    """
+    increments: dict[int, int] = {}
+    for j in counts:
+        keep = [i == first_out + j for i in range(len(jaxpr.outvars))]
+        sub, used = pe.dce_jaxpr(jaxpr, keep, instantiate=False)
+        used_inputs = [i for i, u in enumerate(used) if u]
+        fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
+
+        def at(count: int, fn: Any = fn, used_inputs: list[int] = used_inputs) -> int:
+            with jax.ensure_compile_time_eval():
+                args = [jnp.asarray(count, jnp.uint32)] if used_inputs else []
+                return int(fn(*args)[0])
+
+        k = at(0)
+        if used_inputs not in ([], [first_in + j]) or at(1000) != (1000 + k) % (1 << 32):
+            raise CompileError(
+                f"the RNG counter {paths[j]} is changed in a way other than drawing keys (its "
+                "new value is not its old value plus the number of keys drawn). Pipelined "
+                "microbatches derive each counter from the microbatch index; do not assign "
+                "RNG counters inside the loss function."
+            )
+        increments[j] = k
+    return increments
+
+
+def _derive_counts(
+    closed: Any, increments: dict[int, int], first_in: int, first_out: int, in_avals: list[Any]
+) -> Any:
+    """The body with each RNG counter read as ``count0 + index * K`` and left unchanged.
+
+    The new body takes one more input, the microbatch index (a ``[1]`` uint32
+    array, one per microbatch), and returns each counter's input as its new
+    value: stages that draw from one stream need no value from each other, so
+    they pipeline; the counters advance by ``m * K`` after the region.
+    """
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    consts = list(closed.consts)
+    run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
+
+    def body(const_vals: list[Any], args: list[Any], index: Any) -> list[Any]:
+        args = list(args)
+        inputs = list(args)
+        for j, k in increments.items():
+            count = args[first_in + j]
+            args[first_in + j] = count + index[0].astype(count.dtype) * jnp.asarray(k, count.dtype)
+        outs = list(run(*const_vals, *args))
+        for j in increments:
+            outs[first_out + j] = inputs[first_in + j]
+        return outs
+
+    index_aval = jax.ShapeDtypeStruct((1,), jnp.uint32)
+    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+    derived = jax.make_jaxpr(body)(const_avals, in_avals, index_aval)
+    return derived, consts
+
+
+def _advance_counts(
+    leaves: list[Any], increments: dict[int, int], num_microbatches: int
+) -> list[Any]:
+    out = list(leaves)
+    for j, k in increments.items():
+        count = leaves[j]
+        out[j] = count + jnp.asarray(num_microbatches * k, jnp.result_type(count))
+    return out
+
+
+def _held_used(jaxpr: jcore.Jaxpr, first_in: int, first_out: int, n_held: int) -> list[bool]:
+    """Which captured leaves the traced body reads or changes.
+
+    Captured candidates are found by name (closures, globals), so some are not
+    used at all (a global model the loss function does not call); only those the
+    body reads, or returns changed, become region state.
+    """
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jcore.Var)}
+    used = []
+    for i in range(n_held):
+        invar, outvar = jaxpr.invars[first_in + i], jaxpr.outvars[first_out + i]
+        used.append(invar in read or outvar is not invar)
+    return used
+
+
+def _check_writable(captured: list[CapturedVariable]) -> None:
+    error = outer_trace_error(captured)
+    if error is not None:
+        raise error
 
 
 def trace_region(
@@ -146,18 +290,25 @@ def trace_region(
 ) -> Any:
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
+    RNG state the loss function closes over (an ``nnx.Rngs`` argument of the
+    step, say) is taken in as region state like the model's own. Every RNG
+    counter is derived from the microbatch index (see `_derive_counts`), so
+    microbatch ``i`` draws the keys the sequential reference draws.
+
     Returns what `value_and_grad` returns: ``(loss, grads)`` or
     ``((loss, aux), grads)``; with ``with_grad=False`` the stacked outputs.
     """
     num_microbatches = _region_state.num_microbatches
     assert num_microbatches is not None and _region_state.regions is not None
     graphdef, diff_state, other_state = _split_model(model, wrt)
+    captured = captured_variables(loss_fn, exclude=[model])
     diff_flat = list(nnx.to_flat_state(diff_state))
     other_flat = list(nnx.to_flat_state(other_state))
     diff_leaves, diff_tree = jax.tree.flatten(diff_state)
     other_leaves, other_tree = jax.tree.flatten(other_state)
+    held_leaves = [c.variable.get_raw_value() for c in captured]
     batch_leaves, batch_tree = jax.tree.flatten(batch)
-    split_microbatches(batch, num_microbatches)  # validates divisibility
+    check_microbatches(batch, num_microbatches)
     mb_avals = [
         jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
         for x in batch_leaves
@@ -166,9 +317,13 @@ def trace_region(
 
     def body(diff: list[Any], other: list[Any], mb: list[Any]) -> Any:
         local = nnx.merge(
-            graphdef, jax.tree.unflatten(diff_tree, diff), jax.tree.unflatten(other_tree, other)
+            graphdef,
+            jax.tree.unflatten(diff_tree, diff),
+            jax.tree.unflatten(other_tree, other[: len(other_leaves)]),
         )
-        out = loss_fn(local, jax.tree.unflatten(batch_tree, mb))
+        with bound_variables(captured, other[len(other_leaves) :]):
+            out = loss_fn(local, jax.tree.unflatten(batch_tree, mb))
+            new_held = [c.variable.get_raw_value() for c in captured]
         if with_grad:
             loss, aux = out if has_aux else (out, None)
             aux_leaves, aux_tree = jax.tree.flatten(aux)
@@ -179,66 +334,103 @@ def trace_region(
                 raise CompileError("a forward-only pipelined step must return arrays.")
         aux_tree_box.append(aux_tree)
         _, _, new_other = _split_model(local, wrt)
-        return [*head, *jax.tree.leaves(new_other)]
+        return [*head, *jax.tree.leaves(new_other), *new_held]
 
     def aval(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
+    state_leaves = [*other_leaves, *held_leaves]
     with markers.pipeline_tracing():
         closed = jax.make_jaxpr(body)(
-            [aval(x) for x in diff_leaves], [aval(x) for x in other_leaves], mb_avals
+            [aval(x) for x in diff_leaves], [aval(x) for x in state_leaves], mb_avals
         )
+    n_aux = len(closed.out_avals) - 1 - len(state_leaves)
+    used = _held_used(
+        closed.jaxpr,
+        len(diff_leaves) + len(other_leaves),
+        1 + n_aux + len(other_leaves),
+        len(held_leaves),
+    )
+    if not all(used):  # rare: trace again without what the body ignores
+        captured = [c for c, u in zip(captured, used) if u]
+        state_leaves = [*other_leaves, *(c.variable.get_raw_value() for c in captured)]
+        with markers.pipeline_tracing():
+            closed = jax.make_jaxpr(body)(
+                [aval(x) for x in diff_leaves], [aval(x) for x in state_leaves], mb_avals
+            )
+        n_aux = len(closed.out_avals) - 1 - len(state_leaves)
+    _check_writable(captured)
+    in_avals = [*map(aval, diff_leaves), *map(aval, state_leaves), *mb_avals]
     loss_aval = closed.out_avals[0]
     if with_grad and (loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.floating)):
         raise CompileError(
             f"the loss function must return a float scalar (got {loss_aval.str_short()}); "
             "return the mean loss of the microbatch, and pass extra outputs with has_aux=True."
         )
-    n_aux = len(closed.out_avals) - 1 - len(other_leaves)
+    other_paths = [*(_path_str(p) for p, _ in other_flat), *(c.path for c in captured)]
+    counts = _count_positions(other_state) + [
+        len(other_leaves) + i
+        for i, c in enumerate(captured)
+        if isinstance(c.variable, nnx.RngCount)
+    ]
+    first_in, first_out = len(closed.consts) + len(diff_leaves), 1 + n_aux
+    increments = _count_increments(
+        pe.convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, other_paths
+    )
+    index_leaves: list[Any] = []
+    if any(increments.values()):
+        closed, consts = _derive_counts(closed, increments, len(diff_leaves), first_out, in_avals)
+        index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)]
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
-    consts = list(closed.consts)
-    if with_grad:
-        mean_avals = [
-            a if jnp.issubdtype(a.dtype, jnp.inexact) else a.update(dtype=jnp.float32)
-            for a in closed.out_avals[: 1 + n_aux]
-        ]
-        out_avals = (
-            *mean_avals,
-            *[jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)) for x in diff_leaves],
-            *closed.out_avals[1 + n_aux :],
-        )
-    else:  # forward only: stacked per-microbatch outputs
-        out_avals = tuple(
-            jax.core.ShapedArray((num_microbatches, *a.shape), a.dtype)
-            for a in closed.out_avals[: 1 + n_aux]
-        ) + tuple(closed.out_avals[1 + n_aux :])
+    consts = [*closed.consts, *(consts if index_leaves else [])]
+    out_avals = _region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad)
     info = RegionInfo(
         body=jaxpr,
         num_microbatches=num_microbatches,
         n_closure=len(consts),
         n_diff=len(diff_leaves),
-        n_other=len(other_leaves),
-        n_batch=len(batch_leaves),
+        n_other=len(state_leaves),
+        n_batch=len(batch_leaves) + len(index_leaves),
         n_aux=n_aux,
         has_aux=has_aux,
         with_grad=with_grad,
         diff_paths=tuple(_path_str(p) for p, _ in diff_flat),
-        other_paths=tuple(_path_str(p) for p, _ in other_flat),
+        other_paths=tuple(other_paths),
         out_avals=out_avals,
     )
     _region_state.regions.append(info)
-    outs = region_p.bind(*consts, *diff_leaves, *other_leaves, *batch_leaves, info=info)
-    if not with_grad:
-        nnx.update(model, jax.tree.unflatten(other_tree, outs[1 + n_aux :]))
-        return jax.tree.unflatten(aux_tree_box[-1], outs[: 1 + n_aux])
-    loss, rest = outs[0], outs[1:]
-    aux = jax.tree.unflatten(aux_tree_box[-1], rest[:n_aux])
-    rest = rest[n_aux:]
+    outs = region_p.bind(
+        *consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves, info=info
+    )
+    head, rest = outs[: 1 + n_aux], outs[1 + n_aux :]
+    grads = None
     if with_grad:
         grads = jax.tree.unflatten(diff_tree, rest[: len(diff_leaves)])
         rest = rest[len(diff_leaves) :]
-    nnx.update(model, jax.tree.unflatten(other_tree, rest))
+    new_state = _advance_counts(list(rest), increments, num_microbatches)
+    nnx.update(model, jax.tree.unflatten(other_tree, new_state[: len(other_leaves)]))
+    for c, value in zip(captured, new_state[len(other_leaves) :], strict=True):
+        c.variable.set_raw_value(value)
+    if not with_grad:
+        return jax.tree.unflatten(aux_tree_box[-1], head)
+    loss, aux = head[0], jax.tree.unflatten(aux_tree_box[-1], head[1:])
     return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def _region_out_avals(
+    closed: Any, n_aux: int, diff_leaves: list[Any], num_microbatches: int, with_grad: bool
+) -> tuple[Any, ...]:
+    """The region equation's outputs: means (or stacked outputs), grads, new state."""
+    head, state = closed.out_avals[: 1 + n_aux], tuple(closed.out_avals[1 + n_aux :])
+    if not with_grad:  # forward only: stacked per-microbatch outputs
+        return tuple(jax.core.ShapedArray((num_microbatches, *a.shape), a.dtype) for a in head) + (
+            state
+        )
+    means = [
+        a if jnp.issubdtype(a.dtype, jnp.inexact) else a.update(dtype=jnp.float32) for a in head
+    ]
+    grads = [jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)) for x in diff_leaves]
+    return (*means, *grads, *state)
 
 
 def reference_value_and_grad(
@@ -254,43 +446,64 @@ def reference_value_and_grad(
 
     Splits the batch into ``num_microbatches`` along axis 0, runs the
     microbatches in order (threading non-differentiated state such as RNG
-    counters and batch statistics), and returns the mean loss, mean aux and mean
-    gradients.
+    counters and batch statistics, and RNG state the loss function closes
+    over), and returns the mean loss, mean aux and mean gradients.
     """
     graphdef, diff_state, other_state = _split_model(model, wrt)
+    captured = captured_variables(loss_fn, exclude=[model])
     diff_leaves, diff_tree = jax.tree.flatten(diff_state)
     other_leaves, other_tree = jax.tree.flatten(other_state)
     stacked = split_microbatches(batch, num_microbatches)
+    first_mb = jax.tree.map(lambda x: x[0], stacked)
 
     # Raw leaves cross the transforms; Variables are rebuilt inside the trace so
     # that state updates (RNG counters, batch statistics) happen at its level.
-    def one(diff: list[Any], other: list[Any], mb: Any) -> Any:
+    def one(diff: list[Any], state: tuple[list[Any], list[Any]], mb: Any) -> Any:
+        other, held = state
         local = nnx.merge(
             graphdef, jax.tree.unflatten(diff_tree, diff), jax.tree.unflatten(other_tree, other)
         )
-        out = loss_fn(local, mb)
+        with bound_variables(captured, held):
+            out = loss_fn(local, mb)
+            held = [c.variable.get_raw_value() for c in captured]
         loss, aux = out if has_aux else (out, None)
         _, _, new_other = _split_model(local, wrt)
-        return loss, (aux, jax.tree.leaves(new_other))
+        return loss, (aux, (jax.tree.leaves(new_other), held))
 
+    if captured:  # keep only what the loss function really uses
+        held = [c.variable.get_raw_value() for c in captured]
+        probe = jax.make_jaxpr(one)(diff_leaves, (other_leaves, held), first_mb)
+        n_aux = len(probe.out_avals) - 1 - len(other_leaves) - len(held)
+        used = _held_used(
+            probe.jaxpr,
+            len(diff_leaves) + len(other_leaves),
+            1 + n_aux + len(other_leaves),
+            len(captured),
+        )
+        captured = [c for c, u in zip(captured, used) if u]
+        _check_writable(captured)
+    held_leaves = [c.variable.get_raw_value() for c in captured]
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
     def step(carry: Any, mb: Any) -> Any:
-        other, loss_sum, aux_sum, grad_sum = carry
-        (loss, (aux, other)), grads = grad_fn(diff_leaves, other, mb)
+        state, loss_sum, aux_sum, grad_sum = carry
+        (loss, (aux, state)), grads = grad_fn(diff_leaves, state, mb)
         add = lambda a, b: a + b  # noqa: E731
         aux_sum = jax.tree.map(add, aux_sum, aux) if aux_sum is not None else aux
-        return (other, loss_sum + loss, aux_sum, jax.tree.map(add, grad_sum, grads)), None
+        return (state, loss_sum + loss, aux_sum, jax.tree.map(add, grad_sum, grads)), None
 
     zeros = [jnp.zeros_like(x) for x in diff_leaves]
-    first_mb = jax.tree.map(lambda x: x[0], stacked)
-    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, other_leaves, first_mb)
+    state0 = (other_leaves, held_leaves)
+    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
     aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
-    init = (other_leaves, jnp.zeros(loss0.shape, loss0.dtype), aux_zeros, zeros)
-    (other_leaves, loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(step, init, stacked)
-    other_state = jax.tree.unflatten(other_tree, other_leaves)
+    init = (state0, jnp.zeros(loss0.shape, loss0.dtype), aux_zeros, zeros)
+    ((other_leaves, held_leaves), loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(
+        step, init, stacked
+    )
+    nnx.update(model, jax.tree.unflatten(other_tree, other_leaves))
+    for c, value in zip(captured, held_leaves, strict=True):
+        c.variable.set_raw_value(value)
     grad_sum = jax.tree.unflatten(diff_tree, grad_sum)
-    nnx.update(model, other_state)
     scale = 1.0 / num_microbatches
     loss = loss_sum * scale
     grads = jax.tree.map(lambda g: g * scale, grad_sum)

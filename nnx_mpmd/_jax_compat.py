@@ -1,0 +1,60 @@
+"""The one place that touches private JAX and Flax internals.
+
+Everything here depends on implementation details of jax 0.10 / flax 0.12 that
+have no public API. Keep it small; every function says what it relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from flax import nnx
+from flax.nnx import tracers as nnx_tracers
+
+__all__ = ["variable_belongs_to_current_trace", "variables_bound_to_current_trace"]
+
+
+def variable_belongs_to_current_trace(variable: nnx.Variable) -> bool:
+    """Whether ``variable`` may be updated in the trace running now.
+
+    Relies on: ``Variable._can_update`` (flax 0.12).
+    """
+    return bool(variable._can_update)
+
+
+@contextlib.contextmanager
+def variables_bound_to_current_trace(
+    variables: Sequence[nnx.Variable], values: Sequence[Any]
+) -> Iterator[None]:
+    """Lets code traced now read and update Variables created in an outer trace.
+
+    A Flax Variable remembers the JAX trace it was created in and refuses updates
+    from any other (``TraceContextError``), so a loss function that closes over an
+    ``nnx.Rngs`` cannot draw keys inside a transform. This binds each Variable to
+    the current trace with ``values`` (tracers of that trace) for the duration of
+    the block, and afterwards restores its original value and trace. Read the
+    new values with ``get_raw_value()`` inside the block.
+
+    Relies on: ``Variable._trace_state`` (a ``flax.nnx.tracers.TraceState``) and
+    ``Variable._raw_value`` (set without the trace check when restoring).
+    """
+    saved = [(v.get_raw_value(), v._trace_state) for v in variables]
+    try:
+        for variable, value in zip(variables, values, strict=True):
+            object.__setattr__(variable, "_trace_state", nnx_tracers.TraceState())
+            variable.set_raw_value(value)
+    except BaseException:
+        _restore(variables, saved)
+        raise
+    try:
+        yield
+    finally:
+        _restore(variables, saved)
+
+
+def _restore(variables: Sequence[nnx.Variable], saved: list[tuple[Any, Any]]) -> None:
+    for variable, (value, trace_state) in zip(variables, saved):
+        object.__setattr__(variable, "_trace_state", trace_state)
+        object.__setattr__(variable, "_raw_value", value)
