@@ -413,9 +413,9 @@ def build_region_program(
             if len(readers) > 1:
                 raise CompileError(
                     f"{info.other_paths[j]} is updated by stage {source.stage} and used by "
-                    f"stages {readers}: mutable state (RNG counters, batch statistics) must "
-                    "belong to one stage. Give each stage its own state, e.g. one nnx.Rngs "
-                    "stream per Stage (nnx.Dropout forks its own)."
+                    f"stages {readers}: mutable state other than RNG streams (batch "
+                    "statistics, running counters) must belong to one stage. Give each stage "
+                    "its own state (e.g. one BatchNorm per Stage), or update it in one stage."
                 )
             k, m = source.stage, info.num_microbatches
             q, home = stage_mesh[k], home_mesh(r)
