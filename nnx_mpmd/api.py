@@ -173,6 +173,28 @@ class Lowered:
         return self.as_text()
 
 
+class _DefaultBatchAxis(str):
+    """The default ``batch_axis``: ``"data"`` when the submeshes have it, else None."""
+
+    __slots__ = ()
+
+
+DEFAULT_BATCH_AXIS = _DefaultBatchAxis("data")
+
+
+def _resolve_batch_axis(batch_axis: Any, mesh: MpmdMesh) -> str | None:
+    """The batch axis a step uses; a name the submeshes lack is an error, never ignored."""
+    if batch_axis is None:
+        return None
+    if isinstance(batch_axis, _DefaultBatchAxis):  # not given: "data" if there is one
+        return "data" if "data" in mesh.axis_names else None
+    return mesh.check_submesh_axis(
+        batch_axis,
+        argument="mp.jit(batch_axis=...): batch_axis",
+        fix="or batch_axis=None to replicate the batch on every device of a submesh",
+    )
+
+
 class PipelinedFunction:
     """A step compiled by `jit`; call it like the original function.
 
@@ -207,7 +229,7 @@ class PipelinedFunction:
         mesh: MpmdMesh,
         schedule: Any,
         num_microbatches: int,
-        batch_axis: str | None = "data",
+        batch_axis: str | None = DEFAULT_BATCH_AXIS,
         transfer_warning_bytes: int = 1 << 20,
         compile_threads: int | None = None,
     ) -> None:
@@ -223,7 +245,7 @@ class PipelinedFunction:
         self.mesh = mesh
         self.schedule = schedule
         self.num_microbatches = num_microbatches
-        self.batch_axis = batch_axis
+        self.batch_axis = _resolve_batch_axis(batch_axis, mesh)
         if compile_threads is not None and (
             not isinstance(compile_threads, int) or compile_threads < 1
         ):
@@ -326,7 +348,7 @@ def jit(
     mesh: MpmdMesh,
     schedule: Any,
     num_microbatches: int,
-    batch_axis: str | None = "data",
+    batch_axis: str | None = DEFAULT_BATCH_AXIS,
     transfer_warning_bytes: int = 1 << 20,
     compile_threads: int | None = None,
 ) -> Any:
@@ -347,7 +369,9 @@ def jit(
       num_microbatches: microbatches per step (the batch's leading axis must
         divide into them).
       batch_axis: the submesh axis that shards each microbatch's leading axis
-        when it divides evenly (None: replicate the batch).
+        when it divides evenly (None: replicate the batch). Default: ``"data"``
+        when the submeshes have that axis, else None. A name the submeshes lack
+        (or the mpmd axis) raises `MeshError` here, at ``jit`` time.
       transfer_warning_bytes: warn about transfers outside the pipelined region
         larger than this.
       compile_threads: threads that compile a new step's programs side by side

@@ -125,6 +125,60 @@ class MpmdMesh:
         """
         return self._submeshes
 
+    def check_submesh_axis(self, name: Any, *, argument: str, fix: str = "") -> str:
+        """Checks that ``name`` is an axis of every submesh (not the mpmd axis).
+
+        Use it wherever a user names a mesh axis for sharding inside a stage: the
+        mpmd axis does not exist inside a stage, and a name the submeshes lack
+        would otherwise be ignored silently.
+
+        Args:
+          name: the axis name the user gave.
+          argument: how the user gave it, for the message (e.g.
+            ``"mp.jit(batch_axis=...)"``).
+          fix: an extra way to fix it, appended to the message (e.g. ``"or
+            batch_axis=None to replicate the batch"``).
+
+        Returns:
+          ``name``.
+
+        Raises:
+          MeshError: ``name`` is not a str, is the mpmd axis, or is not an axis
+            of the submeshes. The message lists the submesh axes.
+
+        Example:
+          >>> import jax
+          >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+          >>> mesh.check_submesh_axis("data", argument="batch_axis")
+          'data'
+          >>> try:
+          ...     mesh.check_submesh_axis("dp", argument="batch_axis")
+          ... except MeshError as e:
+          ...     print(str(e).split(" of MpmdMesh")[0])
+          batch_axis='dp' is not an axis of the submeshes
+        """
+        axes = self._axis_names
+        choices = (
+            f"pass one of the submesh axes {axes}"
+            if axes
+            else "the submeshes have no axes (the mesh has no axis besides the mpmd axis); "
+            "add one to shard inside a stage, e.g. jax.make_mesh((n, d), "
+            f"({self._mpmd_axis!r}, 'data'))"
+        )
+        how = f"{choices}{', ' + fix if fix else ''}."
+        if not isinstance(name, str):
+            raise MeshError(f"{argument}={name!r} must be one mesh axis name (a str); {how}")
+        if name == self._mpmd_axis:
+            raise MeshError(
+                f"{argument}={name!r} names the mpmd axis of {self!r}, which enumerates the "
+                f"pipeline submeshes and does not exist inside a stage; {how}"
+            )
+        if name not in axes:
+            raise MeshError(
+                f"{argument}={name!r} is not an axis of the submeshes of {self!r}; {how}"
+            )
+        return name
+
     def _check_index(self, mesh_id: int) -> int:
         if (
             isinstance(mesh_id, bool)

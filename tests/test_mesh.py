@@ -162,3 +162,32 @@ def test_mesh_id_of_accepts_any_iterable_of_devices():
     assert mesh.mesh_id_of(d for d in jax.devices() if d.id in (6, 7)) == 3
     assert mesh.mesh_id_of(tuple(reversed(mesh.devices(1)))) == 1
     assert mesh.mesh_id_of([]) is None
+
+
+def test_check_submesh_axis_accepts_a_submesh_axis():
+    mesh = make((4, 2), ("stage", "data"))
+    assert mesh.check_submesh_axis("data", argument="batch_axis") == "data"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("dp", r"batch_axis='dp' is not an axis of the submeshes of MpmdMesh\('stage': 4"),
+        ("stage", r"batch_axis='stage' names the mpmd axis .* does not exist inside a stage"),
+        (("data",), r"batch_axis=\('data',\) must be one mesh axis name \(a str\)"),
+        (None, r"batch_axis=None must be one mesh axis name"),
+    ],
+    ids=["unknown", "mpmd-axis", "tuple", "none"],
+)
+def test_check_submesh_axis_names_the_axis_the_submesh_axes_and_the_fix(name, message):
+    mesh = make((4, 2), ("stage", "data"))
+    with pytest.raises(MeshError, match=message + r".*pass one of the submesh axes \('data',\), "):
+        mesh.check_submesh_axis(name, argument="batch_axis", fix="or drop it")
+    with pytest.raises(MeshError, match=r"or drop it\.$"):
+        mesh.check_submesh_axis(name, argument="batch_axis", fix="or drop it")
+
+
+def test_check_submesh_axis_on_a_mesh_with_only_the_mpmd_axis():
+    mesh = make((8,), ("stage",))
+    with pytest.raises(MeshError, match=r"the submeshes have no axes .*\('stage', 'data'\)"):
+        mesh.check_submesh_axis("data", argument="batch_axis")

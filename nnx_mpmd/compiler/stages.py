@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from nnx_mpmd.compiler.jaxpr_utils import SubProgram, is_literal, make_subprogram
 from nnx_mpmd.compiler.region import RegionInfo
@@ -88,6 +89,62 @@ def _input_kind(info: RegionInfo, index: int) -> tuple[str, int]:
     raise IndexError(index)
 
 
+# Higher-order primitives that can hide Stage calls from the cut, with the user-level
+# transforms that emit them (for error messages).
+_TRANSFORM_NAMES = {
+    "checkpoint": "jax.checkpoint / nnx.remat",
+    "remat": "jax.checkpoint / nnx.remat",
+    "remat2": "jax.checkpoint / nnx.remat",
+    "jit": "jax.jit / nnx.jit",
+    "pjit": "jax.jit / nnx.jit",
+    "closed_call": "a closed call",
+    "scan": "jax.lax.scan / nnx.scan",
+    "while": "jax.lax.while_loop / jax.lax.fori_loop",
+    "cond": "jax.lax.cond / jax.lax.switch / nnx.cond",
+    "custom_jvp_call": "jax.custom_jvp",
+    "custom_vjp_call": "jax.custom_vjp",
+    "custom_vjp_call_jaxpr": "jax.custom_vjp",
+    "shard_map": "jax.shard_map",
+}
+
+
+def _nested_stages(jaxpr: Any) -> list[int]:
+    """Stage numbers of the markers anywhere inside ``jaxpr`` (any depth)."""
+    found: list[int] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is stage_marker_p:
+            found.append(eqn.params["info"].stage)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            found.extend(_nested_stages(sub))
+    return found
+
+
+def _check_no_hidden_stages(jaxpr: Any) -> None:
+    """Raises if a Stage call sits inside a higher-order primitive of the region body.
+
+    The cut only sees markers at the top level of the body: a Stage called under
+    ``jax.checkpoint``, ``jax.jit``, ``scan`` and the like would be invisible to it
+    (the whole call would land on one stage, or the region would seem to call no
+    Stage at all).
+    """
+    for eqn in jaxpr.eqns:
+        hidden = sorted(
+            {s for sub in jcore.jaxprs_in_params(eqn.params) for s in _nested_stages(sub)}
+        )
+        if not hidden:
+            continue
+        name = eqn.primitive.name
+        transform = _TRANSFORM_NAMES.get(name, f"a transform that emits {name!r}")
+        raise PartitionError(
+            f"Stage call(s) {hidden} run inside {transform} (primitive {name!r}) in the loss "
+            "function given to mp.value_and_grad (or in a forward-only step): mp.jit cuts the "
+            "pipeline only at Stage calls made directly, so it cannot split that call into "
+            "stages. Call the Stage modules outside that transform; to recompute activations "
+            "use mp.Stage(module, stage=k, remat=True), and put other transforms (jit, scan, "
+            "cond, custom_vjp) inside a Stage's body, around the layers of one stage."
+        )
+
+
 def cut_stages(info: RegionInfo) -> StagePlan:
     """Cuts ``info.body`` at its stage markers.
 
@@ -99,9 +156,12 @@ def cut_stages(info: RegionInfo) -> StagePlan:
 
     Raises:
       PartitionError: no stage was called, stages are missing (gaps), stages
-        nest or run out of order, or the loss is not computed by the last stage.
+        nest or run out of order, a Stage call is hidden inside a higher-order
+        primitive (jax.checkpoint, jax.jit, scan...), or the loss is not computed
+        by the last stage.
     """
     jaxpr = info.body
+    _check_no_hidden_stages(jaxpr)
     eqns = jaxpr.eqns
     substitute: dict[Any, Any] = {}
 
