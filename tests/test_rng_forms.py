@@ -260,3 +260,82 @@ def test_assigning_an_rng_counter_in_the_loss_is_an_error():
     step = mp.jit(step_fn, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
     with pytest.raises(mp.CompileError, match=r"RNG counter rngs\.dropout\.count is changed"):
         step(model, opt, nnx.Rngs(dropout=2), _batch(0))
+
+
+class OwnStreams(mp.PipelinedModel):
+    """Dropouts with streams of their own: in each stage and in glue after the last."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.a = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+        self.drop_a = mp.Stage(nnx.Dropout(RATE, rngs=nnx.Rngs(dropout=21)), stage=0)
+        self.b = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=1)
+        self.drop_out = nnx.Dropout(RATE, rngs=nnx.Rngs(dropout=22))  # glue: no Stage
+
+    def __call__(self, x):
+        return self.drop_out(self.b(self.drop_a(jnp.tanh(self.a(x)))))
+
+
+def test_glue_dropout_with_its_own_stream_equals_the_reference():
+    def loss_fn(m, b):
+        return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+    @nnx.jit
+    def reference(model, opt, batch):
+        size = batch["x"].shape[0] // M
+        losses, grads = [], []
+        for i in range(M):
+            mb = jax.tree.map(lambda a, i=i: a[i * size : (i + 1) * size], batch)
+            loss, g = nnx.value_and_grad(loss_fn)(model, mb)
+            losses.append(loss)
+            grads.append(g)
+        opt.update(model, jax.tree.map(lambda *g: sum(g) / M, *grads))
+        return sum(losses) / M
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    models = [OwnStreams(nnx.Rngs(0)) for _ in range(2)]
+    opts = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    pipelined = mp.jit(step, mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=M)
+    for i in range(2):
+        batch = _batch(i)
+        np.testing.assert_allclose(
+            float(pipelined(models[1], opts[1], batch)),
+            float(reference(models[0], opts[0], batch)),
+            rtol=1e-5,
+        )
+    for model in models:
+        assert int(model.drop_out.rngs.count.get_value()) == 2 * M
+
+
+class Sowing(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.a = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+        self.b = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=1)
+
+    def __call__(self, x):
+        h = self.a(x)
+        self.sow(nnx.Intermediate, "hidden_mean", jnp.mean(h))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["mp.jit", "nnx.jit"])
+def test_sow_inside_the_loss_is_an_error_naming_the_variable(pipelined):
+    def step(model, opt, batch):
+        loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)  # noqa: E731
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=None if pipelined else M)(
+            model, batch
+        )
+        opt.update(model, grads)
+        return loss
+
+    model = Sowing(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    if pipelined:
+        f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
+    else:
+        f = nnx.jit(step)
+    with pytest.raises(mp.CompileError, match=r"added or removed state at hidden_mean.*has_aux"):
+        f(model, opt, _batch(0))

@@ -168,6 +168,34 @@ def _split_model(model: Any, wrt: Any) -> tuple[Any, nnx.State, nnx.State]:
     return graphdef, diff_state, other_state
 
 
+def _new_state_leaves(local: Any, wrt: Any, other_tree: Any) -> list[Any]:
+    """The loss function's updated non-differentiated state, checked for new Variables.
+
+    Raises:
+      CompileError: the loss function added or removed Variables (``sow`` of an
+        ``nnx.Intermediate``, say); microbatched steps can only update state.
+    """
+    _, _, new_other = _split_model(local, wrt)
+    leaves, tree = jax.tree.flatten(new_other)
+    if tree != other_tree:
+        before = {
+            p
+            for p, _ in nnx.to_flat_state(
+                jax.tree.unflatten(other_tree, [0] * other_tree.num_leaves)
+            )
+        }
+        after = {p for p, _ in nnx.to_flat_state(new_other)}
+        changed = sorted(_path_str(p) for p in before ^ after) or ["(structure)"]
+        raise CompileError(
+            f"the loss function added or removed state at {', '.join(changed)} (e.g. sow of an "
+            "nnx.Intermediate): a microbatched value_and_grad can only update existing "
+            "Variables. Return such values as aux (mp.value_and_grad(loss_fn, has_aux=True), "
+            "averaged over microbatches), or nnx.pop them before the step and do not sow "
+            "inside the loss function."
+        )
+    return leaves
+
+
 def _count_positions(state: Any, first: int = 0) -> list[int]:
     """Leaf positions (from ``first``) of the RNG counters among ``state``'s leaves."""
     positions, cursor = [], first
@@ -333,8 +361,7 @@ def trace_region(
             if not head:
                 raise CompileError("a forward-only pipelined step must return arrays.")
         aux_tree_box.append(aux_tree)
-        _, _, new_other = _split_model(local, wrt)
-        return [*head, *jax.tree.leaves(new_other), *new_held]
+        return [*head, *_new_state_leaves(local, wrt, other_tree), *new_held]
 
     def aval(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
@@ -467,8 +494,7 @@ def reference_value_and_grad(
             out = loss_fn(local, mb)
             held = [c.variable.get_raw_value() for c in captured]
         loss, aux = out if has_aux else (out, None)
-        _, _, new_other = _split_model(local, wrt)
-        return loss, (aux, (jax.tree.leaves(new_other), held))
+        return loss, (aux, (_new_state_leaves(local, wrt, other_tree), held))
 
     if captured:  # keep only what the loss function really uses
         held = [c.variable.get_raw_value() for c in captured]
