@@ -201,7 +201,7 @@ def test_masks_differ_between_steps_and_microbatches():
     assert first != second
 
 
-GLOBAL_RNGS = nnx.Rngs(dropout=5)
+GLOBAL_RNGS = nnx.Rngs(dropout=5, noise=6)
 
 
 def _global_loss(model, batch):
@@ -339,3 +339,21 @@ def test_sow_inside_the_loss_is_an_error_naming_the_variable(pipelined):
         f = nnx.jit(step)
     with pytest.raises(mp.CompileError, match=r"added or removed state at hidden_mean.*has_aux"):
         f(model, opt, _batch(0))
+
+
+def test_step_drawing_from_an_rngs_it_does_not_receive_is_an_error():
+    def step_fn(model, opt, batch):
+        noise = jax.random.normal(GLOBAL_RNGS.noise(), batch["x"].shape)  # not an argument
+        loss, grads = mp.value_and_grad(lambda m, b: _loss(m, b, None))(
+            model, {**batch, "x": batch["x"] + noise}
+        )
+        opt.update(model, grads)
+        return loss
+
+    model, opt = _build(False)
+    model.eval()
+    step = mp.jit(step_fn, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
+    with pytest.raises(
+        mp.CompileError, match=r"does not receive as an argument.*pass the nnx.Rngs"
+    ):
+        step(model, opt, _batch(0))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import errors as flax_errors
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
@@ -121,6 +123,20 @@ def _leaf_sharding(x: Any, q: int) -> Any:
     return x.sharding
 
 
+@contextlib.contextmanager
+def _outer_state_explained() -> Iterator[None]:
+    """Turns Flax's error for state updated from another trace into one naming the fix."""
+    try:
+        yield
+    except flax_errors.TraceContextError as e:
+        raise CompileError(
+            f"the step updates NNX state that it does not receive as an argument ({e}). "
+            "mp.jit, like nnx.jit, can only update the NNX objects passed to the step: pass "
+            "the nnx.Rngs (or module) as an argument, step(model, optimizer, rngs, batch), or "
+            "keep it inside the model."
+        ) from None
+
+
 def compile_step(
     fn: Callable[..., Any],
     flat: FlatArgs,
@@ -182,13 +198,17 @@ def compile_step(
     avals = ([_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves])
     traced: list[list[Any]] = []
     try:
-        with region_tracing(num_microbatches) as regions, markers.outer_tracing():
+        with (
+            _outer_state_explained(),
+            region_tracing(num_microbatches) as regions,
+            markers.outer_tracing(),
+        ):
             traced.append(regions)
             closed = jax.make_jaxpr(pure)(*avals)
     except markers.StageOutsideRegionError:
         if traced and traced[0]:
             raise  # stages called both inside and outside the region
-        with region_tracing(num_microbatches) as regions:
+        with _outer_state_explained(), region_tracing(num_microbatches) as regions:
             closed = jax.make_jaxpr(pure_inference)(*avals)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
