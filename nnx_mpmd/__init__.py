@@ -6,6 +6,7 @@ Wrap layers of an NNX model in `Stage`, compile an ordinary NNX train step with
 
 from nnx_mpmd import annotate as annotate
 from nnx_mpmd import checkpoint as checkpoint
+from nnx_mpmd import distributed as distributed
 from nnx_mpmd import errors as errors
 from nnx_mpmd import schedules as schedules
 from nnx_mpmd.annotate import PipelinedModel as PipelinedModel
@@ -70,6 +71,7 @@ __all__ = [
     "assign_stages",
     "auto_stage",
     "checkpoint",
+    "distributed",
     "errors",
     "gather",
     "jit",

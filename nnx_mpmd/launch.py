@@ -1,9 +1,10 @@
 """``nnx-mpmd launch``: start N local processes of one script under ``jax.distributed``.
 
-Process 0 hosts the coordination service on ``127.0.0.1`` (a free port). Each
+Process 0 hosts the coordination service on ``127.0.0.1`` (a free port),
+listening on that interface only (``NNX_MPMD_COORDINATOR_BIND``, passed as
+``coordinator_bind_address`` to ``jax.distributed.initialize``). Each
 process gets ``NNX_MPMD_PROCESS_ID``, ``NNX_MPMD_NUM_PROCESSES`` and
-``NNX_MPMD_COORDINATOR`` (read by
-`nnx_mpmd.runtime.multi_process.initialize_from_env`) and, with
+``NNX_MPMD_COORDINATOR`` (read by `nnx_mpmd.distributed.initialize`) and, with
 ``--devices-per-process K``, ``XLA_FLAGS`` for K simulated CPU devices. Output
 lines are prefixed with ``[pI]``. When a process fails, the others get
 ``--grace`` seconds to notice and stop on their own, then are terminated; the

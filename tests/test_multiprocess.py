@@ -102,11 +102,27 @@ def training_results(tmp_path_factory):
 def test_two_processes_train_like_one(training_results, run):
     per_process, single = training_results
     for result in per_process:  # every process sees the loss and the gathered parameters
+        assert result[run]["remote_before_gather"] > 0  # each process owns some meshes only
+        assert result[run]["local_after_gather"]  # mp.distributed.gather made them local
         assert result[run]["losses"] == pytest.approx(single[run]["losses"], rel=1e-5)
         assert result[run]["param_sums"].keys() == single[run]["param_sums"].keys()
         for path, total in single[run]["param_sums"].items():
             assert result[run]["param_sums"][path] == pytest.approx(total, rel=1e-4, abs=1e-4)
     assert len(set(single[run]["losses"])) > 1  # the steps trained (3 steps need not lower it)
+
+
+# How /proc/net/tcp{,6} write the loopback address (IPv4, IPv4-mapped IPv6, ::1).
+LOOPBACK_HEX = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+
+
+def test_launched_coordinator_listens_on_loopback_only(training_results):
+    per_process, _ = training_results
+    listening = per_process[0]["coordinator_listens_on"]
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net/tcp to read listening sockets from")
+    assert listening, "process 0 found no socket listening on the coordinator's port"
+    for address in listening:  # "[::]:port" would be 000...0:PORT
+        assert address.rsplit(":", 1)[0] in LOOPBACK_HEX, listening
 
 
 def test_checkpoint_round_trip_between_layouts(tmp_path):

@@ -16,25 +16,32 @@ process waits for its own results while polling the liveness of its peers: a
 dead peer raises `DistributedError` within about a second of the coordination
 service noticing (``heartbeat_timeout_seconds``), never a hang.
 
+The public entry points (``initialize``, ``gather``, ``global_view``,
+``is_remote``) live in `nnx_mpmd.distributed`; their old names here still work
+for one release and warn.
+
 Example:
     >>> from nnx_mpmd.runtime.multi_process import ENV_NUM_PROCESSES, launch_env
     >>> env = launch_env(1, 2, "127.0.0.1:1234", devices_per_process=4)
-    >>> env[ENV_NUM_PROCESSES], env["NNX_MPMD_PROCESS_ID"]
-    ('2', '1')
+    >>> env[ENV_NUM_PROCESSES], env["NNX_MPMD_PROCESS_ID"], env["NNX_MPMD_COORDINATOR_BIND"]
+    ('2', '1', '127.0.0.1:1234')
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import dataclasses
+import functools
+import itertools
 import os
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer
@@ -60,16 +67,18 @@ from nnx_mpmd.runtime.transport import (
 
 __all__ = [
     "ENV_COORDINATOR",
+    "ENV_COORDINATOR_BIND",
     "ENV_DEVICES_PER_PROCESS",
     "ENV_HEARTBEAT",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "MAX_CACHED_STEPS",
     "ProcessInfo",
+    "cluster_detected",
+    "collect_local",
+    "coordination_state",
+    "coordinator_bind_address",
     "execute_multi_process",
-    "gather",
-    "global_view",
-    "initialize_from_env",
-    "is_remote",
     "launch_env",
     "mesh_owners",
 ]
@@ -77,9 +86,11 @@ __all__ = [
 ENV_PROCESS_ID = "NNX_MPMD_PROCESS_ID"
 ENV_NUM_PROCESSES = "NNX_MPMD_NUM_PROCESSES"
 ENV_COORDINATOR = "NNX_MPMD_COORDINATOR"
+ENV_COORDINATOR_BIND = "NNX_MPMD_COORDINATOR_BIND"
 ENV_DEVICES_PER_PROCESS = "NNX_MPMD_DEVICES_PER_PROCESS"
 ENV_HEARTBEAT = "NNX_MPMD_HEARTBEAT_S"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +101,11 @@ class ProcessInfo:
       process_id: ``jax.process_index()``.
       num_processes: ``jax.process_count()``.
       coordinator: the coordinator address (None for a single-process run).
+
+    Example:
+      >>> info = ProcessInfo(0, 2, "127.0.0.1:1234")
+      >>> info.is_main, info.num_processes
+      (True, 2)
     """
 
     process_id: int
@@ -100,6 +116,35 @@ class ProcessInfo:
     def is_main(self) -> bool:
         """Whether this is process 0 (the one that should print and write files)."""
         return self.process_id == 0
+
+
+def coordinator_bind_address(coordinator: str, configured: str | None = None) -> str | None:
+    """The address the coordination service (on process 0) should listen on.
+
+    ``jax.distributed`` listens on every interface (``[::]:port``) by default.
+    A coordinator on the loopback interface is only ever reached locally, so it
+    listens on that interface alone; other coordinators keep jax's default.
+
+    Args:
+      coordinator: ``host:port`` every process connects to.
+      configured: an explicit bind address (``NNX_MPMD_COORDINATOR_BIND``); wins when set.
+
+    Returns:
+      ``host:port`` to pass as ``coordinator_bind_address``, or None for jax's default
+      (which also honours ``JAX_COORDINATOR_BIND_ADDRESS``).
+
+    Example:
+      >>> coordinator_bind_address("127.0.0.1:9876")
+      '127.0.0.1:9876'
+      >>> coordinator_bind_address("10.0.0.5:9876") is None
+      True
+    """
+    if configured:
+        return configured
+    host, _, port = coordinator.rpartition(":")
+    if host.strip("[]") in _LOOPBACK_HOSTS and port:
+        return coordinator  # listen exactly where the processes connect
+    return None
 
 
 def launch_env(
@@ -120,17 +165,24 @@ def launch_env(
       base: the environment to extend (default: ``os.environ``).
 
     Returns:
-      A new environment dict.
+      A new environment dict. A loopback coordinator also gets
+      ``NNX_MPMD_COORDINATOR_BIND`` (see `coordinator_bind_address`), so the
+      coordination service does not listen on other interfaces.
 
     Example:
       >>> env = launch_env(0, 2, "127.0.0.1:9", devices_per_process=4, base={})
-      >>> env["XLA_FLAGS"], env["NNX_MPMD_COORDINATOR"]
-      ('--xla_force_host_platform_device_count=4', '127.0.0.1:9')
+      >>> env["XLA_FLAGS"], env["NNX_MPMD_COORDINATOR"], env["NNX_MPMD_COORDINATOR_BIND"]
+      ('--xla_force_host_platform_device_count=4', '127.0.0.1:9', '127.0.0.1:9')
     """
     env = dict(os.environ if base is None else base)
     env[ENV_PROCESS_ID] = str(process_id)
     env[ENV_NUM_PROCESSES] = str(num_processes)
     env[ENV_COORDINATOR] = coordinator
+    bind = coordinator_bind_address(coordinator)
+    if bind is not None:
+        env[ENV_COORDINATOR_BIND] = bind
+    else:
+        env.pop(ENV_COORDINATOR_BIND, None)
     if devices_per_process is not None:
         env[ENV_DEVICES_PER_PROCESS] = str(devices_per_process)
         flags = [
@@ -141,7 +193,23 @@ def launch_env(
     return env
 
 
-def _env_int(name: str, value: str) -> int:
+def env_int(name: str, value: str) -> int:
+    """``int(value)`` of environment variable ``name``, or a `DistributedError` saying so.
+
+    Args:
+      name: the variable's name (for the message).
+      value: its text.
+
+    Returns:
+      The integer.
+
+    Raises:
+      DistributedError: ``value`` is not an integer.
+
+    Example:
+      >>> env_int("NNX_MPMD_PROCESS_ID", "3")
+      3
+    """
     try:
         return int(value)
     except ValueError:
@@ -151,91 +219,40 @@ def _env_int(name: str, value: str) -> int:
         ) from None
 
 
-def initialize_from_env(
-    *, heartbeat_timeout_s: int | None = None, initialization_timeout_s: int = 120
-) -> ProcessInfo:
-    """Joins the ``jax.distributed`` run described by the environment; call it first.
-
-    Under `nnx-mpmd launch` the ``NNX_MPMD_*`` variables say which process this
-    is. Without them, ``jax.distributed``'s own cluster detection is used when it
-    finds a cluster (SLURM, Open MPI, Kubernetes JobSet, Cloud TPU pods, or
-    ``JAX_COORDINATOR_ADDRESS`` & co.); otherwise the script runs as one process.
-    Recoverable mode is switched on so that a dead peer surfaces as a
-    `DistributedError` in the survivors instead of aborting them.
-
-    Args:
-      heartbeat_timeout_s: seconds without heartbeats after which a process
-        counts as dead (default ``NNX_MPMD_HEARTBEAT_S`` or 10).
-      initialization_timeout_s: how long to wait for every process to join.
+def coordination_state() -> tuple[Any, str | None]:
+    """``(client, coordinator address)`` of this process's ``jax.distributed`` run.
 
     Returns:
-      A `ProcessInfo`.
-
-    Raises:
-      DistributedError: the environment is incomplete or inconsistent, or the
-        processes could not connect.
+      ``(None, None)`` when ``jax.distributed.initialize`` has not been called.
 
     Example:
-      >>> info = initialize_from_env()  # no launcher, no cluster: one process
-      >>> info.num_processes, info.is_main
-      (1, True)
+      >>> coordination_state()  # a single-process test run
+      (None, None)
     """
-    from jax._src import distributed
+    from jax._src import distributed  # the client is not exposed publicly
 
-    if distributed.global_state.client is not None:
-        return ProcessInfo(
-            jax.process_index(), jax.process_count(), distributed.global_state.coordinator_address
-        )
-    names = (ENV_PROCESS_ID, ENV_NUM_PROCESSES, ENV_COORDINATOR)
-    given = {name: os.environ[name] for name in names if name in os.environ}
-    heartbeat = heartbeat_timeout_s or _env_int(ENV_HEARTBEAT, os.environ.get(ENV_HEARTBEAT, "10"))
-    if given and len(given) != len(names):
-        missing = [name for name in names if name not in given]
-        raise DistributedError(
-            f"incomplete multi-process environment: {sorted(given)} are set but {missing} are "
-            "not. Start the script with `nnx-mpmd launch --processes N -- python script.py`, or "
-            "set all three variables."
-        )
-    devices = os.environ.get(ENV_DEVICES_PER_PROCESS)
-    if devices and jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_num_cpu_devices", _env_int(ENV_DEVICES_PER_PROCESS, devices))
-    jax.config.update("jax_enable_recoverability", True)
-    if given:
-        process_id = _env_int(ENV_PROCESS_ID, given[ENV_PROCESS_ID])
-        num_processes = _env_int(ENV_NUM_PROCESSES, given[ENV_NUM_PROCESSES])
-        if not 0 <= process_id < num_processes:
-            raise DistributedError(
-                f"{ENV_PROCESS_ID}={process_id} is outside [0, {ENV_NUM_PROCESSES}="
-                f"{num_processes}); every process needs a distinct id in that range."
-            )
-        if num_processes == 1:
-            return ProcessInfo(0, 1, None)
-        kwargs = {
-            "coordinator_address": given[ENV_COORDINATOR],
-            "num_processes": num_processes,
-            "process_id": process_id,
-        }
-    else:
-        from jax._src.clusters import ClusterEnv
+    state = distributed.global_state
+    if state.client is None:
+        return None, None
+    return state.client, state.coordinator_address
 
-        detected = [env for env in ClusterEnv._cluster_types if env.is_env_present()]
-        if not detected and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-            return ProcessInfo(0, 1, None)
-        kwargs = {}
-    try:
-        jax.distributed.initialize(
-            **kwargs,
-            heartbeat_timeout_seconds=heartbeat,
-            initialization_timeout=initialization_timeout_s,
-        )
-    except Exception as e:
-        raise DistributedError(
-            f"jax.distributed.initialize({kwargs}) failed: {e}. Check that every process runs, "
-            "that the coordinator address is reachable, and that the process ids are distinct."
-        ) from e
-    return ProcessInfo(
-        jax.process_index(), jax.process_count(), distributed.global_state.coordinator_address
-    )
+
+def cluster_detected() -> bool:
+    """Whether ``jax.distributed`` would find a cluster (SLURM, MPI, TPU pod, ...) by itself.
+
+    Returns:
+      True when one of jax's cluster environments is present, or
+      ``JAX_COORDINATOR_ADDRESS`` is set.
+
+    Example:
+      >>> isinstance(cluster_detected(), bool)
+      True
+    """
+    from jax._src.clusters import ClusterEnv
+
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    return any(env.is_env_present() for env in ClusterEnv._cluster_types)
 
 
 def mesh_owners(mesh: MpmdMesh) -> list[int]:
@@ -276,23 +293,6 @@ def mesh_owners(mesh: MpmdMesh) -> list[int]:
     return owners
 
 
-def is_remote(x: Any) -> bool:
-    """Whether ``x`` is a ``jax.Array`` none of whose shards this process holds.
-
-    Args:
-      x: any value.
-
-    Returns:
-      True for an array that lives only on other processes' devices.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> is_remote(jnp.ones(2)), is_remote(1.0)
-      (False, False)
-    """
-    return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.addressable_shards
-
-
 class _StepState:
     """Per compiled step: its number (equal on every process) and value metadata."""
 
@@ -302,15 +302,36 @@ class _StepState:
         self.published: set[int] = set()
 
 
-_STEPS: dict[int, tuple[CompiledStep, _StepState]] = {}
+#: How many compiled steps keep their per-step state (least recently run evicted first).
+MAX_CACHED_STEPS = 32
+
+# id(step) -> (weak reference to the step, its state), least recently run first. The
+# weak reference lets a dropped step (and whatever it holds) be freed; its entry goes
+# with it. An evicted step that runs again gets a fresh number and state on every
+# process alike, because every process runs the same steps in the same order.
+_STEPS: collections.OrderedDict[int, tuple[weakref.ref, _StepState]] = collections.OrderedDict()
+_STEP_NUMBERS = itertools.count()
 _ROUND = [0]
 
 
+def _forget_step(key: int, ref: weakref.ref) -> None:
+    entry = _STEPS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _STEPS[key]
+
+
 def _step_state(step: CompiledStep) -> _StepState:
-    entry = _STEPS.get(id(step))
-    if entry is None or entry[0] is not step:
-        entry = _STEPS[id(step)] = (step, _StepState(len(_STEPS)))
-    return entry[1]
+    key = id(step)
+    entry = _STEPS.get(key)
+    if entry is not None and entry[0]() is step:
+        _STEPS.move_to_end(key)
+        return entry[1]
+    state = _StepState(next(_STEP_NUMBERS))
+    _STEPS[key] = (weakref.ref(step, functools.partial(_forget_step, key)), state)
+    _STEPS.move_to_end(key)
+    while len(_STEPS) > MAX_CACHED_STEPS:
+        _STEPS.popitem(last=False)
+    return state
 
 
 def _next_round() -> int:
@@ -495,228 +516,133 @@ def execute_multi_process(
     return outputs
 
 
-def _local_copy(x: Any) -> tuple[jax.Array | None, jax.Array]:
-    """(a copy of ``x`` this process holds or None, the copy that is sent when none is)."""
-    if isinstance(x, MpmdArray):
-        copies = [x.array(q) for q in x.mesh_ids]
-    else:
-        copies = [x]
-    local = [c for c in copies if c.is_fully_addressable]
-    return (local[0] if local else None), copies[0]
+def _whole_copies(x: jax.Array | MpmdArray, me: int) -> tuple[set[int], jax.Array | None]:
+    """(the processes that hold all of ``x``, this process's whole copy or None).
 
-
-class _Fetcher:
-    """Collects arrays to this process; every process must fetch the same sequence.
-
-    Owners publish each array once; every process without a copy reads it.
+    A copy on one process's devices is whole there; a fully replicated copy is
+    whole on every process it touches. Computed from shardings only, so every
+    process gets the same set.
     """
-
-    def __init__(self, mesh: MpmdMesh) -> None:
-        self.mesh = mesh
-        owners = mesh_owners(mesh)
-        self.me = jax.process_index()
-        self.local = [q for q, p in enumerate(owners) if p == self.me]
-        self.transport = get_transport()
-        self.round = _next_round()
-
-    def fetch_all(self, values: Sequence[Any], where: str) -> list[Any]:
-        results = list(values)
-        outgoing_by_index: dict[int, jax.Array] = {}
-        incoming: dict[int, list[tuple[int, jax.ShapeDtypeStruct]]] = {}
-        for i, x in enumerate(values):
-            if not isinstance(x, jax.Array | MpmdArray):
-                continue
-            mine, sent = _local_copy(x)
-            holders: set[int] = set()
-            for copy in x.arrays.values() if isinstance(x, MpmdArray) else [x]:
-                holders |= {d.process_index for d in copy.sharding.device_set}
-            sender = min(holders)
-            if self.me == sender and set(range(jax.process_count())) - holders:
-                outgoing_by_index[i] = mine
-            if mine is None:
-                if self.mesh.mesh_id_of(sent) is None:
-                    devices = sorted(d.id for d in sent.sharding.device_set)
-                    raise DistributedError(
-                        f"cannot fetch an array on devices {devices}, which are not a submesh "
-                        f"of {self.mesh!r}; place it with mp.place first."
-                    )
-                aval = aval_of(meta_of(sent), self.mesh.submesh(self.local[0]))
-                incoming.setdefault(sender, []).append((i, aval))
-            else:
-                results[i] = mine
-        # State moves through the coordination service's key-value store: bundled
-        # transfer-server pulls of many arrays intermittently never completed on
-        # jax 0.10.2 / CPU, while the key-value store is reliable.
-        for index, array in outgoing_by_index.items():
-            self.transport.publish_array(f"fetch/{self.round}/{index}", np.asarray(array))
-        for sender, wanted in incoming.items():
-            for i, aval in wanted:
-                host = self.transport.fetch_array(
-                    f"fetch/{self.round}/{i}", sender, aval.shape, aval.dtype, where
-                )
-                results[i] = jax.device_put(host, aval.sharding)
-        where = f"{where} (call {self.round})"
-        _wait_ready(results, self.transport, where)
-        # The owners keep their offered arrays until every receiver has them.
-        self.transport.barrier(f"fetch/{self.round}", where)
-        return results
+    copies = list(x.arrays.values()) if isinstance(x, MpmdArray) else [x]
+    providers: set[int] = set()
+    mine = None
+    for copy in copies:
+        processes = {d.process_index for d in copy.sharding.device_set}
+        if len(processes) == 1 or copy.sharding.is_fully_replicated:
+            providers |= processes
+            if mine is None and me in processes:
+                mine = copy if copy.is_fully_addressable else copy.addressable_shards[0].data
+    return providers, mine
 
 
-def _variables(tree: Any) -> list[nnx.Variable]:
-    """Every Variable of the NNX objects in ``tree``, once, in a deterministic order."""
-    found: list[nnx.Variable] = []
-    seen: set[int] = set()
-    for node in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree | nnx.Variable)):
-        if isinstance(node, nnx.Variable):
-            candidates = [node]
-        elif isinstance(node, nnx.Pytree):
-            candidates = [v for _, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)]
-        else:
-            continue
-        for variable in candidates:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                found.append(variable)
-    return found
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def gather(tree: Any, mesh: MpmdMesh) -> Any:
-    """Brings placed state to every process as ordinary arrays on its default device.
+def _to_host(x: jax.Array) -> np.ndarray:
+    return np.asarray(jax.random.key_data(x) if _is_key(x) else x)
 
-    A collective: every process calls it with the same tree. Arrays held by
-    another process are sent by their owner; NNX objects are updated in place,
-    other pytrees come back converted (like ``mp.gather``).
+
+def _from_host(host: np.ndarray, like: Any, device: Any) -> jax.Array:
+    value = jax.device_put(host, device)
+    return (
+        jax.random.wrap_key_data(value, impl=jax.random.key_impl(like)) if _is_key(like) else value
+    )
+
+
+def collect_local(values: Sequence[Any], where: str) -> list[Any]:
+    """Every array of ``values`` as an array this process holds whole.
+
+    A collective: every process calls it with the same sequence (same shapes,
+    dtypes and shardings). An array (or `MpmdArray`) that this process holds
+    whole comes back as that local copy; one it does not hold is sent by the
+    lowest process that does, through the coordination service's key-value
+    store, and arrives on this process's first local device. Other values come
+    back unchanged. The keys are deleted once every process has read them.
 
     Args:
-      tree: placed models, optimizers, States or pytrees.
-      mesh: the `MpmdMesh` the state is placed on.
+      values: arrays, `MpmdArray` objects and other values.
+      where: what the caller is doing, for error messages.
 
     Returns:
-      ``tree`` with every array local to this process.
+      A list like ``values`` with only local arrays.
 
     Raises:
-      DistributedError: a peer died or timed out.
+      DistributedError: an array is split over several processes with no
+        process holding all of it, or a peer died or timed out.
 
     Example:
-      >>> import jax, jax.numpy as jnp
-      >>> mesh = MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
-      >>> gather({"w": jnp.ones(2)}, mesh)["w"].shape  # one process: a local copy
-      (2,)
+      >>> import jax.numpy as jnp
+      >>> array, label = collect_local([jnp.ones(3), "a label"], "running an example")
+      >>> array.shape, label  # one process holds everything: nothing moves
+      ((3,), 'a label')
     """
-    from nnx_mpmd.partition import gather as gather_local
-
-    if not mesh.is_multi_process:
-        return gather_local(tree)
-    leaves, treedef = jax.tree.flatten(
-        tree, is_leaf=lambda x: isinstance(x, nnx.State | nnx.Pytree | nnx.Variable | MpmdArray)
-    )
-    # Phase 1: every array value, in one deterministic order on every process.
-    values: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, nnx.State):
-            values.extend(
-                v.get_value() if isinstance(v, nnx.Variable) else v
-                for _, v in nnx.to_flat_state(leaf)
+    me = jax.process_index()
+    everyone = set(range(jax.process_count()))
+    results = list(values)
+    outgoing: dict[int, jax.Array] = {}
+    incoming: list[tuple[int, int, Any]] = []
+    for i, x in enumerate(values):
+        if not isinstance(x, jax.Array | MpmdArray):
+            continue
+        providers, mine = _whole_copies(x, me)
+        if not providers:
+            copy = x.array(x.mesh_ids[0]) if isinstance(x, MpmdArray) else x
+            processes = sorted({d.process_index for d in copy.sharding.device_set})
+            raise DistributedError(
+                f"while {where}: value {i} (shape {tuple(x.shape)}, sharding {copy.sharding}) is "
+                f"split over processes {processes} and no process holds all of it. Keep each "
+                "array on one process's devices (each submesh on one process) or replicate it."
             )
-        elif isinstance(leaf, nnx.Pytree | nnx.Variable):
-            values.extend(v.get_value() for v in _variables(leaf))
+        if mine is None:
+            incoming.append((i, min(providers), x))
         else:
-            values.append(leaf)
-    fetched = iter(_Fetcher(mesh).fetch_all(values, "gathering state"))
-    # Phase 2: put the local arrays back in the same order.
-    converted = []
-    for leaf in leaves:
-        if isinstance(leaf, nnx.State):
-            converted.append(
-                nnx.from_flat_state(
-                    [
-                        (path, v.replace(next(fetched)))
-                        if isinstance(v, nnx.Variable)
-                        else (path, next(fetched))
-                        for path, v in nnx.to_flat_state(leaf)
-                    ]
-                )
-            )
-        elif isinstance(leaf, nnx.Pytree | nnx.Variable):
-            for variable in _variables(leaf):
-                value, new = variable.get_value(), next(fetched)
-                if new is not value:
-                    variable.set_value(new)
-            converted.append(leaf)
-        else:
-            converted.append(next(fetched))
-    fetched = jax.tree.unflatten(treedef, converted)
-    return gather_local(fetched)
-
-
-def _replicated(local: jax.Array, mesh: MpmdMesh) -> jax.Array:
-    host = np.asarray(local)
-    sharding = NamedSharding(mesh.jax_mesh, PartitionSpec())
-    return jax.make_array_from_callback(
-        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+            results[i] = mine
+        if me == min(providers) and everyone - providers:
+            outgoing[i] = mine
+    exchanged = any(
+        everyone - _whole_copies(x, me)[0] for x in values if isinstance(x, jax.Array | MpmdArray)
     )
+    if not exchanged:  # the same decision on every process: no collective needed
+        return results
+    transport = get_transport()
+    round_ = _next_round()
+    keys = {i: f"fetch/{round_}/{i}" for i in outgoing}
+    for i, array in outgoing.items():
+        transport.publish_array(keys[i], _to_host(array))
+    device = jax.local_devices()[0]
+    for i, sender, like in incoming:
+        shape = jax.eval_shape(jax.random.key_data, like) if _is_key(like) else like
+        host = transport.fetch_array(f"fetch/{round_}/{i}", sender, shape.shape, shape.dtype, where)
+        results[i] = _from_host(host, like, device)
+    where = f"{where} (call {round_})"
+    _wait_ready(results, transport, where)
+    # Every receiver has its copy once all arrived here: the keys can go.
+    transport.barrier(f"fetch/{round_}", where)
+    for key in keys.values():
+        transport.delete(key)
+    return results
 
 
-def _placed_like(value: Any, like: Any) -> Any:
-    """``value`` (a replicated global array) with the placement of ``like``."""
-    if isinstance(like, MpmdArray):
-        return MpmdArray({q: _placed_like(value, like.array(q)) for q in like.mesh_ids})
-    if not isinstance(value, jax.Array) or not isinstance(like, jax.Array):
-        return value
-    host = np.asarray(value.addressable_shards[0].data)
-    return jax.make_array_from_callback(
-        host.shape, like.sharding, lambda index: host[index], dtype=host.dtype
-    )
+# Public names that moved to `nnx_mpmd.distributed` (old name -> new name).
+_MOVED = {
+    "initialize_from_env": "initialize",
+    "gather": "gather",
+    "global_view": "global_view",
+    "is_remote": "is_remote",
+}
 
 
-@contextlib.contextmanager
-def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
-    """Temporarily gives every Variable in ``tree`` a fully replicated global value.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        new = _MOVED[name]
+        warnings.warn(
+            f"nnx_mpmd.runtime.multi_process.{name} is deprecated and will be removed in the "
+            f"next release; use nnx_mpmd.distributed.{new} (mp.distributed.{new}) instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from nnx_mpmd import distributed
 
-    Checkpointing libraries (orbax) need every process to pass the same global
-    arrays. Inside the block each Variable of the NNX objects in ``tree`` holds
-    one ``jax.Array`` replicated over all devices of ``mesh``; on exit each
-    Variable gets its placement back, keeping any value written meanwhile (a
-    restore). A collective: every process enters it with the same tree.
-    It needs each array to fit in every process's memory.
-
-    Args:
-      tree: NNX models and optimizers (placed on ``mesh``).
-      mesh: the `MpmdMesh`.
-
-    Yields:
-      ``tree``.
-
-    Raises:
-      DistributedError: a peer died or timed out.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> import numpy as np
-      >>> from flax import nnx
-      >>> mesh = MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
-      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-      >>> with global_view(model, mesh):
-      ...     len(model.kernel.get_value().sharding.device_set)
-      2
-    """
-    variables = [
-        v
-        for v in _variables(tree)
-        if isinstance(v.get_value(), jax.Array | MpmdArray)
-        and not jax.dtypes.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
-    ]
-    originals = [v.get_value() for v in variables]
-    if mesh.is_multi_process:
-        locals_ = _Fetcher(mesh).fetch_all(originals, "building a global view")
-    else:
-        locals_ = [_local_copy(value)[0] for value in originals]
-    views = [_replicated(local, mesh) for local in locals_]
-    for variable, view in zip(variables, views):
-        variable.set_value(view)
-    try:
-        yield tree
-    finally:
-        for variable, view, original in zip(variables, views, originals):
-            current = variable.get_value()
-            variable.set_value(original if current is view else _placed_like(current, original))
+        return getattr(distributed, new)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -88,7 +88,7 @@ def distributed_client() -> Any:
     if client is None:
         raise DistributedError(
             "this process is not part of a jax.distributed run (no coordination client); call "
-            "nnx_mpmd.runtime.multi_process.initialize_from_env() or "
+            "nnx_mpmd.distributed.initialize() or "
             "jax.distributed.initialize(...) before creating arrays."
         )
     return client
@@ -299,6 +299,11 @@ class Transport:
                 f"{where}, but not every process arrived: {e}. All processes must make the same "
                 "calls in the same order."
             ) from None
+
+    def delete(self, key: str) -> None:
+        """Removes what `publish` or `publish_array` stored under ``key`` (if anything)."""
+        with contextlib.suppress(Exception):  # already gone: nothing to free
+            self.client.key_value_delete(f"{_KEY_PREFIX}/{key}")
 
     def publish_array(self, key: str, value: np.ndarray) -> None:
         """Stores a host array's bytes under ``key`` (small state, not activations)."""

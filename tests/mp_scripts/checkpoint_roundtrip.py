@@ -20,9 +20,9 @@ if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script h
     faulthandler.dump_traceback_later(float(os.environ["NNX_MPMD_DUMP_AFTER_S"]), exit=True)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from nnx_mpmd.runtime.multi_process import initialize_from_env
+import nnx_mpmd as mp
 
-info = initialize_from_env()
+info = mp.distributed.initialize()
 if info.num_processes == 1:
     import jax
 
@@ -34,9 +34,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 from pipeline_models import build, make_batch, train_step_fn  # noqa: E402
 
-import nnx_mpmd as mp  # noqa: E402
 from nnx_mpmd import checkpoint, schedules  # noqa: E402
-from nnx_mpmd.runtime.multi_process import gather, global_view  # noqa: E402
+from nnx_mpmd.distributed import gather, global_view  # noqa: E402
 
 
 def param_sums(model, mesh) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 Runs the same way as one process (8 CPU devices) or under
 ``nnx-mpmd launch --processes 2 --devices-per-process 4``; every process writes
-``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run.
+``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run
+(after ``mp.distributed.gather``), how many parameters were remote before the
+gather, and (process 0) the address the coordination service listens on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script h
     faulthandler.dump_traceback_later(float(os.environ["NNX_MPMD_DUMP_AFTER_S"]), exit=True)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from nnx_mpmd.runtime.multi_process import initialize_from_env
+import nnx_mpmd as mp
 
-info = initialize_from_env()
+info = mp.distributed.initialize()
 if info.num_processes == 1:
     import jax
 
@@ -34,9 +36,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 from pipeline_models import build, make_batch, train_step_fn  # noqa: E402
 
-import nnx_mpmd as mp  # noqa: E402
 from nnx_mpmd import schedules  # noqa: E402
-from nnx_mpmd.runtime.multi_process import gather  # noqa: E402
 
 SCHEDULES = {"1f1b": schedules.OneFOneB, "interleaved": schedules.Interleaved1F1B}
 
@@ -60,13 +60,42 @@ def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_na
             # Die mid-step: the timer fires while this step's programs run.
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
         losses.append(float(step(model, opt, batch)))
-    gather(model, mesh)
+    values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+    remote_before = sum(mp.distributed.is_remote(x) for x in values)
+    mp.distributed.gather(model)  # a collective; no mesh needed
+    values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+    local = jax.local_devices()[0]
+    all_local = all(isinstance(x, jax.Array) and x.devices() == {local} for x in values)
     params = {
         ".".join(map(str, path)): float(np.asarray(v.get_value(), np.float64).sum())
         for path, v in nnx.iter_graph(model)
         if isinstance(v, nnx.Param)
     }
-    return {"losses": losses, "param_sums": params}
+    return {
+        "losses": losses,
+        "param_sums": params,
+        "remote_before_gather": remote_before,
+        "local_after_gather": all_local,
+    }
+
+
+def coordinator_listen_addresses() -> list[str]:
+    """``/proc/net/tcp*`` entries listening on the coordinator's port (process 0 hosts it)."""
+    coordinator = info.coordinator or ""
+    if not coordinator or not os.path.exists("/proc/net/tcp"):
+        return []
+    port = f"{int(coordinator.rsplit(':', 1)[1]):04X}"
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                address, state = fields[1], fields[3]
+                if state == "0A" and address.endswith(f":{port}"):  # 0A: LISTEN
+                    found.append(address)
+    return found
 
 
 def main() -> None:
@@ -82,6 +111,8 @@ def main() -> None:
         name, meshes, stages = spec.split(":")
         results[spec] = run(name, int(meshes), int(stages), args.steps, args.model, args.opt)
         print(f"{spec}: {results[spec]['losses']}", flush=True)
+    if info.is_main:
+        results["coordinator_listens_on"] = coordinator_listen_addresses()
     path = os.path.join(args.out, f"losses_{info.process_id}.json")
     with open(path, "w") as f:
         json.dump(results, f)
