@@ -8,6 +8,7 @@ inherits the metadata of the parameter it belongs to.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
@@ -563,17 +564,106 @@ def _matches(pattern: str, names: Mapping[str, Any]) -> list[str]:
     return [name for name in names if regex.fullmatch(name)]
 
 
+def _is_container(node: Any) -> bool:
+    """Whether ``node`` holds layers rather than being one: its elements get the stage.
+
+    Plain lists, tuples and dicts, and ``nnx.List`` / ``nnx.Dict`` (unless a
+    subclass makes them callable, in which case the whole module is a layer).
+    """
+    if isinstance(node, nnx.List | nnx.Dict):
+        return not callable(node)
+    return isinstance(node, list | tuple | dict)
+
+
+def _container_items(node: Any) -> list[tuple[Any, Any]]:
+    if isinstance(node, nnx.Dict | dict):
+        return list(node.items())
+    return list(enumerate(node))
+
+
+def _assignable_nodes(model: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    """``{"a.b.0": (path, node)}`` for every module, Variable and container below ``model``."""
+    return {
+        _path_text(tuple(path)): (tuple(path), node)
+        for path, node in nnx.iter_graph(model)
+        if path
+        and isinstance(node, nnx.Module | nnx.Variable | list | tuple | dict)
+        and not any(str(key).startswith("_pytree__") for key in path)
+    }
+
+
 def _child(node: Any, key: Any) -> Any:
     if isinstance(node, nnx.List | nnx.Dict | list | tuple | dict):
         return node[key]
     return getattr(node, key)
 
 
-def _replace_child(parent: Any, key: Any, child: Any) -> None:
-    if isinstance(parent, nnx.List | nnx.Dict | list | dict):
-        parent[key] = child
+def _node_at(root: Any, path: tuple[Any, ...]) -> Any:
+    node = root
+    for key in path:
+        node = _child(node, key)
+    return node
+
+
+def _replace_at(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Puts ``value`` at ``path``; an element of a tuple is replaced by rebuilding the tuple."""
+    parent_path, key = path[:-1], path[-1]
+    parent = _node_at(root, parent_path)
+    if isinstance(parent, tuple):
+        items = list(parent)
+        items[key] = value
+        rebuilt = type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items)
+        _replace_at(root, parent_path, rebuilt)
+    elif isinstance(parent, nnx.List | nnx.Dict | list | dict):
+        parent[key] = value
     else:
-        setattr(parent, key, child)
+        setattr(parent, key, value)
+
+
+def _nearby_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]) -> str:
+    """The paths next to where ``pattern`` points: the children of its longest existing
+    prefix, then similarly spelled paths."""
+    parts = pattern.split(".")
+    prefix = ""
+    for i in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in nodes:
+            prefix = candidate
+            break
+    depth = len(nodes[prefix][0]) + 1 if prefix else 1
+    children = [
+        name
+        for name, (path, _) in nodes.items()
+        if len(path) == depth and (not prefix or name.startswith(prefix + "."))
+    ]
+    similar = [
+        name
+        for name in difflib.get_close_matches(pattern, list(nodes), n=5, cutoff=0.6)
+        if name not in children and name != prefix
+    ]
+    text = ", ".join(children[:20]) + (", ..." if len(children) > 20 else "")
+    where = f"under {prefix!r}" if prefix else "at the top level"
+    if similar:
+        text += f"{'; ' if text else ''}similar paths: {', '.join(similar)}"
+    return f"Paths {where}: {text}" if text else f"Nothing is {where}"
+
+
+def _plan_assignment(
+    name: str, path: tuple[Any, ...], node: Any, stage: int, pattern: str
+) -> list[tuple[tuple[Any, ...], Any, int]]:
+    """``(path, node, stage)`` to tag or wrap for one match; containers give their elements."""
+    if isinstance(node, Stage) and node.stage != stage:
+        raise PartitionError(
+            f"assign_stages: {name!r} is already Stage(stage={node.stage}) but "
+            f"{pattern!r} gives it stage {stage}; remove that pattern or change the Stage."
+        )
+    if not _is_container(node):
+        return [(path, node, stage)]
+    plan = []
+    for key, element in _container_items(node):
+        if isinstance(element, nnx.Module | nnx.Variable) or _is_container(element):
+            plan += _plan_assignment(f"{name}.{key}", (*path, key), element, stage, pattern)
+    return plan
 
 
 def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
@@ -583,8 +673,12 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
     ``"head.kernel"``). Each pattern is tried as an exact path, then as an
     ``fnmatch`` glob (``"blocks.*"``), then as a regular expression
     (``re.fullmatch``). Every matching submodule is wrapped in `Stage` in place
-    (on its parent attribute, ``nnx.List`` index or ``nnx.Dict`` key); a matching
-    Variable is only tagged with the stage.
+    (on its parent attribute, ``nnx.List`` index, ``nnx.Dict`` key, list or
+    dict entry, or tuple position, by rebuilding the tuple); a matching Variable
+    is only tagged with the stage. A matching *container* (``nnx.List``,
+    ``nnx.Dict``, or a list, tuple or dict of modules) is not wrapped itself:
+    each of its elements is, so the model can still iterate it, index it, take
+    its ``len()`` and call ``.items()``.
 
     Args:
       model: the NNX module to annotate (changed in place).
@@ -594,9 +688,10 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
       ``model``.
 
     Raises:
-      PartitionError: a pattern matches nothing, a stage is not an int >= 0, a
-        module is matched by two patterns with different stages, nested matches
-        disagree, or a match sits where it cannot be replaced.
+      PartitionError: a pattern matches nothing (the error lists the paths
+        near it), a stage is not an int >= 0, a module is matched by two
+        patterns with different stages, nested matches disagree, or a match is
+        already a `Stage` with another stage number.
 
     Example:
       >>> from flax import nnx
@@ -604,8 +699,12 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
       >>> m = assign_stages(m, {"a": 0, "b": 1})
       >>> m["b"], num_stages(m)
       (Stage(Linear, stage=1, remat=False), 2)
+      >>> layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(i)) for i in range(3)])
+      >>> tower = assign_stages(nnx.Dict(layers=layers), {"layers": 0})
+      >>> len(tower["layers"]), [layer.stage for layer in tower["layers"]]
+      (3, [0, 0, 0])
     """
-    nodes = {_path_text(path): (path, node) for path, node in _graph_nodes(model) if path}
+    nodes = _assignable_nodes(model)
     chosen: dict[str, tuple[int, str]] = {}
     for pattern, stage in mapping.items():
         if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
@@ -622,8 +721,9 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
             shown = ", ".join(modules[:15]) + (", ..." if len(modules) > 15 else "")
             raise PartitionError(
                 f"assign_stages: pattern {pattern!r} matches no path of "
-                f"{type(model).__name__}. Available module paths: {shown}. Use an exact "
-                "path, a glob such as 'blocks.*', or a regular expression."
+                f"{type(model).__name__}. {_nearby_paths(str(pattern), nodes)}. Available "
+                f"module paths: {shown}. Use an exact path, a glob such as 'blocks.*', or a "
+                "regular expression."
             )
         for name in names:
             if name in chosen and chosen[name][0] != stage:
@@ -652,25 +752,11 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
     plan = []
     for name in outermost:
         path, node = nodes[name]
-        stage = chosen[name][0]
-        if isinstance(node, Stage) and node.stage != stage:
-            raise PartitionError(
-                f"assign_stages: {name!r} is already Stage(stage={node.stage}) but "
-                f"{chosen[name][1]!r} gives it stage {stage}; remove that pattern or "
-                "change the Stage."
-            )
-        parent = model
-        for key in path[:-1]:
-            parent = _child(parent, key)
-        if isinstance(node, nnx.Module) and isinstance(parent, tuple):
-            raise PartitionError(
-                f"assign_stages cannot wrap {name!r}: it sits inside a tuple. Hold the "
-                "modules in an nnx.List instead, or wrap them in Stage yourself."
-            )
-        plan.append((parent, path[-1], node, stage))
-    for parent, key, node, stage in plan:
+        stage, pattern = chosen[name]
+        plan += _plan_assignment(name, path, node, stage, pattern)
+    for path, node, stage in plan:
         if isinstance(node, nnx.Variable):
             _tag_variable(node, stage)
         elif not isinstance(node, Stage):
-            _replace_child(parent, key, Stage(node, stage))
+            _replace_at(model, path, Stage(node, stage))
     return model

@@ -332,13 +332,57 @@ def test_assign_stages_rejects_bad_stages(bad):
         assign_stages(PlainGPT(rngs=nnx.Rngs(0)), {"embed": bad})
 
 
-def test_assign_stages_cannot_replace_inside_a_tuple():
+def test_assign_stages_replaces_inside_a_tuple_by_rebuilding_it():
     class Holder(nnx.Module):
         def __init__(self):
-            self.pair = nnx.data((nnx.Linear(2, 2, rngs=nnx.Rngs(0)),))
+            self.pair = nnx.data(
+                (nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
+            )
 
-    with pytest.raises(PartitionError, match="sits inside a tuple"):
-        assign_stages(Holder(), {"pair.0": 0})
+    model = Holder()
+    second = model.pair[1]
+    assign_stages(model, {"pair.0": 0})
+    assert isinstance(model.pair, tuple) and len(model.pair) == 2
+    assert model.pair[0].stage == 0 and model.pair[1] is second
+
+
+def test_assign_stages_container_path_wraps_each_element():
+    model = PlainGPT(rngs=nnx.Rngs(0))
+    expected = model(TOKENS)
+    assign_stages(model, {"embed": 0, "blocks": 0, "extra": 1, "lm_head": 1})
+    assert isinstance(model.blocks, nnx.List) and len(model.blocks) == 4
+    assert [b.stage for b in model.blocks] == [0, 0, 0, 0]
+    assert isinstance(model.extra, nnx.Dict) and model.extra["final"].stage == 1
+    np.testing.assert_allclose(model(TOKENS), expected, rtol=1e-6)
+
+
+def test_assign_stages_container_and_element_must_agree():
+    model = PlainGPT(rngs=nnx.Rngs(0))
+    with pytest.raises(PartitionError, match=r"'blocks\.2' gets stage 1 .*inside 'blocks'"):
+        assign_stages(model, {"blocks": 0, "blocks.2": 1})
+    assert not isinstance(model.blocks[0], Stage)  # nothing changed
+
+
+def test_assign_stages_container_element_already_staged_differently():
+    model = TinyGPT(num_stages=2, rngs=nnx.Rngs(0))
+    with pytest.raises(PartitionError, match=r"'blocks\.2' is already Stage\(stage=1\)"):
+        assign_stages(model, {"blocks": 0})
+
+
+def test_assign_stages_missing_index_lists_the_container_elements():
+    model = PlainGPT(rngs=nnx.Rngs(0))
+    with pytest.raises(
+        PartitionError,
+        match=r"'blocks\.7' matches no path .*Paths under 'blocks': blocks\.0, blocks\.1, "
+        r"blocks\.2, blocks\.3\.",
+    ):
+        assign_stages(model, {"blocks.7": 0})
+
+
+def test_assign_stages_misspelled_path_suggests_similar_paths():
+    model = PlainGPT(rngs=nnx.Rngs(0))
+    with pytest.raises(PartitionError, match=r"'lm_haed' matches no path .*similar paths: lm_head"):
+        assign_stages(model, {"lm_haed": 0})
 
 
 # ---------------------------------------------------------------- auto_stage
