@@ -76,7 +76,20 @@ def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_na
         "param_sums": params,
         "remote_before_gather": remote_before,
         "local_after_gather": all_local,
+        "mp_gather": try_mp_gather(opt),
     }
+
+
+def try_mp_gather(opt) -> str:
+    """What ``mp.gather`` does with the (still placed) optimizer state: "ok" or the error."""
+    try:
+        mp.gather(opt)
+    except Exception as error:  # reported to the test, which says what went wrong
+        return f"{type(error).__name__}: {error}"[:400]
+    local = jax.local_devices()[0]
+    values = [v.get_value() for _, v in nnx.iter_graph(opt) if isinstance(v, nnx.Variable)]
+    arrays = [x for x in values if isinstance(x, jax.Array)]
+    return "ok" if all(x.devices() == {local} for x in arrays) else "not local"
 
 
 def coordinator_listen_addresses() -> list[str]:
