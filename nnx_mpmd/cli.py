@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -20,8 +20,33 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed version of nnx-mpmd (package metadata; ``nnx_mpmd.__version__`` if absent).
+
+    Returns:
+      The version string, e.g. ``"0.1.0"``.
+
+    Example:
+      >>> import nnx_mpmd
+      >>> version() == nnx_mpmd.__version__
+      True
+    """
+    from importlib import metadata
+
+    try:
+        return metadata.version("nnx-mpmd")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        import nnx_mpmd
+
+        return nnx_mpmd.__version__
+
+
 def _usage() -> str:
-    lines = ["usage: nnx-mpmd {" + ",".join(SUBCOMMANDS) + "} [options]", "", "subcommands:"]
+    lines = [
+        "usage: nnx-mpmd [--version] {" + ",".join(SUBCOMMANDS) + "} [options]",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {name:<9} {text}" for name, (_, text) in SUBCOMMANDS.items()]
     lines += ["", "Run 'nnx-mpmd SUBCOMMAND --help' for the options of one subcommand."]
     return "\n".join(lines)
@@ -42,12 +67,24 @@ def main(argv: list[str] | None = None) -> int:
       0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        print(f"{_usage()}\n\nnnx-mpmd: error: name a subcommand", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"nnx-mpmd {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"nnx-mpmd: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    from nnx_mpmd.errors import MpmdError
+
+    try:
+        return int(module.main(rest) or 0)
+    except MpmdError as e:  # a subcommand that let one through: still one line, status 2
+        print(f"nnx-mpmd {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2

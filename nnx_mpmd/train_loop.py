@@ -23,18 +23,37 @@ from flax import nnx
 from nnx_mpmd.api import jit, value_and_grad
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
-from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError
+from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
+from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.partition import gather
 from nnx_mpmd.sampling import generate_text
 from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
+from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
 from nnx_mpmd.schedules.simulate import Timeline
 
-__all__ = ["RESUME_KEYS", "Trainer", "measured_timeline", "plot_losses", "train_step"]
+__all__ = [
+    "ARITHMETIC_KEYS",
+    "LAYOUT_KEYS",
+    "RESUME_KEYS",
+    "STRUCTURE_KEYS",
+    "Trainer",
+    "measured_timeline",
+    "plot_losses",
+    "train_step",
+]
 
-#: Settings that must equal the checkpoint's for a resumed run to continue it.
-RESUME_KEYS = ("model", "preset", "layers", "seq_len", "batch_size", "seed", "corpus_bytes")
+#: Settings that fix the parameters' shapes: a resumed run can never change them.
+STRUCTURE_KEYS = ("model", "preset", "layers")
+#: Settings that change the numbers a resumed run computes: changing one needs
+#: ``--allow-changed-settings``.
+ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
+#: Settings that must equal the checkpoint's for a resumed run to continue it as is.
+RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
+#: Settings of the pipeline layout: they may change on resume (same numbers up to
+#: float rounding), and the log says which did.
+LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches")
 SAMPLE_PROMPT = "def "
 VAL_FRACTION = 0.05
 DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
@@ -203,7 +222,15 @@ class Trainer:
                 f"unknown --preset {cfg.preset!r} for --model {cfg.model}; choose one of "
                 f"{preset_names(cfg.model)}."
             )
-        self.schedule.check(self.num_stages, cfg.meshes, cfg.microbatches)
+        try:
+            self.schedule.check(self.num_stages, cfg.meshes, cfg.microbatches)
+        except ScheduleError as e:
+            raise ScheduleError(
+                f"--schedule {cfg.schedule} with {self.num_stages} stages, --meshes "
+                f"{cfg.meshes}, --microbatches {cfg.microbatches}: {e} (set them with "
+                "--stages, --meshes and --microbatches)"
+            ) from None
+        self.num_layers, self.notes = self._choose_layers()
         devices = jax.devices()
         needed = cfg.meshes * cfg.data
         if len(devices) < needed:
@@ -216,9 +243,10 @@ class Trainer:
         text = stdlib_corpus(cfg.corpus_bytes)
         self.tokenizer = CharTokenizer.from_text(text)
         train_tokens, self.val_tokens = train_val_split(self.tokenizer.encode(text), VAL_FRACTION)
-        overrides: dict[str, Any] = {"vocab_size": self.tokenizer.vocab_size}
-        if cfg.layers is not None:
-            overrides["n_layers"] = cfg.layers
+        overrides: dict[str, Any] = {
+            "vocab_size": self.tokenizer.vocab_size,
+            "n_layers": self.num_layers,
+        }
         self.model = build_model(
             cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
         )
@@ -245,6 +273,28 @@ class Trainer:
         )
         self.start_step = 0
 
+    def _choose_layers(self) -> tuple[int, list[str]]:
+        """The number of blocks: the preset's, or one per stage when it has fewer."""
+        cfg = self.cfg
+        preset_layers = int(preset_fields(cfg.model, cfg.preset)["n_layers"])
+        where = f"--schedule {cfg.schedule} runs {self.num_stages} stages on {cfg.meshes} meshes"
+        if cfg.layers is not None:
+            if cfg.layers < self.num_stages:
+                raise PartitionError(
+                    f"--layers {cfg.layers} is too few: {where} and every stage needs at least "
+                    f"one block; add --layers {self.num_stages} (or more), or use fewer "
+                    "--meshes or --stages."
+                )
+            return cfg.layers, []
+        if preset_layers >= self.num_stages:
+            return preset_layers, []
+        note = (
+            f"note: {where} but the {cfg.model} {cfg.preset} preset has {preset_layers} "
+            f"layers; using {self.num_stages} layers (one per stage). Pass --layers to choose, "
+            "or fewer --meshes."
+        )
+        return self.num_stages, [note]
+
     # -- run configuration saved with every checkpoint --------------------------------
 
     def settings(self) -> dict[str, Any]:
@@ -253,7 +303,7 @@ class Trainer:
         return {
             "model": cfg.model,
             "preset": cfg.preset,
-            "layers": cfg.layers,
+            "layers": self.num_layers,
             "seq_len": self.seq_len,
             "batch_size": cfg.batch_size,
             "seed": cfg.seed,
@@ -265,21 +315,53 @@ class Trainer:
             "microbatches": cfg.microbatches,
             "steps": cfg.steps,
             "lr": cfg.lr,
+            "warmup": cfg.warmup,
             "model_config": self.model.config.to_dict(),
         }
 
-    def _check_resumable(self, saved: dict[str, Any], where: pathlib.Path) -> None:
+    def _check_resumable(self, saved: dict[str, Any], where: pathlib.Path) -> bool:
+        """Compares the saved settings with this run's; returns whether any arithmetic differs.
+
+        Raises:
+          CheckpointError: the parameters' shapes or the vocabulary differ, or an
+            arithmetic setting differs without ``--allow-changed-settings``.
+        """
         mine = self.settings()
-        config = saved.get("config", {})
-        differ = [f"{k}: saved {config.get(k)!r}, now {mine[k]!r}" for k in RESUME_KEYS]
-        differ = [d for k, d in zip(RESUME_KEYS, differ, strict=True) if config.get(k) != mine[k]]
+        config = dict(saved.get("config", {}))
+        if config.get("layers") is None:  # older checkpoints saved None for the preset's
+            config["layers"] = config.get("model_config", {}).get("n_layers")
+
+        def changes(keys: tuple[str, ...]) -> list[str]:
+            return [
+                f"{key}: saved {config.get(key)!r}, now {mine[key]!r}"
+                for key in keys
+                if config.get(key) != mine[key]
+            ]
+
+        structure = changes(STRUCTURE_KEYS)
         if saved.get("tokenizer") != self.tokenizer.to_dict():
-            differ.append("the character vocabulary differs (another corpus or Python)")
-        if differ:
+            structure.append("the character vocabulary differs (another corpus or Python)")
+        if structure:
             raise CheckpointError(
-                f"the checkpoint in {where} does not fit this run ({'; '.join(differ)}); "
-                "resume with the saved settings, or start a new --run-dir."
+                f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
+                "the parameters would not match; resume with the saved --model, --preset, "
+                "--layers and --corpus-bytes, or start a new --run-dir."
             )
+        arithmetic = changes(ARITHMETIC_KEYS)
+        if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):
+            raise CheckpointError(
+                f"the checkpoint in {where} does not fit this run: settings that change its "
+                f"numbers differ ({'; '.join(arithmetic)}); resume with the saved values, pass "
+                "--allow-changed-settings to continue with the new ones, or start a new "
+                "--run-dir."
+            )
+        since = f"since the checkpoint of step {saved.get('step')}"
+        if arithmetic:
+            self.notes.append(f"settings changed {since} (accepted): {'; '.join(arithmetic)}")
+        layout = changes(LAYOUT_KEYS)
+        if layout:
+            self.notes.append(f"layout changed {since}: {'; '.join(layout)}")
+        return bool(arithmetic)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
         """Resumes from the latest checkpoint (``--resume``) or checks the run dir is fresh."""
@@ -298,9 +380,11 @@ class Trainer:
                 "start, or point --run-dir at a run that saved one."
             )
         saved = manager.metadata()
-        self._check_resumable(saved, where)
+        changed = self._check_resumable(saved, where)
         manager.restore({"model": self.model, "optimizer": self.optimizer})
-        self.batches.load_state_dict(saved["data"])
+        # Accepted changes (seed, batch size, ...) keep only the saved data position.
+        data = {"position": saved["data"]["position"]} if changed else saved["data"]
+        self.batches.load_state_dict(data)
         self.start_step = int(saved["step"])
 
     # -- the loop ---------------------------------------------------------------------
@@ -356,6 +440,8 @@ class Trainer:
         recent: list[float] = []
         progress, bar = _progress(cfg.steps, self.start_step)
         progress.console.print(self._header(), soft_wrap=True)
+        for note in self.notes:
+            progress.console.print(note, soft_wrap=True)
         if self.start_step:
             progress.console.print(f"resumed from step {self.start_step}")
         metrics_file = self.run_dir / "metrics.jsonl"
@@ -415,14 +501,25 @@ class Trainer:
                     )
         return losses
 
+    def _picture(self, name: str) -> pathlib.Path | None:
+        """The path to draw ``name`` at, or None (and one line saying so) without matplotlib."""
+        if matplotlib_missing() is None:
+            return self.run_dir / name
+        print(f"skipped {name}: matplotlib is not installed; {PLOTS_INSTALL} to draw it")
+        return None
+
     def _draw_profile(self) -> None:
         records = self.step_fn.last_profile or []
         timeline = measured_timeline(records)
+        path = self._picture("schedule_measured.png")
+        if path is None:
+            return
         plot_gantt(
             timeline,
-            self.run_dir / "schedule_measured.png",
+            path,
             title=f"measured {self.schedule!r}: {timeline.makespan * 1e3:.1f} ms, "
             f"bubble {timeline.bubble_fraction:.1%}",
+            xlabel="time (seconds from the first task)",
         )
 
     def _val_loss(self, batches: int) -> float | None:
@@ -435,16 +532,17 @@ class Trainer:
     def _finish(self, metrics: list[dict[str, Any]], losses: list[float]) -> dict[str, Any]:
         cfg = self.cfg
         tasks = self.schedule.tasks(self.num_stages, cfg.meshes, cfg.microbatches)
-        plot_gantt(
-            tasks,
-            self.run_dir / "schedule.png",
-            title=f"simulated {self.schedule!r}: {self.num_stages} stages, "
-            f"{cfg.meshes} meshes, {cfg.microbatches} microbatches",
-        )
-        if metrics:
-            plot_losses(
-                metrics, self.run_dir / "loss.png", f"{cfg.model} {cfg.preset}, {self.schedule!r}"
+        schedule_png = self._picture("schedule.png")
+        if schedule_png is not None:
+            plot_gantt(
+                tasks,
+                schedule_png,
+                title=f"simulated {self.schedule!r}: {self.num_stages} stages, "
+                f"{cfg.meshes} meshes, {cfg.microbatches} microbatches",
             )
+        loss_png = self._picture("loss.png") if metrics else None
+        if loss_png is not None:
+            plot_losses(metrics, loss_png, f"{cfg.model} {cfg.preset}, {self.schedule!r}")
         gather(self.model)
         val_loss = self._val_loss(cfg.val_batches)
         sample = ""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -90,8 +92,13 @@ BAD_INPUTS = [
     (["--steps", "0"], r"--steps=0 must be >= 1"),
     (["--stop-at", "9", "--steps", "4"], r"--stop-at=9 must lie in"),
     (["--seq-len", "500"], r"--seq-len=500 must lie in \[1, 64\]"),
-    (["--schedule", "interleaved"], r"8 stages|more than n_layers"),
-    (["--resume"], r"--resume: no finished checkpoint"),
+    (["--schedule", "interleaved", "--layers", "4"], r"--layers 4 is too few.*add --layers 8"),
+    (
+        ["--schedule", "dualpipev", "--microbatches", "4"],
+        r"at least .* 8 microbatches.*--microbatches",
+    ),
+    (["--resume"], r"--resume: .* holds no checkpoints/ directory"),
+    (["--allow-changed-settings"], r"only applies with --resume"),
 ]
 
 
@@ -110,14 +117,67 @@ def test_bad_input_exits_2_with_message(argv, message, tmp_path, capsys):
     [
         (["--seed", "1"], r"seed: saved 0, now 1"),
         (["--batch-size", "4"], r"batch_size: saved 8, now 4"),
+        (
+            ["--lr", "0.01", "--warmup", "2", "--steps", "6"],
+            r"lr: saved 0.003, now 0.01; warmup: saved 1, now 2; steps: saved 4, now 6\)",
+        ),
+        (["--preset", "small"], r"preset: saved 'tiny', now 'small'.*would not match"),
     ],
 )
-def test_resume_into_incompatible_settings_exits_2(finished_run, change, message, capsys):
+def test_resume_into_changed_settings_exits_2(finished_run, change, message, capsys):
     run_dir = finished_run[0]
-    argv = [*TINY, "--steps", "6", "--run-dir", str(run_dir), "--resume", *change]
+    argv = [*TINY, "--steps", "4", "--run-dir", str(run_dir), "--resume", *change]
     assert train.main(argv) == 2
     err = capsys.readouterr().err
-    assert "does not fit this run" in err and __import__("re").search(message, err), err
+    assert err.count("\n") == 1 and "does not fit this run" in err, err
+    assert __import__("re").search(message, err), err
+    if "--preset" not in change:
+        assert "pass --allow-changed-settings" in err
+
+
+def test_resume_accepts_changed_settings_when_asked_and_logs_every_change(
+    finished_run, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run[0], run_dir)
+    argv = [*TINY, "--steps", "5", "--lr", "0.01", "--run-dir", str(run_dir), "--resume"]
+    argv += ["--allow-changed-settings", "--schedule", "gpipe", "--microbatches", "4"]
+    argv += ["--sample-tokens", "0", "--val-batches", "0"]
+    assert train.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert (
+        "settings changed since the checkpoint of step 4 (accepted): lr: saved 0.003, now "
+        "0.01; steps: saved 4, now 5" in out
+    ), out
+    assert (
+        "layout changed since the checkpoint of step 4: schedule: saved '1f1b', now 'gpipe'; "
+        "microbatches: saved 2, now 4" in out
+    ), out
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+
+
+def _train_in_process(argv: list[str], run_dir) -> tuple[list[float], list[np.ndarray]]:
+    from flax import nnx
+
+    from nnx_mpmd.train_loop import Trainer
+
+    trainer = Trainer(train.config_from_args([*argv, "--run-dir", str(run_dir)]), run_dir)
+    trainer.train()
+    state = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model))]
+    state += [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.optimizer))]
+    return [m["loss"] for m in _metrics(run_dir)], state
+
+
+def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
+    args = [*TINY, "--steps", "4", "--sample-tokens", "0", "--val-batches", "0"]
+    straight_losses, straight_state = _train_in_process(args, tmp_path / "straight")
+    _train_in_process([*args, "--stop-at", "2"], tmp_path / "split")
+    losses, state = _train_in_process([*args, "--resume"], tmp_path / "split")
+    assert len(losses) == len(straight_losses) == 4
+    assert np.array_equal(losses, straight_losses), (losses, straight_losses)
+    assert len(state) == len(straight_state) > 0
+    for got, want in zip(state, straight_state, strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_run_dir_with_checkpoints_needs_resume(finished_run, capsys):

@@ -17,7 +17,7 @@ from typing import Any
 
 from nnx_mpmd.errors import MpmdError
 
-__all__ = ["GPT_PRESETS", "LLAMA_PRESETS", "preset_names"]
+__all__ = ["GPT_PRESETS", "LLAMA_PRESETS", "preset_fields", "preset_names"]
 
 GPT_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, max_len=64, n_layers=4, d_model=64, n_heads=4),
@@ -64,3 +64,26 @@ def preset_names(model: str) -> list[str]:
     if model not in _BY_MODEL:
         raise MpmdError(f"unknown model family {model!r}; choose one of {sorted(_BY_MODEL)}.")
     return sorted(_BY_MODEL[model])
+
+
+def preset_fields(model: str, preset: str) -> dict[str, Any]:
+    """The config fields of one preset (a copy), e.g. to read its ``n_layers``.
+
+    Args:
+      model: ``"gpt"`` or ``"llama"``.
+      preset: one of `preset_names` of that family.
+
+    Returns:
+      The fields the preset sets.
+
+    Raises:
+      MpmdError: an unknown family or preset.
+
+    Example:
+      >>> preset_fields("gpt", "tiny")["n_layers"]
+      4
+    """
+    names = preset_names(model)
+    if preset not in names:
+        raise MpmdError(f"unknown preset {preset!r} for model {model!r}; choose one of {names}.")
+    return dict(_BY_MODEL[model][preset])

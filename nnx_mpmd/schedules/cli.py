@@ -13,18 +13,73 @@ Bad input prints one clear message and exits with status 2. Imports no JAX.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from nnx_mpmd.errors import ScheduleError
-from nnx_mpmd.schedules.draw import plot_gantt, to_ascii
+from nnx_mpmd.errors import MpmdError, ScheduleError
+from nnx_mpmd.schedules.draw import matplotlib_missing, plot_gantt, time_axis_label, to_ascii
 from nnx_mpmd.schedules.generators import Custom, Schedule
 from nnx_mpmd.schedules.registry import SCHEDULES, get_schedule
 from nnx_mpmd.schedules.simulate import Costs, simulate
 from nnx_mpmd.schedules.tasks import format_tasks
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "positive_float", "positive_int"]
 
 _PROG = "nnx-mpmd schedule"
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1, so argparse names the flag the user typed.
+
+    Args:
+      text: the command-line value.
+
+    Returns:
+      The int.
+
+    Raises:
+      argparse.ArgumentTypeError: not an int, or < 1.
+
+    Example:
+      >>> positive_int("4")
+      4
+      >>> positive_int("0")
+      Traceback (most recent call last):
+      ...
+      argparse.ArgumentTypeError: must be an int >= 1, got 0
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite float > 0.
+
+    Args:
+      text: the command-line value.
+
+    Returns:
+      The float.
+
+    Raises:
+      argparse.ArgumentTypeError: not a number, or not > 0.
+
+    Example:
+      >>> positive_float("0.5")
+      0.5
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,14 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="1f1b",
         help=f"one of {', '.join(SCHEDULES)} (default: 1f1b)",
     )
-    parser.add_argument("--meshes", type=int, help="number of meshes p (default: 4)")
+    parser.add_argument("--meshes", type=positive_int, help="number of meshes p (default: 4)")
     parser.add_argument(
-        "--stages", type=int, help="number of stages (default: p, or 2p for V-shaped schedules)"
+        "--stages",
+        type=positive_int,
+        help="number of stages (default: p; 2p for interleaved, looped-bfs and V shapes)",
     )
     parser.add_argument(
-        "--virtual", type=int, help="stages per mesh for interleaved/looped-bfs (stages = v * p)"
+        "--virtual",
+        type=positive_int,
+        help="stages per mesh for interleaved/looped-bfs (stages = v * p)",
     )
-    parser.add_argument("--microbatches", type=int, help="number of microbatches m (default: 8)")
+    parser.add_argument(
+        "--microbatches", type=positive_int, help="number of microbatches m (default: 8)"
+    )
     parser.add_argument(
         "--costs", default="", help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0 (the defaults)"
     )
@@ -66,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tasks", action="store_true", help="also print the task lists in the text form"
     )
-    parser.add_argument("--slot", type=float, help="time per grid column (default: shortest task)")
+    parser.add_argument(
+        "--slot", type=positive_float, help="time per grid column (default: shortest task)"
+    )
     return parser
 
 
@@ -109,6 +172,10 @@ def _run(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse has printed the message or the help
         return 0 if e.code in (0, None) else 2
+    pictures = [path for path in (args.png, args.svg) if path is not None]
+    missing = matplotlib_missing() if pictures else None
+    if missing is not None:
+        raise MpmdError(f"--png/--svg need matplotlib: {missing}.")
     schedule, stages, meshes, microbatches = _resolve(args)
     costs = Costs.parse(args.costs)
     tasks = schedule.tasks(stages, meshes, microbatches)
@@ -126,11 +193,36 @@ def _run(argv: list[str]) -> int:
     print("peak activations per mesh: " + " ".join(map(str, timeline.peak_activations)))
     if args.tasks:
         print(format_tasks(tasks), end="")
-    for path in (args.png, args.svg):
-        if path is not None:
-            plot_gantt(timeline, path, title=f"{schedule.name}, p={meshes}, m={microbatches}")
-            print(f"wrote {path}")
+    for path in pictures:
+        _make_parent(path)
+        try:
+            plot_gantt(
+                timeline,
+                path,
+                title=f"{schedule.name}, p={meshes}, m={microbatches}: makespan "
+                f"{float(timeline.makespan):g}, bubble {float(timeline.bubble_fraction):.1%}",
+                xlabel=time_axis_label(costs),
+            )
+        except OSError as e:
+            raise MpmdError(
+                f"cannot write {path!r}: {e.strerror or e}; choose a writable path"
+            ) from None
+        print(f"wrote {path}")
     return 0
+
+
+def _make_parent(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(parent):
+        return
+    try:
+        os.makedirs(parent)
+    except OSError as e:
+        raise MpmdError(
+            f"cannot create the directory {parent!r} for {path!r}: {e.strerror}; choose "
+            "another path"
+        ) from None
+    print(f"created directory {parent}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run(argv)
-    except ScheduleError as e:
+    except MpmdError as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2

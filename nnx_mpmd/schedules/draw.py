@@ -1,7 +1,10 @@
 """Pictures of schedules: an ASCII grid and a matplotlib Gantt chart.
 
 matplotlib is imported only inside `plot_gantt`, so importing this module (and
-the rest of `nnx_mpmd.schedules`) stays light.
+the rest of `nnx_mpmd.schedules`) stays light. matplotlib is an optional
+dependency (the ``plots`` extra): without it `plot_gantt` raises an `MpmdError`
+that says how to install it, and `matplotlib_missing` tells callers that would
+rather skip a picture.
 """
 
 from __future__ import annotations
@@ -11,11 +14,21 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from nnx_mpmd.errors import ScheduleError
+from nnx_mpmd.errors import MpmdError, ScheduleError
 from nnx_mpmd.schedules.simulate import Costs, Timeline, simulate
 from nnx_mpmd.schedules.tasks import Task
 
-__all__ = ["KIND_COLORS", "plot_gantt", "to_ascii"]
+__all__ = [
+    "KIND_COLORS",
+    "PLOTS_INSTALL",
+    "matplotlib_missing",
+    "plot_gantt",
+    "time_axis_label",
+    "to_ascii",
+]
+
+PLOTS_INSTALL = "pip install 'nnx-mpmd[plots]'"
+"""The command that installs matplotlib, the optional dependency of the pictures."""
 
 KIND_COLORS: dict[str, str] = {
     "F": "#4C78A8",
@@ -26,6 +39,53 @@ KIND_COLORS: dict[str, str] = {
 """Gantt-chart colour of each task kind."""
 
 _IMAGE_FORMATS = (".png", ".svg", ".pdf")
+
+
+def matplotlib_missing() -> str | None:
+    """Why pictures cannot be drawn here, or None when matplotlib imports.
+
+    Returns:
+      None, or one sentence naming the missing package and the command that
+      installs it (`PLOTS_INSTALL`).
+
+    Example:
+      >>> matplotlib_missing() is None  # matplotlib comes with the dev extra
+      True
+    """
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return f"matplotlib is not installed; {PLOTS_INSTALL} to draw pictures"
+    return None
+
+
+def time_axis_label(costs: Costs | None) -> str:
+    """The x-axis label of a simulated schedule: its time unit.
+
+    Args:
+      costs: the task costs the schedule was simulated with (None: ``Costs()``).
+
+    Returns:
+      The label, e.g. ``"time (units of one forward, F=1)"``.
+
+    Example:
+      >>> time_axis_label(None)
+      'time (units of one forward, F=1)'
+      >>> time_axis_label(Costs(F=2.0, B=4.0))
+      'time (cost units: F=2, B=4, BI=1, BW=1, transfer=0)'
+    """
+    costs = Costs() if costs is None else costs
+    if costs == Costs():
+        return "time (units of one forward, F=1)"
+    values = (
+        f"F={costs.F:g}, B={costs.B:g}, BI={costs.BI:g}, BW={costs.BW:g}, "
+        f"transfer={costs.transfer:g}"
+    )
+    if costs.per_stage:
+        values += ", per-stage overrides"
+    if costs.F == 1:
+        return f"time (units of one forward; costs {values})"
+    return f"time (cost units: {values})"
 
 
 def _as_timeline(
@@ -102,32 +162,50 @@ def plot_gantt(
     *,
     costs: Costs | None = None,
     title: str | None = None,
+    xlabel: str | None = None,
 ) -> Any:
     """Draws a schedule as a Gantt chart: one row per mesh, boxes coloured by kind.
 
-    Every box shows its microbatch number. Imports matplotlib (without pyplot,
-    so no window opens and no global backend changes).
+    Every box shows its microbatch number. The x axis states its time unit, so
+    the makespans of two charts compare. Imports matplotlib (without pyplot, so
+    no window opens and no global backend changes); without matplotlib it
+    raises an `MpmdError` that names ``pip install 'nnx-mpmd[plots]'``.
 
     Args:
       schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
       path: if given, save the chart there; ``.png``, ``.svg`` or ``.pdf``.
       costs: the costs to simulate with (default ``Costs()``).
       title: the chart title (default: makespan and bubble fraction).
+      xlabel: the x-axis label (default: `time_axis_label` of ``costs`` for task
+        lists; for a `Timeline`, the units of the costs it was simulated with).
 
     Returns:
       The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ScheduleError: ``path`` has no image suffix.
+      MpmdError: matplotlib is not installed.
 
     Example:
       >>> fig = plot_gantt([["F0.0", "B0.0"], ["F1.0", "B1.0"]])
       >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
       ['mesh 0', 'mesh 1']
+      >>> fig.axes[0].get_xlabel()
+      'time (units of one forward, F=1)'
     """
     if path is not None and os.path.splitext(os.fspath(path))[1].lower() not in _IMAGE_FORMATS:
         raise ScheduleError(
             f"cannot save a Gantt chart as {os.fspath(path)!r}; use a file name ending in "
             f"{', '.join(_IMAGE_FORMATS)}"
         )
+    if xlabel is None:
+        given_timeline = isinstance(schedule, Timeline)
+        xlabel = "time (units of the simulated task costs)" if given_timeline else None
+        xlabel = xlabel or time_axis_label(costs)
     timeline = _as_timeline(schedule, costs)
+    missing = matplotlib_missing()
+    if missing is not None:
+        raise MpmdError(f"cannot draw the Gantt chart: {missing}.")
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -159,7 +237,7 @@ def plot_gantt(
     ax.set_yticks(range(timeline.num_meshes), [f"mesh {m}" for m in range(timeline.num_meshes)])
     ax.set_ylim(timeline.num_meshes - 0.5, -0.5)
     ax.set_xlim(0, makespan)
-    ax.set_xlabel("time")
+    ax.set_xlabel(xlabel)
     kinds = [kind for kind in KIND_COLORS if any(t.kind == kind for _, t, _, _ in timeline.entries)]
     ax.legend(
         handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds],
