@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,11 @@ from nnx_mpmd.partition import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.precompile import precompile
 
-__all__ = ["Lowered", "PipelinedFunction", "jit", "value_and_grad"]
+__all__ = ["MAX_COMPILED_STEPS", "Lowered", "PipelinedFunction", "jit", "value_and_grad"]
+
+# How many input signatures one `PipelinedFunction` keeps compiled (least recently
+# used dropped first).
+MAX_COMPILED_STEPS = 16
 
 
 def value_and_grad(
@@ -255,7 +260,10 @@ class PipelinedFunction:
             )
         self.transfer_warning_bytes = transfer_warning_bytes
         self.compile_threads = compile_threads
-        self._cache: dict[Any, CompiledStep] = {}
+        # Compiled steps by input signature, least recently used first; bounded so
+        # that a long-lived step called with ever new signatures (a fresh optax
+        # transformation each time, say) does not grow without limit.
+        self._cache: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         self._shardings = _Shardings(list(mesh.submeshes))
         self.last_profile: list[TaskRecord] | None = None
         self.last_memory: dict[str, Any] | None = None
@@ -263,7 +271,7 @@ class PipelinedFunction:
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
         flat = flatten_args(args)
         key = self._key(flat)
-        compiled = self._cache.get(key)
+        compiled = self._cached(key)
         if compiled is None:
             # Unseen signature: place the state (a no-op for leaves already placed;
             # an unplaced array on a device of submesh 0 is not "placed").
@@ -276,7 +284,7 @@ class PipelinedFunction:
                 ) from None
             flat = flatten_args(args)
             key = self._key(flat)
-            compiled = self._cache.get(key)
+            compiled = self._cached(key)
         if compiled is None:
             compiled = compile_step(
                 self.fn,
@@ -298,7 +306,15 @@ class PipelinedFunction:
                     batch_axis=self.batch_axis,
                 )
             self._cache[key] = compiled
+            while len(self._cache) > MAX_COMPILED_STEPS:
+                self._cache.popitem(last=False)
         return flat, compiled
+
+    def _cached(self, key: Any) -> CompiledStep | None:
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+        return compiled
 
     @staticmethod
     def _key(flat: FlatArgs) -> Any:

@@ -111,11 +111,6 @@ def test_two_processes_train_like_one(training_results, run):
     assert len(set(single[run]["losses"])) > 1  # the steps trained (3 steps need not lower it)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mp.gather (nnx_mpmd/partition.py) does not hand over to mp.distributed.gather in a "
-    "multi-process run yet; it fails with jax's 'does not support cross-host device transfers'",
-)
 def test_mp_gather_works_in_a_multi_process_run(training_results):
     per_process, single = training_results
     assert single[RUNS[0]]["mp_gather"] == "ok"
