@@ -5,6 +5,13 @@ meshes) lives as one ``jax.Array`` per submesh. `MpmdArray` bundles these copies
 it is a pytree *leaf* (not a pytree node), so it can be the value of an NNX
 Variable and travel through ``nnx.split`` / ``nnx.merge`` / ``nnx.state`` as is.
 
+An `MpmdArray` reads like the ``jax.Array`` it stands for: ``float(loss)``,
+``int(step)``, ``np.asarray(x)``, ``f"{loss:.3f}"``, ``x[0]``, ``x + 1`` and
+``x < y`` give what the same operations on one copy give. Reads to the host
+check that every copy this process holds has the same value (a wrong number is
+never returned); arithmetic and indexing run on one copy and return a
+``jax.Array``.
+
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -18,11 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -79,6 +88,12 @@ class MpmdArray:
       >>> step = MpmdArray({i: jax.device_put(jnp.int32(5), mesh.devices(i)[0]) for i in range(8)})
       >>> step.mesh_ids, int(np.asarray(step))
       ((0, 1, 2, 3, 4, 5, 6, 7), 5)
+
+      It reads like the ``jax.Array`` it stands for (host reads check that the
+      copies agree; arithmetic returns a ``jax.Array``):
+
+      >>> int(step), f"{step / 2:.2f}", step + 1, step[...] == 5
+      (5, '2.50', Array(6, dtype=int32), Array(True, dtype=bool))
     """
 
     def __init__(self, arrays: Mapping[int, jax.Array], *, mesh: MpmdMesh | None = None) -> None:
@@ -201,9 +216,158 @@ class MpmdArray:
         """The PartitionSpec inside each submesh (None if not a NamedSharding)."""
         return _spec_of(self._first)
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        del copy  # np.asarray of a jax.Array always copies to host
-        return np.asarray(self._first, dtype=dtype)
+    # ------------------------------------------------------------------ reading
+    # An MpmdArray reads like the jax.Array it stands for. Host reads (int, float,
+    # np.asarray, format, ...) check that the copies agree; device operations
+    # (indexing, arithmetic, comparison) run on one copy and return a jax.Array.
+
+    __array_priority__ = 100  # like jax.Array: numpy defers `ndarray + x` to x.__radd__
+    __hash__ = object.__hash__  # hashable by identity, as before (caches key on it)
+
+    def _readable_copies(self, what: str) -> list[tuple[int, jax.Array]]:
+        """``(mesh_id, copy)`` for each copy this process can read, lowest mesh first.
+
+        Raises:
+          PlacementError: no copy is fully addressable by this process.
+        """
+        copies = [(q, self._arrays[q]) for q in self._mesh_ids if _is_readable(self._arrays[q])]
+        if not copies:
+            raise PlacementError(
+                f"cannot {what} {self!r}: this process holds no complete copy of it (its "
+                f"copies on meshes {self._mesh_ids} live on other processes' devices). "
+                "Bring it here first with nnx_mpmd.runtime.multi_process.gather(value, mesh) "
+                "(a collective: call it on every process), or read it on a process that "
+                "owns one of those meshes."
+            )
+        return copies
+
+    def _checked_copy(self, what: str) -> jax.Array:
+        """The lowest readable copy, after checking every readable copy holds its value."""
+        copies = self._readable_copies(what)
+        first_mesh, first = copies[0]
+        if len(copies) > 1:
+            reference = np.asarray(first)
+            for mesh_id, other in copies[1:]:
+                values = np.asarray(other)
+                if not _same_values(reference, values):
+                    raise PlacementError(
+                        f"cannot {what} {self!r}: its copies disagree (mesh {first_mesh} holds "
+                        f"{_preview(reference)}, mesh {mesh_id} holds {_preview(values)}), so "
+                        "it has no single value. Read one copy explicitly with "
+                        "x.array(mesh_id), or mp.gather(...) the state (which keeps the lowest "
+                        "mesh's copy). Copies of one value should never differ: please report "
+                        "this."
+                    )
+        return first
+
+    def _copy_near(self, other: Any) -> jax.Array:
+        """A readable copy for a device operation with ``other``.
+
+        The copy on the devices of ``other`` when ``other`` is a concrete jax.Array
+        and one exists (so JAX sees one device set), else the lowest readable copy.
+        """
+        copies = [copy for _, copy in self._readable_copies("compute with")]
+        if isinstance(other, jax.Array) and not isinstance(other, jax.core.Tracer):
+            devices = other.sharding.device_set
+            for copy in copies:
+                if copy.sharding.device_set == devices:
+                    return copy
+        return copies[0]
+
+    def _operands(self, other: Any) -> tuple[jax.Array, Any]:
+        if isinstance(other, MpmdArray):
+            mine = dict(self._readable_copies("compute with"))
+            theirs = dict(other._readable_copies("compute with"))
+            common = [q for q in mine if q in theirs]
+            if common:
+                return mine[common[0]], theirs[common[0]]
+            # No mesh in common: the other operand crosses via the host.
+            return self._copy_near(None), np.asarray(other)
+        return self._copy_near(other), other
+
+    def __array__(
+        self, dtype: Any = None, context: Any = None, copy: bool | None = None
+    ) -> np.ndarray:
+        del context  # unused, as in jax.Array
+        return self._checked_copy("read").__array__(dtype=dtype, copy=copy)
+
+    def item(self, *args: Any) -> Any:
+        """The value as a Python scalar, like ``jax.Array.item``.
+
+        Args:
+          *args: optional index, as for ``numpy.ndarray.item``.
+
+        Returns:
+          A Python scalar.
+
+        Raises:
+          PlacementError: the copies disagree or none is readable here.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> MpmdArray({0: jnp.float32(0.5)}).item()
+          0.5
+        """
+        return self._checked_copy("read").item(*args)
+
+    def tolist(self) -> Any:
+        """The value as nested Python lists, like ``jax.Array.tolist``.
+
+        Returns:
+          A (nested) list of Python scalars, or a scalar for a 0-d array.
+
+        Raises:
+          PlacementError: the copies disagree or none is readable here.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> MpmdArray({0: jnp.arange(3)}).tolist()
+          [0, 1, 2]
+        """
+        return self._checked_copy("read").tolist()
+
+    def __bool__(self) -> bool:
+        return bool(self._checked_copy("read"))
+
+    def __int__(self) -> int:
+        return int(self._checked_copy("read"))
+
+    def __float__(self) -> float:
+        return float(self._checked_copy("read"))
+
+    def __complex__(self) -> complex:
+        return complex(self._checked_copy("read"))
+
+    def __index__(self) -> int:
+        return operator.index(self._checked_copy("read"))
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self._checked_copy("format"), format_spec)
+
+    def __str__(self) -> str:
+        if not any(_is_readable(a) for a in self._arrays.values()):
+            return repr(self)  # like a jax.Array held by other processes
+        return str(self._checked_copy("print"))
+
+    def __len__(self) -> int:
+        return len(self._copy_near(None))
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return iter(self._copy_near(None))
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        if isinstance(index, MpmdArray):
+            index = np.asarray(index)
+        return self._copy_near(None)[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise PlacementError(
+            f"{self!r} is read-only: its copies cannot be written in place "
+            f"(x[{'...' if index is Ellipsis else repr(index)}] = ...). "
+            "On a placed Variable, write a new value with variable.set_value(...) (the next "
+            "mp.jit step places it), or mp.gather(...) the state first to edit it as plain "
+            "arrays."
+        )
 
     def block_until_ready(self) -> MpmdArray:
         """Waits until every copy is computed.
@@ -256,3 +420,59 @@ class MpmdArray:
             f"MpmdArray(shape={self.shape}, dtype={self.dtype}, meshes={self._mesh_ids}, "
             f"spec={spec_text})"
         )
+
+
+def _is_readable(array: jax.Array) -> bool:
+    """Whether this process holds all of ``array`` (it can read its value)."""
+    return bool(array.is_fully_addressable)
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Copies hold one value: equal, or for floats equal up to rounding."""
+    if a.shape != b.shape:
+        return False
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        wide = np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64
+        return bool(
+            np.allclose(a.astype(wide), b.astype(wide), rtol=1e-5, atol=1e-8, equal_nan=True)
+        )
+    return bool(np.array_equal(a, b))
+
+
+def _preview(values: np.ndarray) -> str:
+    text = repr(values.tolist()) if values.size <= 6 else np.array2string(values, threshold=6)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _binary_operator(name: str) -> Callable[[MpmdArray, Any], Any]:
+    def method(self: MpmdArray, other: Any) -> Any:
+        mine, theirs = self._operands(other)
+        return getattr(mine, name)(theirs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``jax.Array.{name}`` on one copy; returns a ``jax.Array``."
+    return method
+
+
+def _unary_operator(name: str) -> Callable[[MpmdArray], Any]:
+    def method(self: MpmdArray) -> Any:
+        return getattr(self._copy_near(None), name)()
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``jax.Array.{name}`` on one copy; returns a ``jax.Array``."
+    return method
+
+
+_BINARY_OPERATORS = [
+    f"__{prefix}{op}__"
+    for op in (
+        "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow",
+        "lshift", "rshift", "and", "or", "xor",
+    )
+    for prefix in ("", "r")
+] + ["__lt__", "__le__", "__eq__", "__ne__", "__gt__", "__ge__"]  # fmt: skip
+for _name in _BINARY_OPERATORS:
+    setattr(MpmdArray, _name, _binary_operator(_name))
+for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
+    setattr(MpmdArray, _name, _unary_operator(_name))
+del _name
