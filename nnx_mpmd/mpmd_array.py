@@ -235,9 +235,9 @@ class MpmdArray:
             raise PlacementError(
                 f"cannot {what} {self!r}: this process holds no complete copy of it (its "
                 f"copies on meshes {self._mesh_ids} live on other processes' devices). "
-                "Bring it here first with nnx_mpmd.runtime.multi_process.gather(value, mesh) "
-                "(a collective: call it on every process), or read it on a process that "
-                "owns one of those meshes."
+                "Bring it here first with mp.gather(...) (mp.distributed.gather: in a "
+                "multi-process run a collective, so call it on every process with the same "
+                "tree), or read it on a process that owns one of those meshes."
             )
         return copies
 
