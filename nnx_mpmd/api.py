@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
-from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_args
+from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_step_args
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
@@ -269,7 +269,7 @@ class PipelinedFunction:
         self.last_memory: dict[str, Any] | None = None
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
-        flat = flatten_args(args)
+        flat = flatten_step_args(self.fn, args)
         key = self._key(flat)
         compiled = self._cached(key)
         if compiled is None:
@@ -282,7 +282,7 @@ class PipelinedFunction:
                     f"{type(self.schedule).__name__} cannot place this step's state on "
                     f"{self.mesh.num_meshes} meshes: {e}"
                 ) from None
-            flat = flatten_args(args)
+            flat = flatten_step_args(self.fn, args)
             key = self._key(flat)
             compiled = self._cached(key)
         if compiled is None:

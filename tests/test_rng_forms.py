@@ -214,16 +214,38 @@ def _step_global(model, opt, batch):
     return loss
 
 
-def test_rngs_that_is_no_argument_of_the_step_is_an_error_naming_it():
+def test_rngs_that_is_no_argument_of_the_step_draws_the_reference_keys():
+    """A module-level Rngs closed over by the loss: an implicit argument of the step."""
+    ref_model, ref_opt = _build(False)
     model, opt = _build(False)
-    step = mp.jit(_step_global, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
-    before = int(GLOBAL_RNGS.dropout.count.get_value())
-    with pytest.raises(
-        mp.CompileError,
-        match=r"GLOBAL_RNGS\.dropout\.count.* captured by the loss .*Pass the nnx.Rngs to the step",
-    ):
+    ref_rngs = nnx.Rngs(dropout=5, noise=6)
+    start = int(GLOBAL_RNGS.dropout.count.get_value())
+    step = mp.jit(_step_global, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=M)
+    for i in range(2):
+        if i == 0:  # the reference starts where the global is now
+            ref_rngs.dropout.count.set_value(jnp.uint32(start))
+        batch = _batch(i)
+        np.testing.assert_allclose(
+            float(step(model, opt, batch)),
+            float(_reference_step(ref_model, ref_opt, ref_rngs, batch)),
+            rtol=1e-5,
+        )
+    assert int(GLOBAL_RNGS.dropout.count.get_value()) == start + 32
+    assert step.num_compiled_steps == 1
+
+
+def test_unpipelined_value_and_grad_with_a_global_rngs_under_nnx_jit_is_an_error():
+    """nnx.jit cannot update an Rngs it does not receive; the error names the fix."""
+    model, opt = _build(False)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(_global_loss, num_microbatches=M)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    with pytest.raises(mp.CompileError, match=r"GLOBAL_RNGS\.dropout\.count.*as an argument"):
         step(model, opt, _batch(0))
-    assert int(GLOBAL_RNGS.dropout.count.get_value()) == before  # untouched
 
 
 def test_rngs_unused_by_the_loss_is_not_region_state():
@@ -341,19 +363,34 @@ def test_sow_inside_the_loss_is_an_error_naming_the_variable(pipelined):
         f(model, opt, _batch(0))
 
 
-def test_step_drawing_from_an_rngs_it_does_not_receive_is_an_error():
-    def step_fn(model, opt, batch):
-        noise = jax.random.normal(GLOBAL_RNGS.noise(), batch["x"].shape)  # not an argument
-        loss, grads = mp.value_and_grad(lambda m, b: _loss(m, b, None))(
-            model, {**batch, "x": batch["x"] + noise}
-        )
+def test_step_drawing_from_an_rngs_it_does_not_receive_advances_it():
+    def noisy(batch, rngs):
+        return {**batch, "x": batch["x"] + jax.random.normal(rngs.noise(), (16, WIDTH))}
+
+    def step_fn(model, opt, batch):  # draws from the global outside the region
+        loss_fn = lambda m, b: _loss(m, b, None)  # noqa: E731
+        loss, grads = mp.value_and_grad(loss_fn)(model, noisy(batch, GLOBAL_RNGS))
         opt.update(model, grads)
         return loss
 
-    model, opt = _build(False)
+    @nnx.jit
+    def reference(model, opt, rngs, batch):
+        loss_fn = lambda m, b: _loss(m, b, None)  # noqa: E731
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=M)(model, noisy(batch, rngs))
+        opt.update(model, grads)
+        return loss
+
+    (model, opt), (ref_model, ref_opt) = _build(False), _build(False)
     model.eval()
+    ref_model.eval()
+    start = int(GLOBAL_RNGS.noise.count.get_value())
+    ref_rngs = nnx.Rngs(noise=6)
+    ref_rngs.noise.count.set_value(jnp.uint32(start))
     step = mp.jit(step_fn, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
-    with pytest.raises(
-        mp.CompileError, match=r"does not receive as an argument.*pass the nnx.Rngs"
-    ):
-        step(model, opt, _batch(0))
+    for i in range(2):
+        np.testing.assert_allclose(
+            float(step(model, opt, _batch(i))),
+            float(reference(ref_model, ref_opt, ref_rngs, _batch(i))),
+            rtol=1e-5,
+        )
+    assert int(GLOBAL_RNGS.noise.count.get_value()) == start + 2

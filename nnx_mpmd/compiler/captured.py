@@ -32,7 +32,9 @@ __all__ = [
     "bound_variables",
     "captured_graph_nodes",
     "captured_variables",
+    "implicit_rng_nodes",
     "outer_trace_error",
+    "rng_variables",
 ]
 
 _MAX_DEPTH = 4
@@ -123,6 +125,41 @@ def captured_variables(
             known.add(id(variable))
             out.append(CapturedVariable(variable, ".".join([name, *map(str, path)])))
     return out
+
+
+def implicit_rng_nodes(fn: Callable[..., Any], known: Callable[[], set[int]]) -> list[Any]:
+    """The ``nnx.Rngs`` / ``nnx.RngStream`` objects ``fn`` reaches by name only.
+
+    A train step (or the loss function it calls) may draw from a module-level
+    ``nnx.Rngs`` it does not receive. `mp.jit` makes such objects implicit
+    arguments of the step: their state is placed, threaded through the step and
+    written back, as if passed explicitly.
+
+    Args:
+      fn: the train step.
+      known: returns the ids of the Variables the step receives through its
+        arguments (called only if ``fn`` reaches some RNG object at all).
+
+    Returns:
+      The nodes with RNG Variables not among ``known``, each Variable once.
+    """
+    candidates = [
+        node for _, node in captured_graph_nodes(fn) if isinstance(node, (nnx.Rngs, nnx.RngStream))
+    ]
+    if not candidates:
+        return []
+    nodes, seen = [], set(known())
+    for node in candidates:
+        fresh = [v for v in rng_variables(node) if id(v) not in seen]
+        if fresh:
+            nodes.append(node)
+            seen.update(id(v) for v in fresh)
+    return nodes
+
+
+def rng_variables(node: Any) -> list[nnx.Variable]:
+    """The RNG keys and counters of ``node``, in NNX's (path) order."""
+    return _variables(node, nnx.RngState)
 
 
 def _variables(node: Any, kind: Any) -> list[Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,8 @@ from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr,
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd import markers
+from nnx_mpmd._jax_compat import variables_bound_to_current_trace
+from nnx_mpmd.compiler.captured import implicit_rng_nodes, rng_variables
 from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
 from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
 from nnx_mpmd.compiler.region import region_tracing, trace_region
@@ -27,7 +29,7 @@ from nnx_mpmd.errors import CompileError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.partition import MpmdArray, leaf_mesh_ids
 
-__all__ = ["CompiledStep", "FlatArgs", "compile_step", "flatten_args"]
+__all__ = ["CompiledStep", "FlatArgs", "compile_step", "flatten_args", "flatten_step_args"]
 
 
 def is_graph_node(x: Any) -> bool:
@@ -52,6 +54,9 @@ class FlatArgs:
     # ``nnx.update``'s walk over the graph; None when some Variable does not hold
     # exactly one plain array (then ``nnx.update`` is used).
     variables: list[Any] | None = None
+    # How many of ``nodes`` (the last ones) are not arguments but ``nnx.Rngs`` the
+    # step reaches by name (see `captured.implicit_rng_nodes`).
+    num_implicit: int = 0
 
 
 def _one_leaf_variables(state: Any, state_leaves: list[Any]) -> list[Any] | None:
@@ -66,11 +71,12 @@ def _one_leaf_variables(state: Any, state_leaves: list[Any]) -> list[Any] | None
     return variables
 
 
-def flatten_args(args: tuple[Any, ...]) -> FlatArgs:
+def flatten_args(args: tuple[Any, ...], implicit: Sequence[Any] = ()) -> FlatArgs:
+    """Splits a step's arguments (and ``implicit`` NNX nodes) into state and other leaves."""
     leaves, tree = jax.tree.flatten(args, is_leaf=is_graph_node)
     node_positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
     other_positions = [i for i, x in enumerate(leaves) if not is_graph_node(x)]
-    nodes = tuple(leaves[i] for i in node_positions)
+    nodes = (*(leaves[i] for i in node_positions), *implicit)
     graphdef, state = nnx.split(nodes)
     state_leaves, state_tree = jax.tree.flatten(state)
     return FlatArgs(
@@ -84,7 +90,42 @@ def flatten_args(args: tuple[Any, ...]) -> FlatArgs:
         [leaves[i] for i in other_positions],
         leaves,
         _one_leaf_variables(state, state_leaves),
+        len(implicit),
     )
+
+
+def flatten_step_args(fn: Callable[..., Any], args: tuple[Any, ...]) -> FlatArgs:
+    """`flatten_args`, plus the ``nnx.Rngs`` that ``fn`` reaches without receiving them."""
+    flat = flatten_args(args)
+    implicit = implicit_rng_nodes(fn, lambda: _variable_ids(flat))
+    return flatten_args(args, implicit) if implicit else flat
+
+
+def _variable_ids(flat: FlatArgs) -> set[int]:
+    if flat.variables is not None:
+        return {id(v) for v in flat.variables}
+    return {id(v) for _, v in nnx.to_flat_state(nnx.state(flat.nodes))}
+
+
+@contextlib.contextmanager
+def _implicit_rngs_bound(flat: FlatArgs, copies: tuple[Any, ...]) -> Iterator[None]:
+    """Lets ``fn`` draw from the implicit ``nnx.Rngs`` (the user's own objects).
+
+    The step's code reaches those objects by name, not through the merged copies
+    the trace made, so the originals hold the copies' traced values for the
+    duration of the trace; their new values then go into the copies, from which
+    the step's new state is read.
+    """
+    if not flat.num_implicit:
+        yield
+        return
+    originals = [v for n in flat.nodes[-flat.num_implicit :] for v in rng_variables(n)]
+    traced = [v for n in copies[-flat.num_implicit :] for v in rng_variables(n)]
+    with variables_bound_to_current_trace(originals, [v.get_raw_value() for v in traced]):
+        yield
+        new_values = [v.get_raw_value() for v in originals]
+    for variable, value in zip(traced, new_values, strict=True):
+        variable.set_raw_value(value)
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -158,7 +199,8 @@ def compile_step(
             leaves[pos] = node
         for pos, leaf in zip(flat.other_positions, other_leaves):
             leaves[pos] = leaf
-        out = fn(*jax.tree.unflatten(flat.args_tree, leaves))
+        with _implicit_rngs_bound(flat, nodes):
+            out = fn(*jax.tree.unflatten(flat.args_tree, leaves))
         _, new_state = nnx.split(nodes)
         new_leaves, new_tree = jax.tree.flatten(new_state)
         if new_tree != flat.state_tree:
@@ -186,9 +228,10 @@ def compile_step(
                 leaves[pos] = leaf
             return fn(*jax.tree.unflatten(flat.args_tree, leaves))
 
-        stacked = trace_region(
-            forward, nodes, list(other_leaves), has_aux=False, wrt=nnx.Nothing, with_grad=False
-        )
+        with _implicit_rngs_bound(flat, nodes):
+            stacked = trace_region(
+                forward, nodes, list(other_leaves), has_aux=False, wrt=nnx.Nothing, with_grad=False
+            )
         out = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])) if x.ndim >= 2 else x, stacked)
         out_leaves, out_tree = jax.tree.flatten(out)
         out_tree_box.append(out_tree)
