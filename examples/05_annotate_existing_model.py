@@ -79,10 +79,10 @@ def main() -> None:
 
     model = mp.assign_stages(make_model(), STAGE_OF_PATH)
     print(mp.annotate.stage_summary(model))
-    try:
-        mp.assign_stages(make_model(), {"decoder.*": 0})
+    try:  # an off-by-one path: Sequential has layers.0 to layers.7
+        mp.assign_stages(make_model(), {"layers.8": 3})
     except mp.PartitionError as error:
-        print(f"a pattern that matches nothing is reported:\n  {error}")
+        print(f"a path that does not exist is reported with the paths next to it:\n  {error}")
 
     mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

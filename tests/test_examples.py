@@ -42,3 +42,28 @@ def test_example_runs(script, flags, expected, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert expected in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_annotate_example_shows_the_paths_next_to_a_wrong_one(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "05_annotate_existing_model.py"), "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[:6] == [
+        "stage  params  bytes  paths",
+        "0        2528  10112  layers.0-2",
+        "1        1120   4480  layers.3",
+        "2        2240   8960  layers.4-5",
+        "3        1153   4612  layers.6-7",
+        "total    7041  28164",
+    ]
+    assert "pattern 'layers.8' matches no path of Sequential" in proc.stdout
+    assert "Paths under 'layers': layers.0, layers.1," in proc.stdout
+    assert proc.stderr == "", proc.stderr
