@@ -223,6 +223,8 @@ def config_from_args(argv: list[str]) -> TrainConfig:
         )
     if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
         raise MpmdError(f"--stop-at={cfg.stop_at} must lie in [1, --steps={cfg.steps}].")
+    if not 0 < cfg.lr < float("inf"):
+        raise MpmdError(f"--lr={cfg.lr} must be a number > 0, e.g. 3e-3.")
     if cfg.layers is not None and cfg.layers < 1:
         raise MpmdError(f"--layers={cfg.layers} must be >= 1.")
     if cfg.seq_len is not None and cfg.seq_len < 1:

@@ -90,6 +90,8 @@ BAD_INPUTS = [
     (["--batch-size", "10", "--microbatches", "4"], r"--batch-size=10 is not divisible"),
     (["--batch-size", "8", "--microbatches", "4", "--data", "4"], r"does not split over"),
     (["--steps", "0"], r"--steps=0 must be >= 1"),
+    (["--lr", "-1"], r"--lr=-1.0 must be a number > 0"),
+    (["--lr", "nan"], r"--lr=nan must be a number > 0"),
     (["--stop-at", "9", "--steps", "4"], r"--stop-at=9 must lie in"),
     (["--seq-len", "500"], r"--seq-len=500 must lie in \[1, 64\]"),
     (["--schedule", "interleaved", "--layers", "4"], r"--layers 4 is too few.*add --layers 8"),
