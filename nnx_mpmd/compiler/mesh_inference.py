@@ -341,13 +341,65 @@ def plan_outer(
     return OuterPlan(instructions, output_slots, input_slots, report, programs)
 
 
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def constrain_to(x: Any, sharding: Any) -> Any:
+    """``x`` with ``sharding`` inside a traced program, on Explicit and Auto axes.
+
+    Explicit axes are part of the value's type, so they are set with
+    ``jax.sharding.reshard``; Auto axes take a ``with_sharding_constraint``
+    (which JAX allows only on Auto axes). A spec over both kinds does both.
+
+    Args:
+      x: a traced value.
+      sharding: a ``NamedSharding`` on one submesh.
+
+    Returns:
+      ``x`` resharded / constrained to ``sharding``.
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+      ...                      devices=jax.devices()[:2])
+      >>> x = jax.device_put(jax.numpy.ones(4), NamedSharding(mesh, P()))
+      >>> f = jax.jit(lambda x: constrain_to(x * 2, NamedSharding(mesh, P("data"))))
+      >>> f(x).sharding.spec
+      P('data',)
+    """
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    mesh, spec = sharding.mesh, sharding.spec
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = {name for name, kind in types.items() if kind == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def keep(names: set[str]) -> Any:
+        entries = []
+        for entry in spec:
+            kept = tuple(a for a in _spec_axes(entry) if a in names)
+            entries.append(kept[0] if len(kept) == 1 else (kept or None))
+        return jax.sharding.PartitionSpec(*entries)
+
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, keep(explicit)))
+    auto = set(types) - explicit
+    if any(a in auto for entry in spec for a in _spec_axes(entry)):
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, keep(auto)))
+    return x
+
+
 def _group_function(sub: Any, shardings: list[Any], submesh: Any) -> Any:
     constrained = [i for i, s in enumerate(shardings) if s is not None]
 
     def run(*args: Any) -> tuple[Any, ...]:
         outs = list(sub(*args))
         for i in constrained:
-            outs[i] = jax.lax.with_sharding_constraint(outs[i], shardings[i])
+            outs[i] = constrain_to(outs[i], shardings[i])
         return tuple(outs)
 
     if submesh is not None:  # no inputs: pin the outputs to the mesh

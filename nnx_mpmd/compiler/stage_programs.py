@@ -6,22 +6,127 @@ pytree that crosses the ``jit`` boundary). The backward task feeds the
 residuals the output cotangents and adds the parameter gradient into a donated
 accumulator. On the last stage, a forward directly followed by its backward
 fuses into one program that keeps no residuals.
+
+Stage code is traced against the submeshes' abstract mesh (`submesh_tracing`):
+every submesh has the same axis names, sizes and axis types (Explicit or Auto,
+as the user's mesh has them, without the mpmd axis), so ``jax.sharding.reshard``,
+``out_sharding=`` and ``with_sharding_constraint`` inside a stage resolve a
+``PartitionSpec`` against the submesh a stage program then runs on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 
 from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.compiler.split_backward import run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
+from nnx_mpmd.errors import MeshError
+from nnx_mpmd.mesh import MpmdMesh
 
-__all__ = ["StageFunctions", "mean_dtype"]
+__all__ = ["StageFunctions", "check_mesh_context", "mean_dtype", "submesh_tracing"]
+
+
+def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
+    """Raises if a JAX mesh context would conflict with the stage programs.
+
+    Each stage program runs on its own submesh, so no single concrete mesh can
+    be the context of a pipelined step: ``jax.set_mesh(...)`` around the call
+    would pin every program to that mesh's devices. An abstract-mesh context
+    equal to the submeshes' (``jax.sharding.use_abstract_mesh``) is allowed.
+
+    Args:
+      mesh: the step's `MpmdMesh`, or its submeshes.
+
+    Raises:
+      MeshError: a concrete mesh is set, or the abstract mesh differs from the
+        submeshes'.
+
+    Example:
+      >>> import jax
+      >>> from nnx_mpmd.mesh import MpmdMesh
+      >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+      >>> check_mesh_context(mesh)  # no mesh context: fine
+    """
+    concrete = jax.sharding.get_mesh()
+    abstract = jax.sharding.get_abstract_mesh()
+    submeshes = mesh.submeshes if isinstance(mesh, MpmdMesh) else mesh
+    expected = submeshes[0].abstract_mesh
+    if concrete.empty and (abstract.empty or abstract == expected):
+        return
+    current = abstract if concrete.empty else concrete.abstract_mesh
+    raise MeshError(
+        f"a pipelined step was called under the mesh context {current} (jax.set_mesh or "
+        f"jax.sharding.use_abstract_mesh), but its stages run on {len(submeshes)} submeshes "
+        f"whose abstract mesh is {expected}. mp.jit gives each stage its submesh itself: "
+        "call the step outside the `with jax.set_mesh(...)` block (build the model under it "
+        "if its parameters need eager sharding)."
+    )
+
+
+def _names_mpmd_axis(error: Exception, mpmd_axis: str) -> bool:
+    text = str(error)
+    axis = re.escape(mpmd_axis)
+    return bool(
+        re.search(rf"Resource axis: {axis} of ", text)
+        or re.search(rf"AbstractMesh\(.*'{axis}': \d", text)
+        or re.search(rf"Mesh\(.*'{axis}': \d", text)
+    )
+
+
+@contextlib.contextmanager
+def submesh_tracing(mesh: MpmdMesh) -> Iterator[None]:
+    """Traces step code (the pipelined region and the code around it) on the submeshes.
+
+    Inside, ``jax.sharding.get_abstract_mesh()`` is the submeshes' abstract mesh
+    (the user's axes and axis types without the mpmd axis), so a
+    ``PartitionSpec`` given to ``reshard``, ``out_sharding=`` or
+    ``with_sharding_constraint`` names submesh axes, as in a ``jax.jit`` step
+    under ``jax.set_mesh(submesh)``.
+
+    Args:
+      mesh: the step's `MpmdMesh`.
+
+    Yields:
+      Nothing; trace the step inside the block.
+
+    Raises:
+      MeshError: a conflicting mesh context is active (see `check_mesh_context`),
+        or the traced code shards over the mpmd axis (or a sharding of the
+        whole MpmdMesh), which does not exist inside a stage.
+
+    Example:
+      >>> import jax
+      >>> from nnx_mpmd.mesh import MpmdMesh
+      >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
+      >>> with submesh_tracing(mesh):
+      ...     print(jax.sharding.get_abstract_mesh().axis_names)
+      ('data',)
+    """
+    check_mesh_context(mesh)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.submesh(0).abstract_mesh):
+            yield
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        if not _names_mpmd_axis(e, mesh.mpmd_axis):
+            raise
+        raise MeshError(
+            f"code inside the pipelined step shards over the mpmd axis {mesh.mpmd_axis!r} "
+            f"(reshard, out_sharding=, with_sharding_constraint or a NamedSharding of the "
+            f"whole mesh): {e}. That axis enumerates the pipeline submeshes and does not "
+            f"exist inside a stage, whose mesh has the axes {mesh.axis_names}. Name only "
+            "those axes (a PartitionSpec resolves against the stage's submesh); activations "
+            "move between stages by the schedule, not by resharding."
+        ) from e
 
 
 def mean_dtype(dtype: Any) -> Any:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
+from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.partition import MpmdArray
 
@@ -271,12 +272,18 @@ def execute(
       One value per output (user outputs, then new state leaves): a jax.Array
       when it lives on one mesh, an `MpmdArray` when on several.
 
+    Raises:
+      MeshError: the call is under a ``jax.set_mesh`` context (each program runs
+        on its own submesh; see `check_mesh_context`).
+
     Example:
       >>> # Called by `nnx_mpmd.jit` steps: ``step(*args, memory=True)`` fills
       >>> # ``step.last_memory`` through a `MemoryRecorder` passed here.
       >>> callable(execute)
       True
     """
+    if submeshes:
+        check_mesh_context(submeshes)
     if shardings is None and getattr(step, "_executor_plan", None) is None:
         shardings = _Shardings(submeshes)
     shardings, plan = _plan_for(step, shardings)
