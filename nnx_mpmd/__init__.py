@@ -4,6 +4,8 @@ Wrap layers of an NNX model in `Stage`, compile an ordinary NNX train step with
 `jit`, pick a schedule, and each stage runs on its own submesh.
 """
 
+from importlib import metadata as _metadata
+
 from nnx_mpmd import annotate as annotate
 from nnx_mpmd import checkpoint as checkpoint
 from nnx_mpmd import distributed as distributed
@@ -40,7 +42,10 @@ from nnx_mpmd.schedules import Task as Task
 from nnx_mpmd.schedules import ZeroBubbleH1 as ZeroBubbleH1
 from nnx_mpmd.schedules import ZeroBubbleV as ZeroBubbleV
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version, so it cannot drift from pyproject.toml
+    __version__ = _metadata.version("nnx-mpmd")
+except _metadata.PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",

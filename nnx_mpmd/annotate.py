@@ -641,11 +641,26 @@ def _nearby_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]
         for name in difflib.get_close_matches(pattern, list(nodes), n=5, cutoff=0.6)
         if name not in children and name != prefix
     ]
-    text = ", ".join(children[:20]) + (", ..." if len(children) > 20 else "")
+    text = ", ".join(children[:20]) + (
+        f" and {len(children) - 20} more" if len(children) > 20 else ""
+    )
     where = f"under {prefix!r}" if prefix else "at the top level"
     if similar:
         text += f"{'; ' if text else ''}similar paths: {', '.join(similar)}"
     return f"Paths {where}: {text}" if text else f"Nothing is {where}"
+
+
+def _module_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]) -> str:
+    """Every module path, for a pattern none of whose prefixes exists (else empty)."""
+    parts = pattern.split(".")
+    if any(".".join(parts[:i]) in nodes for i in range(1, len(parts))):
+        return ""  # the paths under that prefix were listed already
+    modules = sorted(
+        (n for n, (_, node) in nodes.items() if n and isinstance(node, nnx.Module)),
+        key=lambda n: len(nodes[n][0]),
+    )
+    more = f" and {len(modules) - 15} more" if len(modules) > 15 else ""
+    return f" Module paths: {', '.join(modules[:15])}{more}."
 
 
 def _plan_assignment(
@@ -714,16 +729,11 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
             )
         names = _matches(str(pattern), nodes)
         if not names:
-            modules = sorted(
-                (n for n, (_, node) in nodes.items() if isinstance(node, nnx.Module)),
-                key=lambda n: len(nodes[n][0]),
-            )
-            shown = ", ".join(modules[:15]) + (", ..." if len(modules) > 15 else "")
             raise PartitionError(
                 f"assign_stages: pattern {pattern!r} matches no path of "
-                f"{type(model).__name__}. {_nearby_paths(str(pattern), nodes)}. Available "
-                f"module paths: {shown}. Use an exact path, a glob such as 'blocks.*', or a "
-                "regular expression."
+                f"{type(model).__name__}. {_nearby_paths(str(pattern), nodes)}."
+                f"{_module_paths(str(pattern), nodes)} Use an exact path, a glob such as "
+                "'blocks.*', or a regular expression."
             )
         for name in names:
             if name in chosen and chosen[name][0] != stage:

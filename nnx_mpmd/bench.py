@@ -701,7 +701,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
       'tiny,small'
     """
     d = BenchSettings()
-    parser = argparse.ArgumentParser(prog="nnx-mpmd bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="nnx-mpmd bench",
+        description="Pipelined steps side by side with the SPMD baselines.",
+    )
     parser.add_argument("--presets", default=",".join(d.presets), help="GPT presets")
     parser.add_argument("--schedules", default=",".join(d.schedules), help="schedule names")
     parser.add_argument("--num-meshes", type=int, default=d.num_meshes, help="pipeline meshes")
