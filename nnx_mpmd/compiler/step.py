@@ -23,7 +23,7 @@ from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
 from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
 from nnx_mpmd.compiler.region import region_tracing, trace_region
 from nnx_mpmd.compiler.region_plan import build_region_program
-from nnx_mpmd.compiler.stage_programs import StageFunctions
+from nnx_mpmd.compiler.stage_programs import StageFunctions, submesh_tracing
 from nnx_mpmd.compiler.stages import StagePlan, cut_stages
 from nnx_mpmd.errors import CompileError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
@@ -242,6 +242,7 @@ def compile_step(
     traced: list[list[Any]] = []
     try:
         with (
+            submesh_tracing(mesh),
             _outer_state_explained(),
             region_tracing(num_microbatches) as regions,
             markers.outer_tracing(),
@@ -251,7 +252,11 @@ def compile_step(
     except markers.StageOutsideRegionError:
         if traced and traced[0]:
             raise  # stages called both inside and outside the region
-        with _outer_state_explained(), region_tracing(num_microbatches) as regions:
+        with (
+            submesh_tracing(mesh),
+            _outer_state_explained(),
+            region_tracing(num_microbatches) as regions,
+        ):
             closed = jax.make_jaxpr(pure_inference)(*avals)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
