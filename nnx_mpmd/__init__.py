@@ -20,6 +20,7 @@ from nnx_mpmd.api import PipelinedFunction as PipelinedFunction
 from nnx_mpmd.api import jit as jit
 from nnx_mpmd.api import value_and_grad as value_and_grad
 from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
+from nnx_mpmd.distributed import gather as gather
 from nnx_mpmd.errors import CheckpointError as CheckpointError
 from nnx_mpmd.errors import CompileError as CompileError
 from nnx_mpmd.errors import DistributedError as DistributedError
@@ -30,7 +31,6 @@ from nnx_mpmd.errors import PlacementError as PlacementError
 from nnx_mpmd.errors import ScheduleError as ScheduleError
 from nnx_mpmd.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.mpmd_array import MpmdArray as MpmdArray
-from nnx_mpmd.partition import gather as gather
 from nnx_mpmd.partition import place as place
 from nnx_mpmd.schedules import Custom as Custom
 from nnx_mpmd.schedules import DualPipeV as DualPipeV

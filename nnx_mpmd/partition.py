@@ -673,10 +673,6 @@ def gather(tree: Any) -> Any:
       >>> gather({"x": x})["x"].devices() == {jax.devices()[0]}
       True
     """
-    if jax.process_count() > 1:  # a collective: every process calls it
-        from nnx_mpmd.distributed import gather as gather_across_processes
-
-        return gather_across_processes(tree)
     device = _default_device()
 
     def convert(x: Any) -> Any:

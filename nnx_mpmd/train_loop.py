@@ -23,11 +23,11 @@ from flax import nnx
 from nnx_mpmd.api import jit, value_and_grad
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
-from nnx_mpmd.partition import gather
 from nnx_mpmd.sampling import generate_text
 from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
