@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from nnx_mpmd.bench import main
+from nnx_mpmd.apps.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus
+from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus
 from nnx_mpmd.models import build_model, lm_loss
 
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd import bench
+from nnx_mpmd.apps import bench
 from nnx_mpmd.models import build_model, lm_loss
 from nnx_mpmd.runtime.executor import MemoryRecorder
 

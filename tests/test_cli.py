@@ -17,7 +17,7 @@ from importlib import metadata
 import pytest
 
 import nnx_mpmd
-from nnx_mpmd import cli
+from nnx_mpmd.apps import cli
 from nnx_mpmd.schedules import cli as schedule_cli
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, time_axis_label
 from nnx_mpmd.schedules.registry import SCHEDULES
@@ -37,7 +37,7 @@ TINY = [
 # plain `pip install nnx-mpmd` without the plots extra.
 WITHOUT_MATPLOTLIB = (
     "import sys; sys.modules['matplotlib'] = None; "
-    "from nnx_mpmd.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    "from nnx_mpmd.apps.cli import main; raise SystemExit(main(sys.argv[1:]))"
 )
 
 
@@ -226,7 +226,7 @@ def test_schedule_bad_numbers_name_the_flag_typed(flag, value, message, capsys):
     [("--meshes", "0"), ("--layers", "0"), ("--seq-len", "0"), ("--stages", "0")],
 )
 def test_train_bad_numbers_name_the_flag_typed(flag, value, tmp_path, capsys):
-    from nnx_mpmd import train
+    from nnx_mpmd.apps import train
 
     assert train.main([flag, value, "--run-dir", str(tmp_path)]) == 2
     assert f"{flag}={value} must be >= 1" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.errors import MpmdError
 
 

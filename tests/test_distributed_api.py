@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd import distributed, launch
+from nnx_mpmd import distributed
+from nnx_mpmd.apps import launch
 from nnx_mpmd.runtime import multi_process
 
 MOVED = {

@@ -1,4 +1,4 @@
-"""Text generation with `nnx_mpmd.sampling` on the tiny zoo models."""
+"""Text generation with `nnx_mpmd.apps.sampling` on the tiny zoo models."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,10 +6,10 @@ import optax
 import pytest
 from flax import nnx
 
-from nnx_mpmd.data import CharTokenizer
+from nnx_mpmd.apps.data import CharTokenizer
+from nnx_mpmd.apps.sampling import generate, generate_text
 from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.models import build_model, lm_loss
-from nnx_mpmd.sampling import generate, generate_text
 
 
 @pytest.fixture(scope="module")

@@ -305,7 +305,7 @@ def test_cli_prints_grid_bubble_and_peaks(capsys):
 
 
 def test_cli_top_level_dispatch(capsys):
-    from nnx_mpmd import cli
+    from nnx_mpmd.apps import cli
 
     assert cli.main(["schedule", "--schedule", "gpipe", "--meshes", "2"]) == 0
     assert "peak activations per mesh: 8 8" in capsys.readouterr().out

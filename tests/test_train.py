@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from nnx_mpmd import cli, train
+from nnx_mpmd.apps import cli, train
 
 # A run small enough to compile and train in seconds: 2 stages on 2 meshes.
 TINY = [
@@ -161,7 +161,7 @@ def test_resume_accepts_changed_settings_when_asked_and_logs_every_change(
 def _train_in_process(argv: list[str], run_dir) -> tuple[list[float], list[np.ndarray]]:
     from flax import nnx
 
-    from nnx_mpmd.train_loop import Trainer
+    from nnx_mpmd.apps.train_loop import Trainer
 
     trainer = Trainer(train.config_from_args([*argv, "--run-dir", str(run_dir)]), run_dir)
     trainer.train()

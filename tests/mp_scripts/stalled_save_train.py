@@ -21,7 +21,7 @@ import time
 
 from orbax.checkpoint import JsonCheckpointHandler
 
-from nnx_mpmd import train
+from nnx_mpmd.apps import train
 
 STALL_STEP = os.environ["NNX_MPMD_TEST_STALL_SAVE_STEP"]
 MARKER = os.environ["NNX_MPMD_TEST_STALL_MARKER"]

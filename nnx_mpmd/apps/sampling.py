@@ -156,7 +156,7 @@ def generate_text(
 
     Example:
       >>> from flax import nnx
-      >>> from nnx_mpmd.data import CharTokenizer
+      >>> from nnx_mpmd.apps.data import CharTokenizer
       >>> from nnx_mpmd.models import build_model
       >>> tok = CharTokenizer.from_text("abc")
       >>> model = build_model("llama", "tiny", num_stages=1, rngs=nnx.Rngs(0), vocab_size=3)

@@ -15,7 +15,7 @@ timed in interleaved rounds (a, b, c, a, b, c, ...) so that load from other
 processes hits every variant alike.
 
 Example:
-    >>> from nnx_mpmd.bench import parse_args
+    >>> from nnx_mpmd.apps.bench import parse_args
     >>> parse_args(["--presets", "tiny", "--rounds", "2"]).rounds
     2
 """

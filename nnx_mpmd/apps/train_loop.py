@@ -1,9 +1,9 @@
 """The training loop behind ``nnx-mpmd train``: set-up, steps, checkpoints, outputs.
 
 `Trainer` builds the data, the model, the optimizer, the `MpmdMesh` and the
-pipelined step from a `nnx_mpmd.train.TrainConfig`, resumes from a checkpoint
+pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a checkpoint
 if asked, runs the steps under a rich progress bar and writes the run
-directory. `nnx_mpmd.train` imports this module only after it has set the
+directory. `nnx_mpmd.apps.train` imports this module only after it has set the
 simulated CPU device count, since importing it starts JAX.
 """
 
@@ -21,14 +21,14 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.api import jit, value_and_grad
+from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.checkpoint import CheckpointManager
-from nnx_mpmd.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
-from nnx_mpmd.sampling import generate_text
 from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
 from nnx_mpmd.schedules.simulate import Timeline
@@ -194,7 +194,7 @@ class Trainer:
     """Builds everything for one ``nnx-mpmd train`` run and runs it.
 
     Args:
-      cfg: the parsed options (`nnx_mpmd.train.TrainConfig`).
+      cfg: the parsed options (`nnx_mpmd.apps.train.TrainConfig`).
       run_dir: the output directory.
 
     Raises:
@@ -203,7 +203,7 @@ class Trainer:
 
     Example:
       >>> import tempfile
-      >>> from nnx_mpmd.train import config_from_args
+      >>> from nnx_mpmd.apps.train import config_from_args
       >>> cfg = config_from_args(["--meshes", "1", "--data", "1", "--steps", "1",
       ...     "--batch-size", "4", "--microbatches", "2", "--corpus-bytes", "20000"])
       >>> Trainer(cfg, pathlib.Path(tempfile.mkdtemp())).num_stages

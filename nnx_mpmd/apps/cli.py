@@ -13,10 +13,10 @@ __all__ = ["main", "version"]
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("nnx_mpmd.train", "train a model-zoo language model with a pipeline schedule"),
+    "train": ("nnx_mpmd.apps.train", "train a model-zoo language model with a pipeline schedule"),
     "schedule": ("nnx_mpmd.schedules.cli", "print, simulate and draw a pipeline schedule"),
-    "bench": ("nnx_mpmd.bench", "benchmark pipelined steps against SPMD baselines"),
-    "launch": ("nnx_mpmd.launch", "start N local processes under jax.distributed"),
+    "bench": ("nnx_mpmd.apps.bench", "benchmark pipelined steps against SPMD baselines"),
+    "launch": ("nnx_mpmd.apps.launch", "start N local processes under jax.distributed"),
 }
 
 

@@ -2,7 +2,7 @@
 
 The defaults need no download and finish in a few minutes on a 2-core CPU: a
 character-level GPT ``tiny`` learns the Python standard library's own source
-(`nnx_mpmd.data`) on 8 simulated CPU devices split as 4 pipeline meshes × 2
+(`nnx_mpmd.apps.data`) on 8 simulated CPU devices split as 4 pipeline meshes × 2
 data-parallel devices, with the 1F1B schedule. The job writes into its run
 directory:
 
@@ -354,7 +354,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       nnx_mpmd.errors.ScheduleError: unknown schedule 'zigzag'; ...
     """
     run_dir = resolve_run_dir(cfg)
-    from nnx_mpmd.train_loop import Trainer
+    from nnx_mpmd.apps.train_loop import Trainer
 
     return Trainer(cfg, run_dir).train()
 
