@@ -13,7 +13,15 @@ from typing import Any
 from flax import nnx
 from flax.nnx import tracers as nnx_tracers
 
-__all__ = ["variable_belongs_to_current_trace", "variables_bound_to_current_trace"]
+__all__ = [
+    "DIFFERENTIATION_FRAMES",
+    "cluster_environment_present",
+    "convert_constvars_jaxpr",
+    "coordination_state",
+    "dce_jaxpr",
+    "variable_belongs_to_current_trace",
+    "variables_bound_to_current_trace",
+]
 
 
 def variable_belongs_to_current_trace(variable: nnx.Variable) -> bool:
@@ -58,3 +66,62 @@ def _restore(variables: Sequence[nnx.Variable], saved: list[tuple[Any, Any]]) ->
     for variable, (value, trace_state) in zip(variables, saved):
         object.__setattr__(variable, "_trace_state", trace_state)
         object.__setattr__(variable, "_raw_value", value)
+
+
+def convert_constvars_jaxpr(jaxpr: Any) -> Any:
+    """A jaxpr whose constants are leading input variables instead.
+
+    Relies on: ``jax._src.interpreters.partial_eval.convert_constvars_jaxpr``.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.convert_constvars_jaxpr(jaxpr)
+
+
+def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool | list[bool] = False) -> Any:
+    """Dead-code elimination: ``(jaxpr, used_inputs)`` keeping ``used_outputs``.
+
+    ``instantiate=True`` keeps every input variable (the jaxpr's signature).
+
+    Relies on: ``jax._src.interpreters.partial_eval.dce_jaxpr``.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
+
+
+def coordination_state() -> tuple[Any, Any]:
+    """``(client, coordinator_address)`` of ``jax.distributed``; ``(None, None)`` if off.
+
+    Relies on: ``jax._src.distributed.global_state`` (the client is not public).
+    """
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return None, None
+    return state.client, state.coordinator_address
+
+
+def cluster_environment_present() -> bool:
+    """Whether one of jax's cluster environments (SLURM, MPI, TPU pod, ...) is detected.
+
+    Relies on: ``jax._src.clusters.ClusterEnv._cluster_types``.
+    """
+    from jax._src.clusters import ClusterEnv
+
+    return any(env.is_env_present() for env in ClusterEnv._cluster_types)
+
+
+# Where JAX implements the differentiation transforms a user may wrap around Stage
+# calls: (module, function) -> the public name. Only used to name the transform in
+# an error message. Relies on: function names in ``jax._src.api``.
+DIFFERENTIATION_FRAMES = {
+    ("jax._src.api", "grad_f"): "jax.grad",
+    ("jax._src.api", "grad_f_aux"): "jax.grad",
+    ("jax._src.api", "value_and_grad_f"): "jax.value_and_grad",
+    ("jax._src.api", "vjp"): "jax.vjp",
+    ("jax._src.api", "jvp"): "jax.jvp",
+    ("jax._src.api", "linearize"): "jax.linearize",
+    ("jax._src.api", "jacfun"): "jax.jacfwd/jax.jacrev",
+}

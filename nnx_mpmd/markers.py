@@ -22,6 +22,7 @@ from flax.nnx import graph as nnx_graph
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from nnx_mpmd._jax_compat import DIFFERENTIATION_FRAMES
 from nnx_mpmd.errors import CompileError, PartitionError
 
 __all__ = [
@@ -63,18 +64,6 @@ def _marker_abstract_eval(*avals: Any, info: StageMarkerInfo) -> tuple[Any, ...]
     return tuple(avals)
 
 
-# Where JAX and Flax implement the differentiation transforms a user may wrap around
-# Stage calls: (module, function) -> the public name. Only used to name the
-# transform in an error message; an unknown frame falls back to a generic name.
-_TRANSFORM_FRAMES = {
-    ("jax._src.api", "grad_f"): "jax.grad",
-    ("jax._src.api", "grad_f_aux"): "jax.grad",
-    ("jax._src.api", "value_and_grad_f"): "jax.value_and_grad",
-    ("jax._src.api", "vjp"): "jax.vjp",
-    ("jax._src.api", "jvp"): "jax.jvp",
-    ("jax._src.api", "linearize"): "jax.linearize",
-    ("jax._src.api", "jacfun"): "jax.jacfwd/jax.jacrev",
-}
 _LIBRARY_PREFIXES = ("jax.", "jaxlib.", "flax.", "optax.", "nnx_mpmd.", "contextlib")
 
 
@@ -91,7 +80,7 @@ def _differentiation_site() -> tuple[str, str]:
         while frame is not None:
             module = str(frame.f_globals.get("__name__", ""))
             name = frame.f_code.co_name
-            found = _TRANSFORM_FRAMES.get((module, name))
+            found = DIFFERENTIATION_FRAMES.get((module, name))
             if module == "flax.nnx.transforms.autodiff" and name in (
                 "grad_wrapper",
                 "tree_grad_wrapper",

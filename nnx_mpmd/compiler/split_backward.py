@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from nnx_mpmd._jax_compat import convert_constvars_jaxpr
 from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram
 
 __all__ = ["BackwardSplit", "split_backward"]
@@ -70,11 +71,9 @@ def split_backward(vjp_fn: Any, seed_avals: list[Any], num_params: int) -> Backw
         grads, ct_x = fn(tuple(leaves[num_res:]))
         return [*grads, *ct_x]
 
-    from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr
-
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in residual_leaves] + list(seed_avals)
     closed = jax.make_jaxpr(run)(*avals)
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     consts = list(closed.consts)
     num_direct = len(consts) + num_res  # consts and residual leaves
     grads_out = jaxpr.outvars[:num_params]

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_mpmd import _jax_compat
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.step import CompiledStep
@@ -229,12 +230,7 @@ def coordination_state() -> tuple[Any, str | None]:
       >>> coordination_state()  # a single-process test run
       (None, None)
     """
-    from jax._src import distributed  # the client is not exposed publicly
-
-    state = distributed.global_state
-    if state.client is None:
-        return None, None
-    return state.client, state.coordinator_address
+    return _jax_compat.coordination_state()
 
 
 def cluster_detected() -> bool:
@@ -248,11 +244,9 @@ def cluster_detected() -> bool:
       >>> isinstance(cluster_detected(), bool)
       True
     """
-    from jax._src.clusters import ClusterEnv
-
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         return True
-    return any(env.is_env_present() for env in ClusterEnv._cluster_types)
+    return _jax_compat.cluster_environment_present()
 
 
 def mesh_owners(mesh: MpmdMesh) -> list[int]:

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_mpmd._jax_compat import coordination_state
 from nnx_mpmd.errors import DistributedError
 
 __all__ = [
@@ -82,9 +83,7 @@ def distributed_client() -> Any:
       ...     print("initialize" in str(e))
       True
     """
-    from jax._src import distributed  # the client is not exposed publicly
-
-    client = distributed.global_state.client
+    client, _ = coordination_state()
     if client is None:
         raise DistributedError(
             "this process is not part of a jax.distributed run (no coordination client); call "
@@ -407,13 +406,9 @@ def get_transport() -> Transport:
     """
     global _TRANSPORT
     if _TRANSPORT is None:
-        from jax._src import distributed
-
         client = distributed_client()
+        _, coordinator_address = coordination_state()
         _TRANSPORT = Transport(
-            client,
-            jax.process_index(),
-            jax.process_count(),
-            distributed.global_state.coordinator_address,
+            client, jax.process_index(), jax.process_count(), coordinator_address
         )
     return _TRANSPORT
