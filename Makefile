@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 DOCSTAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test lint format bench docs clean
+.PHONY: demo test test-fast lint format bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
+
+# Unit tests of the schedules, the compiler's pieces, errors and layering: seconds,
+# not minutes (no end-to-end training).
+FAST_TESTS := tests/test_schedules.py tests/test_schedules_generators.py tests/test_errors.py \
+	tests/test_layers.py tests/test_split_backward.py tests/test_bad_batch.py \
+	tests/test_validation.py tests/test_lint.py tests/test_mesh.py
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n auto $(FAST_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks
