@@ -4,18 +4,41 @@ A compiled step is a flat list of instructions over numbered *slots* (a slot
 holds one array, or a residual pytree). `Call` runs a compiled program on one
 mesh, `Transfer` copies a value to another submesh keeping its PartitionSpec,
 `Free` drops values after their last use. The runtime executes the list.
+
+Instructions are frozen dataclasses with a text form, one line each, that
+round-trips: ``parse_instructions(format_instructions(program), programs)``
+equals ``program``, where ``programs`` maps each program's name (``F0``,
+``B1``, ``post.L0.mesh2``) to the callable a `Call` runs.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-from collections.abc import Callable, Iterator
+import shlex
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Call", "Free", "Instruction", "SlotTable", "Transfer", "insert_frees", "slots_in"]
+from jax.sharding import PartitionSpec
+
+from nnx_mpmd.errors import CompileError
+from nnx_mpmd.schedules.tasks import Task
+
+__all__ = [
+    "Call",
+    "Free",
+    "Instruction",
+    "SlotTable",
+    "Transfer",
+    "format_instruction",
+    "format_instructions",
+    "insert_frees",
+    "parse_instructions",
+    "slots_in",
+]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Call:
     """Runs ``fn`` on ``mesh``: args are built from slots, results stored in slots.
 
@@ -38,7 +61,7 @@ class Call:
         return list(slots_in(self.outs))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Transfer:
     """Copies slot ``src`` (on ``src_mesh``) to slot ``dst`` on submesh ``dst_mesh``.
 
@@ -65,7 +88,7 @@ class Transfer:
         return [self.dst]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Free:
     """Drops the values in ``slots``."""
 
@@ -132,3 +155,172 @@ def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction
         if i in frees:
             result.append(Free(tuple(sorted(set(frees[i])))))
     return result
+
+
+def _program_names(programs: Mapping[str, Any]) -> dict[int, str]:
+    return {id(fn): name for name, fn in programs.items()}
+
+
+def format_instruction(ins: Instruction, names: Mapping[int, str] | None = None) -> str:
+    """One instruction as one line of text (see `format_instructions`).
+
+    Args:
+      ins: the instruction.
+      names: program names by ``id`` of the callable (a `Call` whose program is
+        not named prints its label as the name).
+
+    Returns:
+      The line, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0 task=F1.0``.
+
+    Example:
+      >>> format_instruction(Free((3, 4)))
+      'free 3 4'
+    """
+    if isinstance(ins, Free):
+        return " ".join(["free", *map(str, ins.slots)])
+    if isinstance(ins, Call):
+        name = (names or {}).get(id(ins.fn), ins.label)
+        args, outs = (repr(t).replace(" ", "") for t in (ins.args, ins.outs))
+        line = f"call {ins.mesh} {shlex.quote(name)} args={args} outs={outs}"
+        line += f" label={shlex.quote(ins.label)}"
+        return line + (f" task={ins.task}" if ins.task is not None else "")
+    line = f"transfer {ins.src}@{ins.src_mesh} -> {ins.dst}@{ins.dst_mesh}"
+    line += f" label={shlex.quote(ins.label)} bytes={ins.nbytes}"
+    if ins.reshape_microbatches is not None:
+        line += f" reshape={ins.reshape_microbatches}"
+    if ins.spec is not None:
+        line += f" spec={_spec_text(ins.spec)}"
+    return line + (" per_microbatch" if ins.per_microbatch else "")
+
+
+def _spec_text(spec: PartitionSpec) -> str:
+    """``P(None, 'data', ('x', 'y'))`` as ``[None,data,x+y]`` (no spaces, no quotes)."""
+
+    def entry(e: Any) -> str:
+        if e is None:
+            return "None"
+        if isinstance(e, tuple):  # a trailing "+" keeps a one-axis tuple a tuple
+            return "+".join(e) + ("+" if len(e) == 1 else "")
+        return str(e)
+
+    return "[" + ",".join(entry(e) for e in spec) + "]"
+
+
+def _parse_spec(text: str, line_no: int) -> PartitionSpec:
+    if not (text.startswith("[") and text.endswith("]")):
+        raise CompileError(
+            f"instruction line {line_no}: spec={text!r} is not of the form [None,data,x+y]."
+        )
+    body = text[1:-1]
+    entries: list[Any] = []
+    for e in body.split(",") if body else []:
+        if e == "None":
+            entries.append(None)
+        else:
+            entries.append(tuple(a for a in e.split("+") if a) if "+" in e else e)
+    return PartitionSpec(*entries)
+
+
+def format_instructions(program: Sequence[Instruction], programs: Mapping[str, Any]) -> str:
+    """The text form of an instruction list, one line per instruction.
+
+    Args:
+      program: the instructions, in dispatch order.
+      programs: the callables `Call` runs, by name (printed instead of the object).
+
+    Returns:
+      The text; `parse_instructions` reads it back.
+
+    Example:
+      >>> prog = [Call(0, abs, (0,), 1, "abs"), Transfer(1, 2, 1, "x", src_mesh=0), Free((0,))]
+      >>> print(format_instructions(prog, {"abs": abs}))
+      call 0 abs args=(0,) outs=1 label=abs
+      transfer 1@0 -> 2@1 label=x bytes=0
+      free 0
+    """
+    names = _program_names(programs)
+    return "\n".join(format_instruction(ins, names) for ins in program)
+
+
+def _fields(tokens: list[str], line_no: int, line: str) -> dict[str, str]:
+    out = {}
+    for token in tokens:
+        key, sep, value = token.partition("=")
+        if not sep and token != "per_microbatch":
+            raise CompileError(f"instruction line {line_no} ({line!r}): cannot read {token!r}.")
+        out[key] = value
+    return out
+
+
+def _literal(text: str, what: str, line_no: int) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise CompileError(
+            f"instruction line {line_no}: {what}={text!r} is not a Python literal "
+            "(slots are nested tuples of ints)."
+        ) from None
+
+
+def _parse_line(line: str, line_no: int, programs: Mapping[str, Any]) -> Instruction:
+    tokens = shlex.split(line)
+    op = tokens[0]
+    if op == "free":
+        return Free(tuple(int(t) for t in tokens[1:]))
+    if op == "call":
+        mesh, name, fields = int(tokens[1]), tokens[2], _fields(tokens[3:], line_no, line)
+        if name not in programs:
+            raise CompileError(
+                f"instruction line {line_no} calls program {name!r}, which is not among the "
+                f"programs given ({', '.join(sorted(programs)) or 'none'}); pass it in programs."
+            )
+        task = Task.parse(fields["task"]) if "task" in fields else None
+        args = _literal(fields["args"], "args", line_no)
+        outs = _literal(fields["outs"], "outs", line_no)
+        return Call(mesh, programs[name], args, outs, fields["label"], task)
+    if op == "transfer" and len(tokens) >= 4 and tokens[2] == "->":
+        (src, src_mesh), (dst, dst_mesh) = (map(int, t.split("@")) for t in (tokens[1], tokens[3]))
+        fields = _fields(tokens[4:], line_no, line)
+        spec = fields.get("spec")
+        return Transfer(
+            src,
+            dst,
+            dst_mesh,
+            fields["label"],
+            src_mesh=src_mesh,
+            nbytes=int(fields.get("bytes", 0)),
+            reshape_microbatches=int(fields["reshape"]) if "reshape" in fields else None,
+            spec=_parse_spec(spec, line_no) if spec is not None else None,
+            per_microbatch="per_microbatch" in fields,
+        )
+    raise CompileError(
+        f"instruction line {line_no} ({line!r}) is not an instruction: lines start with "
+        "'call', 'transfer SRC@MESH -> DST@MESH' or 'free'."
+    )
+
+
+def parse_instructions(text: str, programs: Mapping[str, Any]) -> list[Instruction]:
+    """Reads the text form written by `format_instructions`.
+
+    Args:
+      text: one instruction per line (blank lines and lines starting with ``#`` are
+        skipped).
+      programs: the callables by name, for the `Call` lines.
+
+    Returns:
+      The instructions.
+
+    Raises:
+      CompileError: a line is not an instruction, or names an unknown program.
+
+    Example:
+      >>> text = "call 0 abs args=(0,) outs=1 label=abs\\nfree 0"
+      >>> parse_instructions(text, {"abs": abs})[1]
+      Free(slots=(0,))
+    """
+    program = []
+    for line_no, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip() if raw.lstrip().startswith("#") else raw.strip()
+        if line:
+            program.append(_parse_line(line, line_no, programs))
+    return program

@@ -1,0 +1,90 @@
+"""The instruction IR's text form round-trips: print, parse, equal."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.instructions import (
+    Call,
+    Free,
+    Transfer,
+    format_instructions,
+    parse_instructions,
+)
+
+
+def _program(x):
+    return x
+
+
+HANDWRITTEN = [
+    Call(0, _program, ((0, 1), ()), ((2, 3), (4,)), "init0"),
+    Call(1, _program, (5, (6, 7)), 8, "F1.3", mp.Task(1, 3, "F")),
+    Call(2, _program, (), (), "label with spaces 'and quotes'"),
+    Transfer(8, 9, 1, "act s0->s1 mb0", src_mesh=0, nbytes=512, per_microbatch=True),
+    Transfer(10, 11, 0, "argument leaf 0 host->0", reshape_microbatches=4, spec=P(None, "data")),
+    Transfer(12, 13, 2, "grad", src_mesh=1, spec=P(("data", "model"), None, ("x",))),
+    Transfer(14, 15, 3, "replicated", src_mesh=2, spec=P()),
+    Free((3, 4, 5)),
+    Free(()),
+]
+
+
+def test_handwritten_instructions_round_trip():
+    programs = {"prog": _program}
+    text = format_instructions(HANDWRITTEN, programs)
+    assert parse_instructions(text, programs) == HANDWRITTEN
+    assert "transfer 10@-1 -> 11@0" in text and "spec=[None,data]" in text
+
+
+def test_comments_and_blank_lines_are_skipped():
+    text = "# a comment\n\nfree 1 2\n"
+    assert parse_instructions(text, {}) == [Free((1, 2))]
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("call 0 missing args=() outs=() label=x", r"program 'missing'.*pass it in programs"),
+        ("jump 3", r"line 1 .*is not an instruction"),
+        ("transfer 1@0 -> 2@1 label=x spec=None", r"spec='None' is not of the form"),
+        ("call 0 prog args=(1 outs=() label=x", r"args='\(1' is not a Python literal"),
+        ("call 0 prog args=() outs=() oops", r"cannot read 'oops'"),
+    ],
+)
+def test_bad_text_is_a_compile_error(text, message):
+    with pytest.raises(mp.CompileError, match=message):
+        parse_instructions(text, {"prog": _program})
+
+
+def _step(model, opt, batch):
+    loss, grads = mp.value_and_grad(mlp_loss)(model, batch)
+    opt.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize(
+    "schedule,stages",
+    [(mp.OneFOneB(), 2), (mp.ZeroBubbleH1(), 2), (mp.Interleaved1F1B(), 4), (mp.DualPipeV(), 4)],
+    ids=["1f1b", "zb-h1", "interleaved", "dualpipev"],
+)
+def test_compiled_step_instructions_round_trip(schedule, stages):
+    model = MLP(stages, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = mp.jit(_step, mesh=make_mesh(2, 2), schedule=schedule, num_microbatches=4)
+    compiled = step.lower(model, opt, {"x": jnp.ones((8, WIDTH)), "y": jnp.ones((8, WIDTH))})
+    program = compiled.compiled.instructions
+    programs = dict(compiled.programs)
+    named = {id(fn) for fn in programs.values()}
+    programs.update(  # accumulator initializers are not listed as programs: name them
+        {i.label: i.fn for i in program if isinstance(i, Call) and id(i.fn) not in named}
+    )
+    text = format_instructions(program, programs)
+    assert parse_instructions(text, programs) == program
+    assert len(text.splitlines()) == len(program)
