@@ -174,6 +174,21 @@ class Lowered:
         """The jaxpr of program ``label`` (e.g. ``"F0"``) for the given arguments."""
         return str(jax.make_jaxpr(self.compiled.programs[label])(*args))
 
+    def ir_text(self) -> str:
+        """The whole instruction list in the IR's text form, one instruction a line.
+
+        ``compiler.instructions.parse_instructions`` reads it back given the
+        programs by name (`programs`, plus accumulator initializers named by label).
+        """
+        from nnx_mpmd.compiler.instructions import Call, format_instructions
+
+        programs = dict(self.compiled.programs)
+        named = {id(fn) for fn in programs.values()}
+        for ins in self.compiled.instructions:
+            if isinstance(ins, Call) and id(ins.fn) not in named:
+                programs.setdefault(ins.label, ins.fn)
+        return format_instructions(self.compiled.instructions, programs)
+
     def __str__(self) -> str:
         return self.as_text()
 
@@ -269,6 +284,9 @@ class PipelinedFunction:
         self.last_memory: dict[str, Any] | None = None
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
+        from nnx_mpmd.compiler.stage_programs import check_mesh_context
+
+        check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
         flat = flatten_step_args(self.fn, args)
         key = self._key(flat)
         compiled = self._cached(key)
@@ -303,7 +321,7 @@ class PipelinedFunction:
                     list(self.mesh.submeshes),
                     self._shardings,
                     max_workers=self.compile_threads,
-                    batch_axis=self.batch_axis,
+                    batch_axis=compiled.batch_axis,  # None where the step replicates it
                 )
             self._cache[key] = compiled
             while len(self._cache) > MAX_COMPILED_STEPS:

@@ -88,3 +88,4 @@ def test_compiled_step_instructions_round_trip(schedule, stages):
     text = format_instructions(program, programs)
     assert parse_instructions(text, programs) == program
     assert len(text.splitlines()) == len(program)
+    assert compiled.ir_text() == text
