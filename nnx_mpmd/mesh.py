@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, Sharding
+from jax.sharding import Mesh, Sharding
 
 from nnx_mpmd.errors import MeshError
 
@@ -73,14 +73,14 @@ class MpmdMesh:
         kept = [i for i in range(len(jax_mesh.axis_names)) if i != self._axis_index]
         self._axis_names = tuple(jax_mesh.axis_names[i] for i in kept)
         self._axis_types = tuple(jax_mesh.axis_types[i] for i in kept)
-        # Stage programs run with Auto axes whatever the user's mesh says: GSPMD then
-        # propagates the placed shardings through ordinary (unannotated) model code,
-        # which Explicit axes would reject (e.g. a gather with data-sharded indices).
-        auto = (AxisType.Auto,) * len(self._axis_names)
+        # Each submesh keeps the user's axis types: Explicit stays Explicit (reshard and
+        # out_sharding= inside a stage), Auto stays Auto (with_sharding_constraint).
         submeshes = []
         for index in range(jax_mesh.shape[mpmd_axis]):
             devices = np.take(jax_mesh.devices, index, axis=self._axis_index)
-            submeshes.append(Mesh(np.asarray(devices), self._axis_names, axis_types=auto))
+            submeshes.append(
+                Mesh(np.asarray(devices), self._axis_names, axis_types=self._axis_types)
+            )
         self._submeshes = tuple(submeshes)
         self._mesh_by_devices = {
             _device_ids(sub.devices.flat): i for i, sub in enumerate(self._submeshes)
@@ -103,10 +103,7 @@ class MpmdMesh:
 
     @property
     def axis_types(self) -> tuple[Any, ...]:
-        """Axis types of the user's mesh for the submesh axes (in `axis_names` order).
-
-        The submeshes themselves always use Auto axes (see `submeshes`).
-        """
+        """Axis types of the submesh axes (in `axis_names` order), as the user's mesh has them."""
         return self._axis_types
 
     @property
@@ -118,10 +115,9 @@ class MpmdMesh:
     def submeshes(self) -> tuple[Mesh, ...]:
         """The submeshes, one jax Mesh per index of the mpmd axis.
 
-        Each keeps the devices and axis names of its slice of the mesh, with Auto
-        axis types: shardings come from placement (``out_sharding`` metadata, the
-        batch axis) and propagate through the stage programs, so unannotated
-        model code runs on Explicit and Auto meshes alike.
+        Each keeps the devices, axis names and axis types (Explicit or Auto) of
+        its slice of the mesh; stage code is traced against their common
+        abstract mesh, so a PartitionSpec inside a stage names submesh axes.
         """
         return self._submeshes
 

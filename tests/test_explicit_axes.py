@@ -9,18 +9,19 @@ and ``nnx.Param(..., out_sharding=...)``). The pipelined step runs on a
 the same model under ``nnx.jit`` on one device, inside ``jax.set_mesh`` of a
 one-device mesh with the submesh's axis names, as a user writes it.
 
-Two library changes outside the files of this work item make these tests pass:
-``compile_step`` tracing the step inside
-``nnx_mpmd.compiler.stage_programs.submesh_tracing(mesh)`` (step.py), and
-``MpmdMesh`` keeping the user's axis types on its submeshes (mesh.py). Until the
-library shows each behaviour (probed by running it, not by reading its source),
-the tests that need it are strict xfails, so they turn into ordinary tests as
-soon as it lands (and an unexpected pass is reported).
+``compile_step`` traces the step inside
+``nnx_mpmd.compiler.stage_programs.submesh_tracing(mesh)`` and ``MpmdMesh``
+keeps the user's axis types on its submeshes. Ordinary (unannotated) model code
+with data parallelism inside a stage is covered at the end: on an Explicit batch
+axis each microbatch is traced sharded, and code that JAX's Explicit rules reject
+on a sharded batch (``nnx.Embed``'s gather) runs with a replicated batch and a
+``ReplicatedBatchWarning``.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
+from nnx_mpmd.compiler.step import ReplicatedBatchWarning
 
 WIDTH = 8
 MICROBATCHES = 4
@@ -41,50 +43,6 @@ AXES = ("stage", "data", "model")
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 SCHEDULES = {"1f1b": mp.OneFOneB, "gpipe": mp.GPipe, "zb-h1": mp.ZeroBubbleH1}
 FORMS = ["reshard", "out_sharding", "param"]
-
-
-@functools.cache
-def _traces_on_submesh() -> bool:
-    """Whether mp.jit traces step code against the submeshes' abstract mesh."""
-    seen = []
-
-    class Probe(mp.PipelinedModel):
-        def __init__(self, rngs):
-            self.a = mp.Stage(nnx.Linear(2, 2, rngs=rngs), stage=0)
-
-        def __call__(self, x):
-            seen.append(jax.sharding.get_abstract_mesh())
-            return self.a(x)
-
-    devices = jax.devices()[:2]
-    mesh = mp.MpmdMesh(jax.make_mesh((1, 2), ("stage", "data"), devices=devices), "stage")
-    model = Probe(nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    step = mp.jit(
-        lambda m, o, x: mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(m, x)[0],
-        mesh=mesh,
-        schedule=mp.GPipe(),
-        num_microbatches=1,
-        compile_threads=1,
-    )
-    step.lower(model, opt, jnp.ones((2, 2)))
-    return bool(seen) and seen[0] == mesh.submesh(0).abstract_mesh
-
-
-def _explicit_submeshes() -> bool:
-    """Whether MpmdMesh keeps Explicit axis types on its submeshes."""
-    return pipeline_mesh(AxisType.Explicit).submesh(0).axis_types == (AxisType.Explicit,) * 2
-
-
-def _needs(request, *, tracing: bool = True, explicit: bool = False) -> None:
-    missing = []
-    if tracing and not _traces_on_submesh():
-        missing.append("compile_step tracing under submesh_tracing(mesh) (step.py)")
-    if explicit and not _explicit_submeshes():
-        missing.append("MpmdMesh keeping Explicit axis types on its submeshes (mesh.py)")
-    if missing:
-        reason = "pending library change: " + "; ".join(missing)
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
 
 
 def _explicit() -> bool:
@@ -201,13 +159,8 @@ def params_of(model):
 @pytest.mark.parametrize("schedule", list(SCHEDULES), ids=list(SCHEDULES))
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES), ids=list(AXIS_TYPES))
-def test_resharding_stage_equals_one_device_reference(request, axis_type, form, schedule):
+def test_resharding_stage_equals_one_device_reference(axis_type, form, schedule):
     kind = AXIS_TYPES[axis_type]
-    _needs(
-        request,
-        tracing=form != "param" or kind == AxisType.Explicit,
-        explicit=kind == AxisType.Explicit,
-    )
     mesh = pipeline_mesh(kind)
     reference_mesh = one_device_mesh(kind)
     ref_model, ref_opt = build(form, reference_mesh)
@@ -239,9 +192,8 @@ def test_resharding_stage_equals_one_device_reference(request, axis_type, form, 
 
 
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES), ids=list(AXIS_TYPES))
-def test_mpmd_mesh_keeps_axis_types_on_every_submesh(request, axis_type):
+def test_mpmd_mesh_keeps_axis_types_on_every_submesh(axis_type):
     kind = AXIS_TYPES[axis_type]
-    _needs(request, tracing=False, explicit=kind == AxisType.Explicit)
     mesh = pipeline_mesh(kind)
     assert mesh.axis_types == (kind, kind)
     assert [sub.axis_types for sub in mesh.submeshes] == [(kind, kind)] * 2
@@ -264,8 +216,7 @@ class StageAxisReshard(mp.PipelinedModel):
 
 
 @pytest.mark.parametrize("how", ["reshard", "out_sharding"])
-def test_sharding_over_the_stage_axis_inside_a_step_is_a_mesh_error(request, how):
-    _needs(request)
+def test_sharding_over_the_stage_axis_inside_a_step_is_a_mesh_error(how):
     mesh = pipeline_mesh(AxisType.Explicit)
     model = StageAxisReshard(how, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -289,9 +240,8 @@ def test_calling_a_step_under_set_mesh_is_a_mesh_error():
         step(model, opt, batch(0))
 
 
-def test_reshard_over_auto_axes_fails_as_under_jax_jit(request):
+def test_reshard_over_auto_axes_fails_as_under_jax_jit():
     """Auto stays Auto: JAX rejects reshard onto Auto axes, pipelined or not."""
-    _needs(request)
 
     class AutoReshard(mp.PipelinedModel):
         def __init__(self, rngs):
@@ -314,8 +264,7 @@ def test_reshard_over_auto_axes_fails_as_under_jax_jit(request):
         step(model, opt, batch(0))
 
 
-def test_submesh_tracing_resolves_partition_specs_on_the_submesh(request):
-    _needs(request, tracing=False, explicit=True)
+def test_submesh_tracing_resolves_partition_specs_on_the_submesh():
     from nnx_mpmd.compiler.stage_programs import submesh_tracing
 
     mesh = pipeline_mesh(AxisType.Explicit)
@@ -348,3 +297,145 @@ def test_state_outputs_are_resharded_on_explicit_axes_and_constrained_on_auto_ax
     assert y.sharding.is_equivalent_to(target, 2)
     assert jax.typeof(y).sharding.spec == P("data", None)  # only Explicit axes are typed
     np.testing.assert_array_equal(y, np.arange(16.0).reshape(4, 4) + 1)
+
+
+# -- ordinary (unannotated) model code, data parallel inside a stage ---------------
+
+VOCAB, SEQ = 16, 4
+
+
+class PlainLM(mp.PipelinedModel):
+    """Unannotated: nnx.Embed's gather, dropout, a Linear head; nothing names a mesh axis."""
+
+    def __init__(self, *, embed: bool, rngs: nnx.Rngs) -> None:
+        self.embed = mp.Stage(nnx.Embed(VOCAB, WIDTH, rngs=rngs), stage=0) if embed else None
+        self.body = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.head = mp.Stage(nnx.Linear(WIDTH, VOCAB, rngs=rngs), stage=1)
+
+    def __call__(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        return self.head(self.drop(jnp.tanh(self.body(h))))
+
+
+def plain_loss(model, batch):
+    logits = model(batch["x"])
+    if model.embed is None:
+        return jnp.mean((logits - batch["y"]) ** 2)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def plain_batch(embed: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    if embed:
+        tokens = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1)).astype(np.int32)
+        return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    return {
+        "x": rng.normal(size=(BATCH, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(BATCH, VOCAB)).astype(np.float32),
+    }
+
+
+def plain_step(model, optimizer, batch, num_microbatches=None):
+    grad_fn = mp.value_and_grad(plain_loss, num_microbatches=num_microbatches)
+    loss, grads = grad_fn(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def data_parallel_mesh(axis_type) -> mp.MpmdMesh:
+    return mp.MpmdMesh(
+        jax.make_mesh((2, 4), ("stage", "data"), axis_types=(axis_type,) * 2), "stage"
+    )
+
+
+@pytest.mark.parametrize("embed", [False, True], ids=["dense", "embed"])
+@pytest.mark.parametrize("axis_type", list(AXIS_TYPES), ids=list(AXIS_TYPES))
+def test_unannotated_data_parallel_stage_equals_reference(axis_type, embed, recwarn):
+    """No annotation, batch sharded over "data": the same numbers on both axis types.
+
+    On an Explicit mesh the dense model traces with each microbatch sharded (its
+    type says ``f32[4@data, 8]``); nnx.Embed's gather with data-sharded ids is
+    rejected by JAX's Explicit rules, so that step replicates its batch and warns.
+    """
+    kind = AXIS_TYPES[axis_type]
+    models = [PlainLM(embed=embed, rngs=nnx.Rngs(0)) for _ in range(2)]
+    ref_opt, opt = (nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models)
+    reference = nnx.jit(functools.partial(plain_step, num_microbatches=MICROBATCHES))
+    pipelined = mp.jit(
+        plain_step, mesh=data_parallel_mesh(kind), schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    for step in range(STEPS):
+        ref_loss = reference(models[0], ref_opt, plain_batch(embed, step))
+        loss = pipelined(models[1], opt, plain_batch(embed, step))
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    expected, got = params_of(models[0]), params_of(models[1])
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    replicated = [w for w in recwarn if issubclass(w.category, ReplicatedBatchWarning)]
+    assert len(replicated) == (1 if embed and kind == AxisType.Explicit else 0)
+    compiled = next(iter(pipelined._cache.values()))
+    assert compiled.batch_axis == (None if replicated else "data")
+
+
+def test_replicated_batch_warning_names_the_op_and_the_fixes():
+    model = PlainLM(embed=True, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    mesh = data_parallel_mesh(AxisType.Explicit)
+    step = mp.jit(plain_step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.warns(
+        ReplicatedBatchWarning,
+        match=r"sharded over the Explicit mesh axis 'data' of MpmdMesh\('stage': 2.*"
+        r"\.at\[\.\.\.\]\.get\(out_sharding=\).*replicated on every device.*"
+        r"out_sharding=P\(\.\.\.\).*AxisType\.Auto.*batch_axis=None",
+    ):
+        step.lower(model, opt, plain_batch(True, 0))
+    quiet = mp.jit(plain_step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2, batch_axis=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedBatchWarning)
+        quiet.lower(model, opt, plain_batch(True, 0))
+
+
+def test_forward_only_step_on_explicit_data_parallel_mesh_equals_reference():
+    """Forward-only outputs ``[m, B/m@data, ...]`` merge into ``[B, ...]`` (replicated)."""
+    model = PlainLM(embed=False, rngs=nnx.Rngs(0))
+    model.eval()  # no dropout
+    x = plain_batch(False, 0)["x"]
+    expected = nnx.jit(lambda m, x: m(x))(model, x)
+    infer = mp.jit(
+        lambda m, x: m(x),
+        mesh=data_parallel_mesh(AxisType.Explicit),
+        schedule=mp.GPipe(),
+        num_microbatches=MICROBATCHES,
+    )
+    np.testing.assert_allclose(
+        np.asarray(infer(model, x)), np.asarray(expected), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_microbatches_are_typed_sharded_on_an_explicit_batch_axis():
+    seen = []
+
+    class Probe(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+
+        def __call__(self, x):
+            seen.append(jax.typeof(x).sharding.spec)
+            return self.a(x)
+
+    model = Probe(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    for kind, spec in [(AxisType.Explicit, P("data", None)), (AxisType.Auto, P(None, None))]:
+        seen.clear()
+        mesh = mp.MpmdMesh(
+            jax.make_mesh((1, 4), ("stage", "data"), axis_types=(kind,) * 2), "stage"
+        )
+        step = mp.jit(
+            lambda m, o, x: mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(m, x)[0],
+            mesh=mesh,
+            schedule=mp.GPipe(),
+            num_microbatches=2,
+        )
+        step.lower(model, opt, jnp.ones((8, WIDTH)))
+        assert seen[0] == spec, kind

@@ -160,7 +160,12 @@ def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
     from nnx_mpmd.runtime import precompile
 
     _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1)
-    monkeypatch.setattr(precompile._Guess, "spec", lambda self, shape: P(*([None] * len(shape))))
+    right = precompile._Guess.spec
+
+    def wrong(self, shape):  # sharded where the activation is replicated, and vice versa
+        return P("data") if right(self, shape) == P() and shape[0] % 2 == 0 else P()
+
+    monkeypatch.setattr(precompile._Guess, "spec", wrong)
     lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2)
     assert lowered > 0 and ran > 0 and loss == expected  # the right programs compile late
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,9 +70,9 @@ def _mse(model, batch):
 
 def residual_bytes(step, args, label="F0.0"):
     """Bytes of the residual pytree that the forward task ``label`` keeps."""
-    call = next(
-        ins for ins in step.lower(*args).compiled.instructions if getattr(ins, "label", "") == label
-    )
+    instructions = step.lower(*args).compiled.instructions
+    index = next(i for i, ins in enumerate(instructions) if getattr(ins, "label", "") == label)
+    call = instructions[index]
     original, captured = call.fn, {}
 
     def spy(*call_args):
@@ -78,11 +80,11 @@ def residual_bytes(step, args, label="F0.0"):
         captured["residuals"] = out[1]
         return out
 
-    call.fn = spy
+    instructions[index] = dataclasses.replace(call, fn=spy)  # instructions are frozen
     try:
         step(*args)
     finally:
-        call.fn = original
+        instructions[index] = call
     return sum(x.nbytes for x in jax.tree.leaves(captured["residuals"]))
 
 

@@ -19,7 +19,7 @@ def make(shape, names, axis_type=AxisType.Explicit, mpmd_axis="stage"):
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
-def test_submeshes_of_2d_mesh_keep_other_axes_with_auto_types(axis_type):
+def test_submeshes_of_2d_mesh_keep_other_axes_and_their_types(axis_type):
     mesh = make((4, 2), ("stage", "data"), axis_type)
     assert mesh.num_meshes == 4
     assert mesh.axis_names == ("data",)
@@ -27,8 +27,8 @@ def test_submeshes_of_2d_mesh_keep_other_axes_with_auto_types(axis_type):
     assert len(mesh.submeshes) == 4
     for i, sub in enumerate(mesh.submeshes):
         assert sub.axis_names == ("data",)
-        # Stage programs run with Auto axes on Explicit and Auto meshes alike.
-        assert sub.axis_types == (AxisType.Auto,)
+        # Each submesh keeps the user's axis types: Explicit stays Explicit.
+        assert sub.axis_types == (axis_type,)
         assert [d.id for d in mesh.devices(i)] == [2 * i, 2 * i + 1]
         assert mesh.submesh(i) is sub
 

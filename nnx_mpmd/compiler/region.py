@@ -22,10 +22,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
 from jax.extend import core as jcore
 from jax.extend.core import Primitive
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd import markers
 from nnx_mpmd.compiler.captured import (
@@ -42,6 +44,7 @@ __all__ = [
     "check_microbatches",
     "reference_value_and_grad",
     "region_p",
+    "microbatch_spec",
     "region_tracing",
     "split_microbatches",
     "trace_region",
@@ -89,21 +92,81 @@ class _RegionState(threading.local):
     def __init__(self) -> None:
         self.num_microbatches: int | None = None
         self.regions: list[RegionInfo] | None = None
+        self.submesh: Mesh | None = None
+        self.batch_axis: str | None = None
 
 
 _region_state = _RegionState()
 
 
 @contextlib.contextmanager
-def region_tracing(num_microbatches: int) -> Iterator[list[RegionInfo]]:
-    """While active, `value_and_grad` records regions instead of computing."""
-    previous = (_region_state.num_microbatches, _region_state.regions)
+def region_tracing(
+    num_microbatches: int, submesh: Mesh | None = None, batch_axis: str | None = None
+) -> Iterator[list[RegionInfo]]:
+    """While active, `value_and_grad` records regions instead of computing.
+
+    Args:
+      num_microbatches: m, the number of microbatches of the step.
+      submesh: one concrete submesh of the step: the few values that tracing
+        evaluates eagerly (RNG counter updates) are computed on it, and its axis
+        types decide whether microbatches are traced with a typed sharding.
+      batch_axis: the submesh axis each microbatch is sharded over (see
+        `microbatch_spec`), or None.
+
+    Yields:
+      The list the traced regions are appended to.
+    """
+    state = _region_state
+    previous = (state.num_microbatches, state.regions, state.submesh, state.batch_axis)
     regions: list[RegionInfo] = []
-    _region_state.num_microbatches, _region_state.regions = num_microbatches, regions
+    state.num_microbatches, state.regions = num_microbatches, regions
+    state.submesh, state.batch_axis = submesh, batch_axis
     try:
         yield regions
     finally:
-        _region_state.num_microbatches, _region_state.regions = previous
+        (state.num_microbatches, state.regions, state.submesh, state.batch_axis) = previous
+
+
+def microbatch_spec(
+    shape: tuple[int, ...], submesh: Mesh, batch_axis: str | None
+) -> PartitionSpec | None:
+    """How one microbatch leaf of ``shape`` is sharded inside the stage programs.
+
+    Its leading axis is sharded over ``batch_axis`` when the axis has more than
+    one device and its size divides it, else the leaf is replicated. The batch transfer places every batch leaf
+    so (``P(None, batch_axis)`` on the stacked ``[m, B/m, ...]`` array), and on
+    an Explicit ``batch_axis`` the stage code is traced with that sharding as
+    part of each microbatch's type, so that ordinary model code (``zeros_like``
+    of an activation, say) records the shardings the stage programs then see.
+
+    Args:
+      shape: the shape of one microbatch of the leaf, ``(B/m, ...)``.
+      submesh: a submesh of the step.
+      batch_axis: the submesh axis to shard over, or None.
+
+    Returns:
+      ``P(batch_axis)``, or None for a replicated leaf.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> microbatch_spec((4, 3), mesh, "data"), microbatch_spec((3,), mesh, "data")
+      (PartitionSpec('data',), None)
+    """
+    size = dict(submesh.shape).get(batch_axis, 1) if batch_axis else 1
+    if size > 1 and shape and shape[0] % size == 0:
+        return PartitionSpec(batch_axis)
+    return None
+
+
+def _microbatch_aval(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    """A microbatch's abstract value: typed as sharded when the batch axis is Explicit."""
+    submesh, axis = _region_state.submesh, _region_state.batch_axis
+    spec = microbatch_spec(shape, submesh, axis) if submesh is not None else None
+    types = dict(zip(submesh.axis_names, submesh.axis_types)) if submesh is not None else {}
+    if spec is None or types.get(axis) != AxisType.Explicit:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(submesh.abstract_mesh, spec))
 
 
 def active_microbatches() -> int | None:
@@ -196,6 +259,21 @@ def _new_state_leaves(local: Any, wrt: Any, other_tree: Any) -> list[Any]:
     return leaves
 
 
+def _concrete_count(count: int) -> Any:
+    """An RNG counter value to evaluate a counter update with, eagerly.
+
+    The update's equations were recorded under the submeshes' abstract mesh
+    (`mp.jit` traces there) and evaluating them enters it again; on Explicit
+    axes an eager computation there needs its devices from an argument, so the
+    value is committed to the concrete submesh given to `region_tracing`.
+    """
+    value = np.uint32(count)
+    submesh = _region_state.submesh
+    if submesh is None or not submesh.axis_names:
+        return value
+    return jax.device_put(value, NamedSharding(submesh, PartitionSpec()))
+
+
 def _count_positions(state: Any, first: int = 0) -> list[int]:
     """Leaf positions (from ``first``) of the RNG counters among ``state``'s leaves."""
     positions, cursor = [], first
@@ -230,7 +308,7 @@ def _count_increments(
 
         def at(count: int, fn: Any = fn, used_inputs: list[int] = used_inputs) -> int:
             with jax.ensure_compile_time_eval():
-                args = [jnp.asarray(count, jnp.uint32)] if used_inputs else []
+                args = [_concrete_count(count)] if used_inputs else []
                 return int(fn(*args)[0])
 
         k = at(0)
@@ -270,7 +348,7 @@ def _derive_counts(
             outs[first_out + j] = inputs[first_in + j]
         return outs
 
-    index_aval = jax.ShapeDtypeStruct((1,), jnp.uint32)
+    index_aval = _microbatch_aval((1,), jnp.uint32)  # placed like a batch leaf
     const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
     derived = jax.make_jaxpr(body)(const_avals, in_avals, index_aval)
     return derived, consts
@@ -338,7 +416,7 @@ def trace_region(
     batch_leaves, batch_tree = jax.tree.flatten(batch)
     check_microbatches(batch, num_microbatches)
     mb_avals = [
-        jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
+        _microbatch_aval((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
         for x in batch_leaves
     ]
     aux_tree_box: list[Any] = []
@@ -444,15 +522,23 @@ def trace_region(
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
+def _stacked_aval(aval: Any, num_microbatches: int) -> Any:
+    """``[m, *aval.shape]``, sharded like each microbatch (an Explicit type stays)."""
+    shape = (num_microbatches, *aval.shape)
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return jax.core.ShapedArray(shape, aval.dtype)
+    spec = PartitionSpec(None, *sharding.spec)
+    return aval.update(shape=shape, sharding=NamedSharding(sharding.mesh, spec))
+
+
 def _region_out_avals(
     closed: Any, n_aux: int, diff_leaves: list[Any], num_microbatches: int, with_grad: bool
 ) -> tuple[Any, ...]:
     """The region equation's outputs: means (or stacked outputs), grads, new state."""
     head, state = closed.out_avals[: 1 + n_aux], tuple(closed.out_avals[1 + n_aux :])
     if not with_grad:  # forward only: stacked per-microbatch outputs
-        return tuple(jax.core.ShapedArray((num_microbatches, *a.shape), a.dtype) for a in head) + (
-            state
-        )
+        return tuple(_stacked_aval(a, num_microbatches) for a in head) + state
     means = [
         a if jnp.issubdtype(a.dtype, jnp.inexact) else a.update(dtype=jnp.float32) for a in head
     ]

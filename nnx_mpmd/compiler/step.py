@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ from flax import errors as flax_errors
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd import markers
@@ -21,7 +24,7 @@ from nnx_mpmd._jax_compat import variables_bound_to_current_trace
 from nnx_mpmd.compiler.captured import implicit_rng_nodes, rng_variables
 from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
 from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
-from nnx_mpmd.compiler.region import region_tracing, trace_region
+from nnx_mpmd.compiler.region import microbatch_spec, region_tracing, trace_region
 from nnx_mpmd.compiler.region_plan import build_region_program
 from nnx_mpmd.compiler.stage_programs import StageFunctions, submesh_tracing
 from nnx_mpmd.compiler.stages import StagePlan, cut_stages
@@ -29,7 +32,14 @@ from nnx_mpmd.errors import CompileError, ScheduleError
 from nnx_mpmd.mesh import MpmdMesh
 from nnx_mpmd.partition import MpmdArray, leaf_mesh_ids
 
-__all__ = ["CompiledStep", "FlatArgs", "compile_step", "flatten_args", "flatten_step_args"]
+__all__ = [
+    "CompiledStep",
+    "FlatArgs",
+    "ReplicatedBatchWarning",
+    "compile_step",
+    "flatten_args",
+    "flatten_step_args",
+]
 
 
 def is_graph_node(x: Any) -> bool:
@@ -134,6 +144,53 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
+def _merge_microbatches(x: Any) -> Any:
+    """``[m, B/m, ...] -> [B, ...]`` (forward-only outputs), on Explicit axes too.
+
+    On Explicit axes each microbatch is sharded over the batch axis, and rows of
+    different microbatches would interleave on a device: JAX asks for the
+    output's sharding, which is replicated.
+    """
+    if x.ndim < 2:
+        return x
+    shape = (-1, *x.shape[2:])
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return x.reshape(shape)
+    return jnp.reshape(x, shape, out_sharding=P())
+
+
+def _is_sharding_type_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's error for an op its Explicit sharding rules reject."""
+    return any(cls.__name__ == "ShardingTypeError" for cls in type(error).__mro__)
+
+
+def _explicit_axis(mesh: MpmdMesh, axis: str | None) -> bool:
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return axis is not None and types.get(axis) == AxisType.Explicit
+
+
+class ReplicatedBatchWarning(UserWarning):
+    """A step's batch is replicated on its submeshes: its code rejects a sharded batch."""
+
+
+def _warn_replicated_batch(error: BaseException, mesh: MpmdMesh, batch_axis: str) -> None:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+    warnings.warn(
+        f"the step's code cannot be traced with each microbatch sharded over the Explicit "
+        f"mesh axis {batch_axis!r} of {mesh!r}: JAX rejects an op whose output sharding is "
+        f"ambiguous ({first_line}). The batch is replicated on every device of each submesh "
+        "instead (same results, no data parallelism inside a stage). To shard it, give that "
+        "op its output sharding (out_sharding=P(...), e.g. table.at[ids].get(out_sharding=...) "
+        "or nnx.Embed(...)(ids, out_sharding=P(...)) for an embedding), or build the mesh with "
+        "Auto axes, jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names)), "
+        "so that XLA propagates the batch sharding; pass mp.jit(batch_axis=None) to "
+        "replicate the batch without this warning.",
+        ReplicatedBatchWarning,
+        stacklevel=5,
+    )
+
+
 @dataclasses.dataclass
 class CompiledStep:
     """A step compiled into one instruction list over slots."""
@@ -151,6 +208,9 @@ class CompiledStep:
     plan: StagePlan | None
     tasks: Any
     stage_mesh: list[int]
+    # The submesh axis microbatches are sharded over (None: replicated), which is
+    # mp.jit's batch_axis unless the step's code rejects a sharded batch.
+    batch_axis: str | None = None
 
 
 def _leaf_meshes(x: Any, mesh: MpmdMesh) -> frozenset[int]:
@@ -232,32 +292,44 @@ def compile_step(
             stacked = trace_region(
                 forward, nodes, list(other_leaves), has_aux=False, wrt=nnx.Nothing, with_grad=False
             )
-        out = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])) if x.ndim >= 2 else x, stacked)
+        out = jax.tree.map(_merge_microbatches, stacked)
         out_leaves, out_tree = jax.tree.flatten(out)
         out_tree_box.append(out_tree)
         _, new_state = nnx.split(nodes)
         return out_leaves, jax.tree.leaves(new_state)
 
     avals = ([_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves])
-    traced: list[list[Any]] = []
+
+    def trace(traced_batch_axis: str | None) -> tuple[Any, list[Any]]:
+        traced: list[list[Any]] = []
+        region_context = functools.partial(
+            region_tracing, num_microbatches, mesh.submesh(0), traced_batch_axis
+        )
+        try:
+            with (
+                submesh_tracing(mesh),
+                _outer_state_explained(),
+                region_context() as regions,
+                markers.outer_tracing(),
+            ):
+                traced.append(regions)
+                return jax.make_jaxpr(pure)(*avals), regions
+        except markers.StageOutsideRegionError:
+            if traced and traced[0]:
+                raise  # stages called both inside and outside the region
+        with submesh_tracing(mesh), _outer_state_explained(), region_context() as regions:
+            return jax.make_jaxpr(pure_inference)(*avals), regions
+
     try:
-        with (
-            submesh_tracing(mesh),
-            _outer_state_explained(),
-            region_tracing(num_microbatches) as regions,
-            markers.outer_tracing(),
-        ):
-            traced.append(regions)
-            closed = jax.make_jaxpr(pure)(*avals)
-    except markers.StageOutsideRegionError:
-        if traced and traced[0]:
-            raise  # stages called both inside and outside the region
-        with (
-            submesh_tracing(mesh),
-            _outer_state_explained(),
-            region_tracing(num_microbatches) as regions,
-        ):
-            closed = jax.make_jaxpr(pure_inference)(*avals)
+        closed, regions = trace(batch_axis)
+    except Exception as e:
+        if not (_is_sharding_type_error(e) and _explicit_axis(mesh, batch_axis)):
+            raise
+        # Ordinary model code that JAX's Explicit sharding rules reject on a
+        # sharded batch (a gather with batch-sharded indices): replicate the batch.
+        _warn_replicated_batch(e, mesh, batch_axis)
+        batch_axis = None
+        closed, regions = trace(None)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     consts = list(closed.consts)
@@ -322,13 +394,11 @@ def compile_step(
             region_programs.update(program.compiled)
             return program.instructions, program.output_slots
 
-    axis_sizes = dict(zip(mesh.axis_names, mesh.submesh(0).devices.shape))
-
     def batch_spec(aval: Any) -> Any:
-        size = axis_sizes.get(batch_axis) if batch_axis else None
-        if size and aval.shape and (aval.shape[0] // num_microbatches) % size == 0:
-            return P(None, batch_axis)
-        return P()
+        # The stacked [m, B/m, ...] batch: each microbatch as the stages were traced.
+        shape = (aval.shape[0] // num_microbatches, *aval.shape[1:]) if aval.shape else ()
+        spec = microbatch_spec(shape, mesh.submesh(0), batch_axis)
+        return P() if spec is None else P(None, *spec)
 
     outer = plan_outer(
         jaxpr,
@@ -364,4 +434,5 @@ def compile_step(
         plan=plan,
         tasks=tasks,
         stage_mesh=stage_mesh,
+        batch_axis=batch_axis,
     )

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Transfer, slots_in
+from nnx_mpmd.compiler.region import microbatch_spec
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.runtime.executor import (
     _build,
@@ -47,6 +48,7 @@ class _Unknown:
 
 
 _UNKNOWN = _Unknown()
+_STEP_BATCH_AXIS = object()  # precompile's default: the step's own batch axis
 
 
 def _abstract(x: Any) -> Any:
@@ -161,16 +163,17 @@ def precompile(
     submeshes: Sequence[Any],
     shardings: _Shardings | None = None,
     max_workers: int | None = None,
-    batch_axis: str | None = "data",
+    batch_axis: Any = _STEP_BATCH_AXIS,
 ) -> int:
     """Compiles the programs of ``step``'s first run concurrently.
 
     A transfer that keeps its source's PartitionSpec would make each stage's
     program wait for the previous stage's compilation (the spec is chosen by
     the compiler). Its receiver is compiled for a guess instead, made when the
-    source is traced: the leading axis sharded over ``batch_axis`` when it
-    divides, else replicated, which is what the stage programs produce for
-    batch-sharded activations. A wrong guess costs one extra compilation.
+    source is traced: the leading axis sharded over ``batch_axis`` as a
+    microbatch is (`nnx_mpmd.compiler.region.microbatch_spec`), else
+    replicated, which is what the stage programs produce for batch-sharded
+    activations. A wrong guess costs one extra compilation.
 
     Args:
       step: the compiled step.
@@ -179,8 +182,9 @@ def precompile(
       submeshes: the jax Mesh of each mesh id.
       shardings: a sharding cache to reuse.
       max_workers: compile threads (default: the number of CPUs, at most 8).
-      batch_axis: the submesh axis activations are sharded over (the
-        ``batch_axis`` of `nnx_mpmd.jit`).
+      batch_axis: the submesh axis activations are sharded over:
+        ``step.batch_axis``, which is the ``batch_axis`` of `nnx_mpmd.jit`
+        unless the step replicates its batch. Defaults to ``step.batch_axis``.
 
     Returns:
       How many programs were compiled here.
@@ -190,6 +194,8 @@ def precompile(
       >>> callable(precompile)
       True
     """
+    if batch_axis is _STEP_BATCH_AXIS:
+        batch_axis = step.batch_axis
     shardings = shardings or _Shardings(submeshes)
     workers = max_workers or min(8, os.cpu_count() or 2)
     store: list[Any] = [None] * step.num_slots
@@ -316,10 +322,10 @@ class _Guess(NamedTuple):
     batch_axis: str | None
 
     def spec(self, shape: tuple[int, ...]) -> Any:
-        size = dict(self.mesh.shape).get(self.batch_axis) if self.batch_axis else None
-        if size and shape and shape[0] % size == 0:
-            return P(self.batch_axis)
-        return P()
+        # As each microbatch is placed (on Explicit axes, a spec is part of the
+        # type, so a size-1 axis must not be named where the batch is not).
+        spec = microbatch_spec(shape, self.mesh, self.batch_axis)
+        return P() if spec is None else spec
 
 
 def _run_transfer(ins: Transfer, source: Any, shardings: _Shardings, guess: _Guess | None) -> Any:
