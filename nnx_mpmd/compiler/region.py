@@ -306,13 +306,13 @@ def _count_increments(
         used_inputs = [i for i, u in enumerate(used) if u]
         fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
 
-        def at(count: int, fn: Any = fn, used_inputs: list[int] = used_inputs) -> int:
+        def at(count: int, fn: Any = fn) -> int:
             with jax.ensure_compile_time_eval():
-                args = [_concrete_count(count)] if used_inputs else []
-                return int(fn(*args)[0])
+                return int(fn(_concrete_count(count))[0])
 
-        k = at(0)
-        if used_inputs not in ([], [first_in + j]) or at(1000) != (1000 + k) % (1 << 32):
+        # A new value that does not read the counter (a constant) is never a shift.
+        k = at(0) if used_inputs == [first_in + j] else None
+        if k is None or at(1000) != (1000 + k) % (1 << 32):
             raise CompileError(
                 f"the RNG counter {paths[j]} is changed in a way other than drawing keys (its "
                 "new value is not its old value plus the number of keys drawn). Pipelined "
