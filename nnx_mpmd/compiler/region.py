@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
 from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd import markers
+from nnx_mpmd._jax_compat import convert_constvars_jaxpr, dce_jaxpr
 from nnx_mpmd.compiler.captured import (
     CapturedVariable,
     bound_variables,
@@ -151,7 +151,7 @@ def microbatch_spec(
       >>> import jax
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> microbatch_spec((4, 3), mesh, "data"), microbatch_spec((3,), mesh, "data")
-      (PartitionSpec('data',), None)
+      (P('data',), None)
     """
     size = dict(submesh.shape).get(batch_axis, 1) if batch_axis else 1
     if size > 1 and shape and shape[0] % size == 0:
@@ -302,7 +302,7 @@ def _count_increments(
     increments: dict[int, int] = {}
     for j in counts:
         keep = [i == first_out + j for i in range(len(jaxpr.outvars))]
-        sub, used = pe.dce_jaxpr(jaxpr, keep, instantiate=False)
+        sub, used = dce_jaxpr(jaxpr, keep, instantiate=False)
         used_inputs = [i for i, u in enumerate(used) if u]
         fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
 
@@ -333,7 +333,7 @@ def _derive_counts(
     value: stages that draw from one stream need no value from each other, so
     they pipeline; the counters advance by ``m * K`` after the region.
     """
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     consts = list(closed.consts)
     run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
 
@@ -480,13 +480,13 @@ def trace_region(
     ]
     first_in, first_out = len(closed.consts) + len(diff_leaves), 1 + n_aux
     increments = _count_increments(
-        pe.convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, other_paths
+        convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, other_paths
     )
     index_leaves: list[Any] = []
     if any(increments.values()):
         closed, consts = _derive_counts(closed, increments, len(diff_leaves), first_out, in_avals)
         index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)]
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     consts = [*closed.consts, *(consts if index_leaves else [])]
     out_avals = _region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad)
     info = RegionInfo(

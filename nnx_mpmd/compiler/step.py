@@ -15,12 +15,15 @@ import numpy as np
 from flax import errors as flax_errors
 from flax import nnx
 from flax.nnx import graph as nnx_graph
-from jax._src.interpreters import partial_eval as pe  # convert_constvars_jaxpr, dce_jaxpr
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd import markers
-from nnx_mpmd._jax_compat import variables_bound_to_current_trace
+from nnx_mpmd._jax_compat import (
+    convert_constvars_jaxpr,
+    dce_jaxpr,
+    variables_bound_to_current_trace,
+)
 from nnx_mpmd.compiler.captured import implicit_rng_nodes, rng_variables
 from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
 from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
@@ -330,8 +333,8 @@ def compile_step(
         _warn_replicated_batch(e, mesh, batch_axis)
         batch_axis = None
         closed, regions = trace(None)
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
-    jaxpr, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     consts = list(closed.consts)
     all_inputs = consts + list(flat.state_leaves) + list(flat.other_leaves)
     n_consts, n_state = len(consts), len(flat.state_leaves)
