@@ -20,6 +20,7 @@ from nnx_mpmd.api import PipelinedFunction as PipelinedFunction
 from nnx_mpmd.api import jit as jit
 from nnx_mpmd.api import value_and_grad as value_and_grad
 from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
+from nnx_mpmd.compiler.step import ReplicatedBatchWarning as ReplicatedBatchWarning
 from nnx_mpmd.distributed import gather as gather
 from nnx_mpmd.errors import CheckpointError as CheckpointError
 from nnx_mpmd.errors import CompileError as CompileError
@@ -67,6 +68,7 @@ __all__ = [
     "PipelinedFunction",
     "PipelinedModel",
     "PlacementError",
+    "ReplicatedBatchWarning",
     "ScheduleError",
     "Stage",
     "Task",

@@ -349,9 +349,12 @@ def data_parallel_mesh(axis_type) -> mp.MpmdMesh:
     )
 
 
+@pytest.mark.parametrize(
+    "schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1f1b", "zb-h1"]
+)  # ZB-H1: the split backward types its cotangents with their shardings
 @pytest.mark.parametrize("embed", [False, True], ids=["dense", "embed"])
 @pytest.mark.parametrize("axis_type", list(AXIS_TYPES), ids=list(AXIS_TYPES))
-def test_unannotated_data_parallel_stage_equals_reference(axis_type, embed, recwarn):
+def test_unannotated_data_parallel_stage_equals_reference(axis_type, embed, schedule, recwarn):
     """No annotation, batch sharded over "data": the same numbers on both axis types.
 
     On an Explicit mesh the dense model traces with each microbatch sharded (its
@@ -363,7 +366,7 @@ def test_unannotated_data_parallel_stage_equals_reference(axis_type, embed, recw
     ref_opt, opt = (nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models)
     reference = nnx.jit(functools.partial(plain_step, num_microbatches=MICROBATCHES))
     pipelined = mp.jit(
-        plain_step, mesh=data_parallel_mesh(kind), schedule=mp.OneFOneB(), num_microbatches=4
+        plain_step, mesh=data_parallel_mesh(kind), schedule=schedule, num_microbatches=4
     )
     for step in range(STEPS):
         ref_loss = reference(models[0], ref_opt, plain_batch(embed, step))

@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax.extend import core as jcore
 
 from nnx_mpmd._jax_compat import convert_constvars_jaxpr
 from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram
@@ -52,6 +53,22 @@ def _live_eqns(jaxpr: Any, outvars: list[Any]) -> set[int]:
     return needed
 
 
+def abstract_like(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s type as a ShapeDtypeStruct, its sharding included.
+
+    On Explicit mesh axes the sharding is part of an array's type: a cotangent
+    traced without it would not match the forward's output in the backward.
+    """
+    if isinstance(x, jax.ShapeDtypeStruct):
+        aval = x
+    else:
+        aval = x.aval if isinstance(x, jcore.Var) else jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None and not any(sharding.spec):
+        sharding = None  # fully replicated: the plain type says the same
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
 def split_backward(vjp_fn: Any, seed_avals: list[Any], num_params: int) -> BackwardSplit:
     """Traces ``vjp_fn`` and cuts its backward pass into BI and BW.
 
@@ -71,7 +88,7 @@ def split_backward(vjp_fn: Any, seed_avals: list[Any], num_params: int) -> Backw
         grads, ct_x = fn(tuple(leaves[num_res:]))
         return [*grads, *ct_x]
 
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in residual_leaves] + list(seed_avals)
+    avals = [abstract_like(x) for x in residual_leaves] + list(seed_avals)
     closed = jax.make_jaxpr(run)(*avals)
     jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     consts = list(closed.consts)
@@ -107,9 +124,7 @@ def split_backward(vjp_fn: Any, seed_avals: list[Any], num_params: int) -> Backw
 
 def run_bi(vjp_fn: Any, seeds: list[Any], num_params: int) -> tuple[tuple[Any, ...], tuple]:
     """The BI task: ``(ct_x, extras)`` for the given output cotangents."""
-    split = split_backward(
-        vjp_fn, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in seeds], num_params
-    )
+    split = split_backward(vjp_fn, [abstract_like(s) for s in seeds], num_params)
     values = [*split.consts, *jax.tree.leaves(vjp_fn), *seeds]
     outs = split.bi_program(*[values[i] for i in split.bi_inputs])
     num_ct = len(outs) - split.num_extras

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from nnx_mpmd.compiler.region import RegionInfo
-from nnx_mpmd.compiler.split_backward import run_bi, run_bw
+from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
 from nnx_mpmd.mesh import MpmdMesh
@@ -291,7 +291,10 @@ class StageFunctions:
 
     def backward_weight(self, kept, inputs, extras, gacc):
         """The BW task. -> gacc'."""
-        seed_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.yd]
+        # The cotangents' types are the forward outputs' types for these inputs
+        # (shardings included: on Explicit axes they are part of the type).
+        outputs = jax.eval_shape(lambda *a: self._forward(*a)[0], *inputs)
+        seed_avals = [abstract_like(outputs[v]) for v in self.yd]
         vjp_fn = self._unpack(kept, inputs)
         grads = run_bw(vjp_fn, extras, seed_avals, len(self.param_inputs))
         return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))

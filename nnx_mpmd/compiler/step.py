@@ -174,7 +174,21 @@ def _explicit_axis(mesh: MpmdMesh, axis: str | None) -> bool:
 
 
 class ReplicatedBatchWarning(UserWarning):
-    """A step's batch is replicated on its submeshes: its code rejects a sharded batch."""
+    """A step's batch is replicated on its submeshes: its code rejects a sharded batch.
+
+    On an Explicit batch axis, JAX rejects some ops on a data-sharded input
+    unless they say where their output goes (an embedding lookup with sharded
+    ids, say). The step then runs with each microbatch replicated (the same
+    numbers, no data parallelism inside the stages). Fix it by giving the op
+    ``out_sharding=``, by building the mesh with Auto axes, or silence it with
+    ``mp.jit(..., batch_axis=None)``.
+
+    Example:
+      >>> import warnings
+      >>> import nnx_mpmd as mp
+      >>> issubclass(mp.ReplicatedBatchWarning, UserWarning)
+      True
+    """
 
 
 def _warn_replicated_batch(error: BaseException, mesh: MpmdMesh, batch_axis: str) -> None:
