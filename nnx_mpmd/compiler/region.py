@@ -385,6 +385,120 @@ def _check_writable(captured: list[CapturedVariable]) -> None:
         raise error
 
 
+def _head_leaves(out: Any, *, has_aux: bool, with_grad: bool) -> tuple[list[Any], Any]:
+    """The loss function's result as leaves ``[loss, *aux]`` (or every output leaf).
+
+    Raises:
+      CompileError: a forward-only step returns no arrays.
+    """
+    if with_grad:
+        loss, aux = out if has_aux else (out, None)
+        aux_leaves, aux_tree = jax.tree.flatten(aux)
+        return [loss, *aux_leaves], aux_tree
+    head, tree = jax.tree.flatten(out)  # forward only: every output leaf, per microbatch
+    if not head:
+        raise CompileError("a forward-only pipelined step must return arrays.")
+    return head, tree
+
+
+def _bind_region(info: RegionInfo, inputs: list[Any], diff_tree: Any) -> tuple[Any, Any, list]:
+    """Emits the region equation: ``(loss and aux leaves, grads or None, new state)``."""
+    outs = region_p.bind(*inputs, info=info)
+    head, rest = outs[: 1 + info.n_aux], list(outs[1 + info.n_aux :])
+    if not info.with_grad:
+        return head, None, rest
+    return head, jax.tree.unflatten(diff_tree, rest[: info.n_diff]), rest[info.n_diff :]
+
+
+def _paths(state: Any) -> list[str]:
+    return [_path_str(p) for p, _ in nnx.to_flat_state(state)]
+
+
+def _microbatch_shape(x: Any, num_microbatches: int) -> tuple[int, ...]:
+    return (x.shape[0] // num_microbatches, *x.shape[1:])
+
+
+def _store_state(
+    model: Any, other_tree: Any, captured: list[CapturedVariable], new_state: list[Any]
+) -> None:
+    """Writes the region's new state into the model and the captured Variables."""
+    n = other_tree.num_leaves
+    nnx.update(model, jax.tree.unflatten(other_tree, new_state[:n]))
+    for c, value in zip(captured, new_state[n:], strict=True):
+        c.variable.set_raw_value(value)
+
+
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _trace_body(
+    body: Callable[..., Any], diff_leaves: list[Any], state_leaves: list[Any], mb_avals: list[Any]
+) -> Any:
+    """The closed jaxpr of the region body, with stage markers on."""
+    with markers.pipeline_tracing():
+        return jax.make_jaxpr(body)(
+            [_aval(x) for x in diff_leaves], [_aval(x) for x in state_leaves], mb_avals
+        )
+
+
+def _trace_keeping_used_captured(
+    body: Callable[..., Any],
+    captured: list[CapturedVariable],
+    diff_leaves: list[Any],
+    other_leaves: list[Any],
+    mb_avals: list[Any],
+) -> Any:
+    """Traces ``body``; drops (in place) the captured Variables it ignores.
+
+    Captured candidates are found by name, so some are unused (a global model the
+    loss function does not call). Those are removed from ``captured``, which
+    ``body`` reads, and the body is traced again without them (rare).
+    """
+    held = [c.variable.get_raw_value() for c in captured]
+    closed = _trace_body(body, diff_leaves, [*other_leaves, *held], mb_avals)
+    n_aux = len(closed.out_avals) - 1 - len(other_leaves) - len(held)
+    first_in = len(diff_leaves) + len(other_leaves)
+    used = _held_used(closed.jaxpr, first_in, 1 + n_aux + len(other_leaves), len(held))
+    if all(used):
+        return closed
+    captured[:] = [c for c, u in zip(captured, used) if u]
+    held = [c.variable.get_raw_value() for c in captured]
+    return _trace_body(body, diff_leaves, [*other_leaves, *held], mb_avals)
+
+
+def _check_loss(loss_aval: Any, with_grad: bool) -> None:
+    if with_grad and (loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.floating)):
+        raise CompileError(
+            f"the loss function must return a float scalar (got {loss_aval.str_short()}); "
+            "return the mean loss of the microbatch, and pass extra outputs with has_aux=True."
+        )
+
+
+def _rng_counts_from_index(
+    closed: Any,
+    counts: list[int],
+    num_diff: int,
+    first_out: int,
+    in_avals: list[Any],
+    paths: list[str],
+) -> tuple[Any, list[Any], dict[int, int]]:
+    """The body with its RNG counters derived from the microbatch index, if any advance.
+
+    Returns:
+      ``(closed body, its closure constants, {counter position: K})``; the
+      increments are empty (and the body unchanged) when no counter advances.
+    """
+    first_in = len(closed.consts) + num_diff
+    increments = _count_increments(
+        convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, paths
+    )
+    if not any(increments.values()):
+        return closed, list(closed.consts), {}
+    derived, body_consts = _derive_counts(closed, increments, num_diff, first_out, in_avals)
+    return derived, [*derived.consts, *body_consts], increments
+
+
 def trace_region(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -396,11 +510,8 @@ def trace_region(
 ) -> Any:
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
-    RNG state the loss function closes over (an ``nnx.Rngs`` argument of the
-    step, say) is taken in as region state like the model's own. Every RNG
-    counter is derived from the microbatch index (see `_derive_counts`), so
-    microbatch ``i`` draws the keys the sequential reference draws.
-
+    RNG state the loss function closes over is region state like the model's;
+    RNG counters are derived from the microbatch index (`_derive_counts`).
     Returns what `value_and_grad` returns: ``(loss, grads)`` or
     ``((loss, aux), grads)``; with ``with_grad=False`` the stacked outputs.
     """
@@ -408,16 +519,12 @@ def trace_region(
     assert num_microbatches is not None and _region_state.regions is not None
     graphdef, diff_state, other_state = _split_model(model, wrt)
     captured = captured_variables(loss_fn, exclude=[model])
-    diff_flat = list(nnx.to_flat_state(diff_state))
-    other_flat = list(nnx.to_flat_state(other_state))
     diff_leaves, diff_tree = jax.tree.flatten(diff_state)
     other_leaves, other_tree = jax.tree.flatten(other_state)
-    held_leaves = [c.variable.get_raw_value() for c in captured]
     batch_leaves, batch_tree = jax.tree.flatten(batch)
     check_microbatches(batch, num_microbatches)
     mb_avals = [
-        _microbatch_aval((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
-        for x in batch_leaves
+        _microbatch_aval(_microbatch_shape(x, num_microbatches), x.dtype) for x in batch_leaves
     ]
     aux_tree_box: list[Any] = []
 
@@ -430,67 +537,28 @@ def trace_region(
         with bound_variables(captured, other[len(other_leaves) :]):
             out = loss_fn(local, jax.tree.unflatten(batch_tree, mb))
             new_held = [c.variable.get_raw_value() for c in captured]
-        if with_grad:
-            loss, aux = out if has_aux else (out, None)
-            aux_leaves, aux_tree = jax.tree.flatten(aux)
-            head = [loss, *aux_leaves]
-        else:  # forward only: every output leaf is collected per microbatch
-            head, aux_tree = jax.tree.flatten(out)
-            if not head:
-                raise CompileError("a forward-only pipelined step must return arrays.")
+        head, aux_tree = _head_leaves(out, has_aux=has_aux, with_grad=with_grad)
         aux_tree_box.append(aux_tree)
         return [*head, *_new_state_leaves(local, wrt, other_tree), *new_held]
 
-    def aval(x: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
-    state_leaves = [*other_leaves, *held_leaves]
-    with markers.pipeline_tracing():
-        closed = jax.make_jaxpr(body)(
-            [aval(x) for x in diff_leaves], [aval(x) for x in state_leaves], mb_avals
-        )
+    closed = _trace_keeping_used_captured(body, captured, diff_leaves, other_leaves, mb_avals)
+    state_leaves = [*other_leaves, *(c.variable.get_raw_value() for c in captured)]
     n_aux = len(closed.out_avals) - 1 - len(state_leaves)
-    used = _held_used(
-        closed.jaxpr,
-        len(diff_leaves) + len(other_leaves),
-        1 + n_aux + len(other_leaves),
-        len(held_leaves),
-    )
-    if not all(used):  # rare: trace again without what the body ignores
-        captured = [c for c, u in zip(captured, used) if u]
-        state_leaves = [*other_leaves, *(c.variable.get_raw_value() for c in captured)]
-        with markers.pipeline_tracing():
-            closed = jax.make_jaxpr(body)(
-                [aval(x) for x in diff_leaves], [aval(x) for x in state_leaves], mb_avals
-            )
-        n_aux = len(closed.out_avals) - 1 - len(state_leaves)
     _check_writable(captured)
-    in_avals = [*map(aval, diff_leaves), *map(aval, state_leaves), *mb_avals]
-    loss_aval = closed.out_avals[0]
-    if with_grad and (loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.floating)):
-        raise CompileError(
-            f"the loss function must return a float scalar (got {loss_aval.str_short()}); "
-            "return the mean loss of the microbatch, and pass extra outputs with has_aux=True."
-        )
-    other_paths = [*(_path_str(p) for p, _ in other_flat), *(c.path for c in captured)]
+    _check_loss(closed.out_avals[0], with_grad)
+    other_paths = [*_paths(other_state), *(c.path for c in captured)]
     counts = _count_positions(other_state) + [
         len(other_leaves) + i
         for i, c in enumerate(captured)
         if isinstance(c.variable, nnx.RngCount)
     ]
-    first_in, first_out = len(closed.consts) + len(diff_leaves), 1 + n_aux
-    increments = _count_increments(
-        convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, other_paths
+    in_avals = [*map(_aval, diff_leaves), *map(_aval, state_leaves), *mb_avals]
+    closed, consts, increments = _rng_counts_from_index(
+        closed, counts, len(diff_leaves), 1 + n_aux, in_avals, other_paths
     )
-    index_leaves: list[Any] = []
-    if any(increments.values()):
-        closed, consts = _derive_counts(closed, increments, len(diff_leaves), first_out, in_avals)
-        index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)]
-    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
-    consts = [*closed.consts, *(consts if index_leaves else [])]
-    out_avals = _region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad)
+    index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)] if increments else []
     info = RegionInfo(
-        body=jaxpr,
+        body=convert_constvars_jaxpr(closed.jaxpr),
         num_microbatches=num_microbatches,
         n_closure=len(consts),
         n_diff=len(diff_leaves),
@@ -499,23 +567,15 @@ def trace_region(
         n_aux=n_aux,
         has_aux=has_aux,
         with_grad=with_grad,
-        diff_paths=tuple(_path_str(p) for p, _ in diff_flat),
+        diff_paths=tuple(_paths(diff_state)),
         other_paths=tuple(other_paths),
-        out_avals=out_avals,
+        out_avals=_region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad),
     )
     _region_state.regions.append(info)
-    outs = region_p.bind(
-        *consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves, info=info
-    )
-    head, rest = outs[: 1 + n_aux], outs[1 + n_aux :]
-    grads = None
-    if with_grad:
-        grads = jax.tree.unflatten(diff_tree, rest[: len(diff_leaves)])
-        rest = rest[len(diff_leaves) :]
-    new_state = _advance_counts(list(rest), increments, num_microbatches)
-    nnx.update(model, jax.tree.unflatten(other_tree, new_state[: len(other_leaves)]))
-    for c, value in zip(captured, new_state[len(other_leaves) :], strict=True):
-        c.variable.set_raw_value(value)
+    inputs = [*consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves]
+    head, grads, new_state = _bind_region(info, inputs, diff_tree)
+    new_state = _advance_counts(new_state, increments, num_microbatches)
+    _store_state(model, other_tree, captured, new_state)
     if not with_grad:
         return jax.tree.unflatten(aux_tree_box[-1], head)
     loss, aux = head[0], jax.tree.unflatten(aux_tree_box[-1], head[1:])

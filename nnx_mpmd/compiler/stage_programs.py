@@ -293,8 +293,10 @@ class StageFunctions:
         """The BW task. -> gacc'."""
         # The cotangents' types are the forward outputs' types for these inputs
         # (shardings included: on Explicit axes they are part of the type).
-        outputs = jax.eval_shape(lambda *a: self._forward(*a)[0], *inputs)
-        seed_avals = [abstract_like(outputs[v]) for v in self.yd]
+        outputs = jax.eval_shape(
+            lambda *a: tuple(self._forward(*a)[0][v] for v in self.yd), *inputs
+        )
+        seed_avals = [abstract_like(o) for o in outputs]
         vjp_fn = self._unpack(kept, inputs)
         grads = run_bw(vjp_fn, extras, seed_avals, len(self.param_inputs))
         return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
