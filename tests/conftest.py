@@ -30,7 +30,5 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # Subprocesses (CLI, docs snippets, multi-process runs) share the cache too.
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # Not exported to subprocesses: two processes of one jax.distributed run that
+    # share a persistent cache here deadlocked (tests/test_multiprocess.py).
