@@ -358,7 +358,13 @@ class MpmdArray:
     def __getitem__(self, index: Any) -> jax.Array:
         if isinstance(index, MpmdArray):
             index = np.asarray(index)
-        return self._copy_near(None)[index]
+        copy = self._copy_near(None)
+        sharding = copy.sharding
+        if isinstance(sharding, NamedSharding) and any(sharding.spec):
+            # On Explicit axes JAX cannot index a sharded array without being told
+            # where the result goes; a read wants the whole value, so replicate first.
+            copy = jax.device_put(copy, NamedSharding(sharding.mesh, PartitionSpec()))
+        return copy[index]
 
     def __setitem__(self, index: Any, value: Any) -> None:
         raise PlacementError(

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 
 if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script hangs
     import faulthandler
@@ -57,8 +56,10 @@ def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_na
     for i in range(steps):
         batch = make_batch(kind, microbatches * 2 * data, seed=i)
         if i == kill_at and info.process_id == info.num_processes - 1:
-            # Die mid-step: the timer fires while this step's programs run.
-            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            # Die at the start of this step: the others are left waiting for this process's
+            # part of it. (A timer firing "mid-step" raced with tiny, fast steps: all of them
+            # could finish before it fired.)
+            os.kill(os.getpid(), signal.SIGKILL)
         losses.append(float(step(model, opt, batch)))
     values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
     remote_before = sum(mp.distributed.is_remote(x) for x in values)
