@@ -89,3 +89,17 @@ def test_compiled_step_instructions_round_trip(schedule, stages):
     assert parse_instructions(text, programs) == program
     assert len(text.splitlines()) == len(program)
     assert compiled.ir_text() == text
+
+
+def test_programs_are_named_by_label_in_their_xla_modules():
+    """Profiler traces and HLO dumps read like the instruction list: jit_F0, jit_post_...
+
+    (``named_jit``'s doctest checks that the name reaches the lowered module.)
+    """
+    model = MLP(2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(_step, mesh=make_mesh(2, 1), schedule=mp.ZeroBubbleH1(), num_microbatches=2)
+    lowered = step.lower(model, opt, {"x": jnp.ones((4, WIDTH)), "y": jnp.ones((4, WIDTH))})
+    names = {label: fn.__name__ for label, fn in lowered.programs.items()}
+    assert names["F0"] == "F0" and names["BW0"] == "BW0" and names["FB1"] == "FB1"
+    assert any(name.startswith("post_L") for name in names.values()), names

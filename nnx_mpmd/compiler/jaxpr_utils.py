@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -10,6 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 __all__ = [
+    "named_jit",
     "SubProgram",
     "aval_bytes",
     "is_literal",
@@ -130,3 +133,31 @@ def make_subprogram(
             seen.add(v)
             free.append(v)
     return SubProgram(eqns, free, outvars, substitute), free
+
+
+def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
+    """``jax.jit(fn)`` whose XLA module is named after ``label``: ``jit_F0``, ``jit_post_L0_mesh2``.
+
+    Profiler traces and HLO dumps then read like `Lowered.as_text()`.
+
+    Args:
+      fn: the function to compile.
+      label: the program's label (dots and other non-identifier characters become ``_``).
+      **jit_kwargs: passed to ``jax.jit``.
+
+    Returns:
+      The jitted function.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = named_jit(lambda x: x + 1, "post.L0.mesh1")
+      >>> "jit_post_L0_mesh1" in f.lower(jnp.ones(2)).as_text()
+      True
+    """
+
+    @functools.wraps(fn)
+    def program(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = re.sub(r"\W", "_", label)
+    return jax.jit(program, **jit_kwargs)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, SlotTable, Transfer
-from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, var_bytes
+from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, named_jit, var_bytes
 from nnx_mpmd.compiler.region import region_p
 from nnx_mpmd.errors import CompileError
 
@@ -293,8 +293,8 @@ def plan_outer(
         shardings = [
             out_sharding(state_out[(o, q)], q) if (o, q) in state_out else None for o in outs
         ]
-        fn = _group_function(sub, shardings, submeshes[q] if not free else None)
         label = f"{'pre' if segment == 0 else 'post'}.L{lvl}.mesh{q}"
+        fn = _group_function(sub, shardings, submeshes[q] if not free else None, label)
         programs[label] = fn
         calls[key] = Call(
             q, fn, tuple(slots((v, q)) for v in free), tuple(slots((o, q)) for o in outs), label
@@ -393,7 +393,7 @@ def constrain_to(x: Any, sharding: Any) -> Any:
     return x
 
 
-def _group_function(sub: Any, shardings: list[Any], submesh: Any) -> Any:
+def _group_function(sub: Any, shardings: list[Any], submesh: Any, label: str) -> Any:
     constrained = [i for i, s in enumerate(shardings) if s is not None]
 
     def run(*args: Any) -> tuple[Any, ...]:
@@ -404,5 +404,5 @@ def _group_function(sub: Any, shardings: list[Any], submesh: Any) -> Any:
 
     if submesh is not None:  # no inputs: pin the outputs to the mesh
         replicated = jax.sharding.NamedSharding(submesh, jax.sharding.PartitionSpec())
-        return jax.jit(run, out_shardings=tuple(s or replicated for s in shardings))
-    return jax.jit(run)
+        return named_jit(run, label, out_shardings=tuple(s or replicated for s in shardings))
+    return named_jit(run, label)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, SlotTable, Transfer
-from nnx_mpmd.compiler.jaxpr_utils import var_bytes
+from nnx_mpmd.compiler.jaxpr_utils import named_jit, var_bytes
 from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan
 from nnx_mpmd.errors import CompileError, ScheduleError
@@ -93,14 +93,15 @@ class RegionProgram:
 class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings."""
 
-    def __init__(self, fn: Callable[..., Any], submesh: Any, num_acc: int) -> None:
+    def __init__(self, fn: Callable[..., Any], submesh: Any, num_acc: int, label: str) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = fn, submesh, num_acc, None
+        self.label = label
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
             replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
             out = (tuple(p.sharding for p in params), (replicated,) * self.num_acc)
-            self.jitted = jax.jit(self.fn, out_shardings=out)
+            self.jitted = named_jit(self.fn, self.label, out_shardings=out)
         return self.jitted
 
     def __call__(self, params: tuple[Any, ...]) -> Any:
@@ -155,13 +156,13 @@ def build_region_program(
     compiled: dict[str, Any] = {}
     fwd, bwd, fused, init, bi, bw, fwd_only = {}, {}, {}, {}, {}, {}, {}
     for k, f in enumerate(fns):
-        fwd[k] = compiled[f"F{k}"] = jax.jit(f.forward, donate_argnums=(6,))
-        bwd[k] = compiled[f"B{k}"] = jax.jit(f.backward, donate_argnums=(3,))
-        fused[k] = compiled[f"FB{k}"] = jax.jit(f.fused, donate_argnums=(7, 8))
-        bi[k] = compiled[f"BI{k}"] = jax.jit(f.backward_input)
-        fwd_only[k] = compiled[f"Fwd{k}"] = jax.jit(f.forward_only)
-        bw[k] = compiled[f"BW{k}"] = jax.jit(f.backward_weight, donate_argnums=(3,))
-        init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated))
+        fwd[k] = compiled[f"F{k}"] = named_jit(f.forward, f"F{k}", donate_argnums=(6,))
+        bwd[k] = compiled[f"B{k}"] = named_jit(f.backward, f"B{k}", donate_argnums=(3,))
+        fused[k] = compiled[f"FB{k}"] = named_jit(f.fused, f"FB{k}", donate_argnums=(7, 8))
+        bi[k] = compiled[f"BI{k}"] = named_jit(f.backward_input, f"BI{k}")
+        fwd_only[k] = compiled[f"Fwd{k}"] = named_jit(f.forward_only, f"Fwd{k}")
+        bw[k] = compiled[f"BW{k}"] = named_jit(f.backward_weight, f"BW{k}", donate_argnums=(3,))
+        init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated), f"init_s{k}")
 
     def idx_slot(i: int, q: int) -> int:
         key = ("idx", i, q)
