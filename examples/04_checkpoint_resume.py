@@ -34,8 +34,6 @@ from flax import nnx
 
 import nnx_mpmd as mp
 from nnx_mpmd.checkpoint import CheckpointManager
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.partition import place
 
 WIDTH, LAYERS, BATCH = 16, 4, 32
 
@@ -65,7 +63,7 @@ def loss_fn(model: MLP, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.mean((model(x) - y) ** 2)
 
 
-def make_train_step(mesh: MpmdMesh):
+def make_train_step(mesh: mp.MpmdMesh):
     """The pipelined step for ``mesh`` (1F1B, 4 microbatches)."""
 
     @functools.partial(mp.jit, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4)
@@ -77,11 +75,11 @@ def make_train_step(mesh: MpmdMesh):
     return train_step
 
 
-def build(stages: list[int], num_meshes: int) -> tuple[MLP, nnx.Optimizer, MpmdMesh]:
-    mesh = MpmdMesh(jax.make_mesh((num_meshes, 8 // num_meshes), ("stage", "data")), "stage")
+def build(stages: list[int], num_meshes: int) -> tuple[MLP, nnx.Optimizer, mp.MpmdMesh]:
+    mesh = mp.MpmdMesh(jax.make_mesh((num_meshes, 8 // num_meshes), ("stage", "data")), "stage")
     model = MLP(stages, nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-    place((model, optimizer), mesh)
+    mp.place((model, optimizer), mesh)
     return model, optimizer, mesh
 
 

@@ -38,8 +38,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_mpmd.errors import DistributedError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.mpmd_array import MpmdArray
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.runtime.multi_process import (
     ENV_COORDINATOR,
     ENV_COORDINATOR_BIND,
@@ -242,7 +242,7 @@ def gather(tree: Any, mesh: MpmdMesh | None = None) -> Any:
       True
     """
     if jax.process_count() == 1:
-        from nnx_mpmd.partition import gather as gather_here
+        from nnx_mpmd.placement.partition import gather as gather_here
 
         return gather_here(tree)
     if mesh is not None:

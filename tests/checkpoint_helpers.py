@@ -2,7 +2,7 @@
 
 Used by tests/test_checkpoint*.py and by the subprocess script
 tests/checkpoint_worker.py. Placement here is by hand (``jax.device_put`` onto
-submeshes) so that the tests do not depend on how `nnx_mpmd.partition.place`
+submeshes) so that the tests do not depend on how `nnx_mpmd.placement.partition.place`
 chooses shardings; the `place`-based tests live in the test files.
 """
 
@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.annotate import logical_paths, variable_stage
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.frontend.annotate import logical_paths, variable_stage
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 WIDTH = 8
 NUM_LAYERS = 4

@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 WIDTH = 16
 VOCAB = 32

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_mpmd.annotate import (
+from nnx_mpmd.errors import PartitionError
+from nnx_mpmd.frontend.annotate import (
     PipelinedModel,
     Stage,
     assign_stages,
@@ -23,7 +24,6 @@ from nnx_mpmd.annotate import (
     validate_stages,
     variable_stage,
 )
-from nnx_mpmd.errors import PartitionError
 
 
 class Block(nnx.Module):

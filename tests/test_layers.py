@@ -75,3 +75,58 @@ def test_private_jax_only_in_jax_compat(path):
     assert not bad, (
         f"{_name(path)} imports {bad}: move the private use into nnx_mpmd/_jax_compat.py"
     )
+
+
+# Floors of the package, bottom to top (DESIGN.md's layer table). A module may import
+# modules on its own floor or below. The frontend has two floors: what users
+# annotate models with sits at the bottom; the ``jit`` entry that drives the
+# compiler and runtime sits above them.
+FLOORS = [
+    ("nnx_mpmd.errors", "nnx_mpmd._jax_compat"),
+    ("nnx_mpmd.schedules",),
+    ("nnx_mpmd.frontend.stage", "nnx_mpmd.frontend.annotate", "nnx_mpmd.frontend.markers"),
+    ("nnx_mpmd.placement",),
+    ("nnx_mpmd.compiler",),
+    ("nnx_mpmd.runtime",),
+    ("nnx_mpmd.frontend.jit", "nnx_mpmd.frontend"),
+    ("nnx_mpmd.checkpoint",),
+    ("nnx_mpmd.distributed",),
+    ("nnx_mpmd.models", "nnx_mpmd.annotate"),
+    ("nnx_mpmd.apps", "nnx_mpmd.__main__", "nnx_mpmd"),
+]
+
+
+# Imports up a floor that are allowed: deprecated names forwarded lazily to their new
+# home (removed with the names).
+DEPRECATION_FORWARDS = {("nnx_mpmd.runtime.multi_process", "nnx_mpmd.distributed")}
+
+
+def _floor(module: str) -> int:
+    """The floor of ``module``: the longest matching prefix wins."""
+    best, best_len = None, -1
+    for floor, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = floor, len(prefix)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best
+
+
+@pytest.mark.parametrize("path", _modules(), ids=_name)
+def test_imports_go_down_the_floors(path):
+    name = _name(path).removesuffix(".__init__")
+    own = _floor(name)
+    internal = [n for n in _imports(path) if n == "nnx_mpmd" or n.startswith("nnx_mpmd.")]
+    # ``from nnx_mpmd.frontend import markers`` names the package and the module:
+    # judge the module.
+    up = sorted(
+        n
+        for n in set(internal)
+        if _floor(n) > own
+        and not any(m.startswith(n + ".") for m in internal)
+        and (name, n) not in DEPRECATION_FORWARDS
+    )
+    assert not up, (
+        f"{name} (floor {own}, {FLOORS[own][0]}) imports {up} from a higher floor: "
+        "the package's layers import one way (see DESIGN.md)"
+    )

@@ -8,7 +8,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.errors import MeshError
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 AXIS_TYPES = [AxisType.Explicit, AxisType.Auto]
 

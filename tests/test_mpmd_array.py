@@ -9,8 +9,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.errors import PlacementError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
 
 
 def make_mesh(axis_type=AxisType.Explicit):

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import MLP, make_batch, make_mesh, mlp_loss, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd import mpmd_array
 from nnx_mpmd.errors import MpmdError, PlacementError
-from nnx_mpmd.mpmd_array import MpmdArray
+from nnx_mpmd.placement import mpmd_array
+from nnx_mpmd.placement.mpmd_array import MpmdArray
 
 MESH = make_mesh(4, 2)
 COPY_MESHES = (0, 2)

@@ -28,7 +28,7 @@ from pipeline_models import (
 )
 
 import nnx_mpmd as mp
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 
 def _mesh_1d(num_meshes: int = 2) -> MpmdMesh:

@@ -20,15 +20,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_mpmd.api import jit, value_and_grad
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.frontend.jit import jit, value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
+from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
 from nnx_mpmd.schedules.simulate import Timeline

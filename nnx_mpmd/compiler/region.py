@@ -28,7 +28,6 @@ from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd import markers
 from nnx_mpmd._jax_compat import convert_constvars_jaxpr, dce_jaxpr
 from nnx_mpmd.compiler.captured import (
     CapturedVariable,
@@ -37,6 +36,7 @@ from nnx_mpmd.compiler.captured import (
     outer_trace_error,
 )
 from nnx_mpmd.errors import CompileError
+from nnx_mpmd.frontend import markers
 
 __all__ = [
     "RegionInfo",

@@ -31,7 +31,7 @@ from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 __all__ = ["StageFunctions", "check_mesh_context", "mean_dtype", "submesh_tracing"]
 
@@ -53,7 +53,7 @@ def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
 
     Example:
       >>> import jax
-      >>> from nnx_mpmd.mesh import MpmdMesh
+      >>> from nnx_mpmd.placement.mesh import MpmdMesh
       >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
       >>> check_mesh_context(mesh)  # no mesh context: fine
     """
@@ -106,7 +106,7 @@ def submesh_tracing(mesh: MpmdMesh) -> Iterator[None]:
 
     Example:
       >>> import jax
-      >>> from nnx_mpmd.mesh import MpmdMesh
+      >>> from nnx_mpmd.placement.mesh import MpmdMesh
       >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
       >>> with submesh_tracing(mesh):
       ...     print(jax.sharding.get_abstract_mesh().axis_names)

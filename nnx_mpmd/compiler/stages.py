@@ -19,7 +19,7 @@ from jax.extend import core as jcore
 from nnx_mpmd.compiler.jaxpr_utils import SubProgram, is_literal, make_subprogram
 from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.markers import stage_marker_p
+from nnx_mpmd.frontend.markers import stage_marker_p
 
 __all__ = ["OutputSource", "StagePlan", "StageSlice", "cut_stages"]
 

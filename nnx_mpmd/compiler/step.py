@@ -18,7 +18,6 @@ from flax.nnx import graph as nnx_graph
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd import markers
 from nnx_mpmd._jax_compat import (
     convert_constvars_jaxpr,
     dce_jaxpr,
@@ -32,8 +31,9 @@ from nnx_mpmd.compiler.region_plan import build_region_program
 from nnx_mpmd.compiler.stage_programs import StageFunctions, submesh_tracing
 from nnx_mpmd.compiler.stages import StagePlan, cut_stages
 from nnx_mpmd.errors import CompileError, ScheduleError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.partition import MpmdArray, leaf_mesh_ids
+from nnx_mpmd.frontend import markers
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.partition import MpmdArray, leaf_mesh_ids
 
 __all__ = [
     "CompiledStep",

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_mpmd.annotate import auto_stage
 from nnx_mpmd.errors import MpmdError, PartitionError
+from nnx_mpmd.frontend.annotate import auto_stage
 
 __all__ = [
     "Attention",
@@ -578,7 +578,7 @@ def assign_block_stages(
 
     The embedding always runs on stage 0 and the head on the last stage, so
     their cost is added to the first and the last block before calling
-    `nnx_mpmd.annotate.auto_stage` on the blocks. Every stage thus gets at
+    `nnx_mpmd.frontend.annotate.auto_stage` on the blocks. Every stage thus gets at
     least one block, and the split minimises the heaviest stage.
 
     Args:

@@ -28,7 +28,7 @@ from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.partition import MpmdArray
+from nnx_mpmd.placement.partition import MpmdArray
 
 __all__ = ["MemoryRecorder", "TaskRecord", "execute"]
 

@@ -49,8 +49,8 @@ from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.errors import DistributedError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.partition import MpmdArray
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.partition import MpmdArray
 from nnx_mpmd.runtime.executor import (
     TaskRecord,
     _assign,

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
 from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_step_args
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.mpmd_array import MpmdArray, normalize_spec
-from nnx_mpmd.partition import place
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
+from nnx_mpmd.placement.partition import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.precompile import precompile
 

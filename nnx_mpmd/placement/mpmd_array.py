@@ -15,7 +15,7 @@ never returned); arithmetic and indexing run on one copy and return a
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from nnx_mpmd.mesh import MpmdMesh
+    >>> from nnx_mpmd.placement.mesh import MpmdMesh
     >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     >>> copies = {i: jax.device_put(jnp.zeros((4, 2)), NamedSharding(mesh.submesh(i), P("data")))
     ...           for i in (0, 3)}
@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import PlacementError
-from nnx_mpmd.mesh import MpmdMesh
+from nnx_mpmd.placement.mesh import MpmdMesh
 
 __all__ = ["MpmdArray", "normalize_spec"]
 
@@ -83,7 +83,7 @@ class MpmdArray:
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from nnx_mpmd.mesh import MpmdMesh
+      >>> from nnx_mpmd.placement.mesh import MpmdMesh
       >>> mesh = MpmdMesh(jax.make_mesh((8,), ("stage",)), "stage")
       >>> step = MpmdArray({i: jax.device_put(jnp.int32(5), mesh.devices(i)[0]) for i in range(8)})
       >>> step.mesh_ids, int(np.asarray(step))

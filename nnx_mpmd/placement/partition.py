@@ -9,8 +9,8 @@ submesh; a leaf every mesh needs (the optimizer step count) is an `MpmdArray`.
 Example:
     >>> import jax
     >>> from flax import nnx
-    >>> from nnx_mpmd.annotate import Stage
-    >>> from nnx_mpmd.mesh import MpmdMesh
+    >>> from nnx_mpmd.frontend.annotate import Stage
+    >>> from nnx_mpmd.placement.mesh import MpmdMesh
     >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=3))
     >>> _ = place(model, mesh)
@@ -30,10 +30,10 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd.annotate import STAGE_KEY, _variable_stages, logical_paths, variable_stage
 from nnx_mpmd.errors import PartitionError, PlacementError
-from nnx_mpmd.mesh import MpmdMesh
-from nnx_mpmd.mpmd_array import MpmdArray
+from nnx_mpmd.frontend.annotate import STAGE_KEY, _variable_stages, logical_paths, variable_stage
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.mpmd_array import MpmdArray
 
 __all__ = [
     "MpmdArray",
@@ -84,7 +84,7 @@ def partition(
 
     Example:
       >>> from flax import nnx
-      >>> from nnx_mpmd.annotate import Stage
+      >>> from nnx_mpmd.frontend.annotate import Stage
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> parts = partition(nnx.state(model), 2)
       >>> [len(nnx.to_flat_state(p)) for p in parts]
@@ -151,7 +151,7 @@ def merge_partitions(states: Sequence[nnx.State]) -> nnx.State:
 
     Example:
       >>> from flax import nnx
-      >>> from nnx_mpmd.annotate import Stage
+      >>> from nnx_mpmd.frontend.annotate import Stage
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> merged = merge_partitions(partition(nnx.state(model), 2))
       >>> merged["a"]["module"]["kernel"] is model["a"].module.kernel
@@ -561,7 +561,7 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     Example:
       >>> import jax, optax
       >>> from flax import nnx
-      >>> from nnx_mpmd.annotate import Stage
+      >>> from nnx_mpmd.frontend.annotate import Stage
       >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

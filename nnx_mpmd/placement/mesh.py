@@ -7,7 +7,7 @@ gives ``n`` submeshes; each keeps the other axes, with their names and axis type
 
 Example:
     >>> import jax
-    >>> from nnx_mpmd.mesh import MpmdMesh
+    >>> from nnx_mpmd.placement.mesh import MpmdMesh
     >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     >>> mesh.num_meshes, mesh.axis_names
     (4, ('data',))

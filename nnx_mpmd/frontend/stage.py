@@ -1,0 +1,142 @@
+"""`Stage`: the wrapper that marks a module as one pipeline stage, and stage metadata.
+
+Every Variable under a `Stage(module, stage=k)` carries the metadata
+``mpmd_stage`` (its owner: the lowest stage that reaches it) and ``mpmd_stages``
+(every stage that reaches it, sorted). Optimizer state created after annotation
+inherits the metadata of the parameter it belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from nnx_mpmd.errors import PartitionError
+from nnx_mpmd.frontend import markers
+
+__all__ = ["STAGES_KEY", "STAGE_KEY", "Stage", "tag_stage", "variable_stage"]
+
+STAGE_KEY = "mpmd_stage"
+STAGES_KEY = "mpmd_stages"
+
+
+def variable_stage(variable: nnx.Variable) -> int | None:
+    """The owning stage recorded on ``variable``.
+
+    Args:
+      variable: any NNX Variable.
+
+    Returns:
+      Its ``mpmd_stage`` metadata (the lowest stage that reaches it), or None.
+
+    Example:
+      >>> from flax import nnx
+      >>> variable_stage(nnx.Param(1.0, mpmd_stage=2)), variable_stage(nnx.Param(1.0))
+      (2, None)
+    """
+    return variable.get_metadata().get(STAGE_KEY)
+
+
+def tag_stage(module: Any, stage: int) -> None:
+    """Records ``stage`` on every Variable under ``module``.
+
+    A Variable already tagged with another stage becomes shared: its owner is
+    the lowest stage and ``mpmd_stages`` lists all of them.
+
+    Args:
+      module: an NNX graph node (module, Variable container).
+      stage: the stage number to record.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> tag_stage(layer, 3); tag_stage(layer, 1)
+      >>> layer.kernel.get_metadata()["mpmd_stages"]
+      (1, 3)
+    """
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Variable):
+            _tag_variable(node, stage)
+
+
+def _variable_stages(variable: nnx.Variable) -> set[int]:
+    metadata = variable.get_metadata()
+    stages = set(metadata.get(STAGES_KEY, ()))
+    if metadata.get(STAGE_KEY) is not None:
+        stages.add(metadata[STAGE_KEY])
+    return stages
+
+
+def _tag_variable(variable: nnx.Variable, stage: int) -> None:
+    stages = _variable_stages(variable) | {stage}
+    variable.set_metadata(**{STAGE_KEY: min(stages), STAGES_KEY: tuple(sorted(stages))})
+
+
+class Stage(nnx.Module):
+    """Wraps a module so that it runs as (part of) pipeline stage ``stage``.
+
+    Calling the `Stage` calls the wrapped module. Several `Stage` wrappers may
+    carry the same stage number; consecutive calls of one stage form one stage
+    task. The wrapped module stays reachable as ``stage.module`` so its other
+    methods (for example ``nnx.Embed.attend``) can be used.
+
+    Args:
+      module: the module to wrap.
+      stage: the logical stage number (>= 0).
+      remat: recompute the stage's forward during its backward pass instead of
+        keeping its residuals (the forward task keeps only the stage input).
+      policy: an optional ``jax.checkpoint`` policy used when ``remat`` is True.
+
+    Example:
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> layer = mp.Stage(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), stage=1)
+      >>> layer.module.kernel.get_metadata()["mpmd_stage"]
+      1
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        stage: int,
+        *,
+        remat: bool = False,
+        policy: Callable[..., Any] | None = None,
+    ) -> None:
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            raise PartitionError(
+                f"Stage(stage={stage!r}) for {type(module).__name__}: the stage number "
+                "must be an int >= 0."
+            )
+        self.module = module
+        self.stage = stage
+        self.remat = remat
+        self.policy = policy
+        tag_stage(module, stage)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return markers.call_stage(
+            self.stage,
+            self.module,
+            args,
+            kwargs,
+            remat=self.remat,
+            policy=self.policy,
+            where=f" ({type(self.module).__name__})",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # Runs only when normal lookup fails: forward to the wrapped module so that
+        # e.g. ``stage.attend(x)`` works. While NNX rebuilds a graph, ``module`` may
+        # not be set yet; internal names are never forwarded.
+        if name.startswith("__") or name.startswith("_pytree__"):
+            raise AttributeError(name)
+        module = object.__getattribute__(self, "__dict__").get("module")
+        if module is None:
+            raise AttributeError(f"'Stage' object has no attribute {name!r}")
+        return getattr(module, name)
+
+    def __repr__(self) -> str:
+        return f"Stage({type(self.module).__name__}, stage={self.stage}, remat={self.remat})"
