@@ -13,6 +13,7 @@ import nnx_mpmd as mp
 from nnx_mpmd.compiler.instructions import (
     Call,
     Free,
+    ProgramKey,
     Transfer,
     format_instructions,
     parse_instructions,
@@ -24,9 +25,9 @@ def _program(x):
 
 
 HANDWRITTEN = [
-    Call(0, _program, ((0, 1), ()), ((2, 3), (4,)), "init0"),
-    Call(1, _program, (5, (6, 7)), 8, "F1.3", mp.Task(1, 3, "F")),
-    Call(2, _program, (), (), "label with spaces 'and quotes'"),
+    Call(0, ProgramKey("init", 0), _program, ((0, 1), ()), ((2, 3), (4,)), "init0"),
+    Call(1, ProgramKey("F", 1), _program, (5, (6, 7)), 8, "F1.3", mp.Task(1, 3, "F")),
+    Call(2, ProgramKey("post", index=0, mesh=2), _program, (), (), "label 'quoted' spaces"),
     Transfer(8, 9, 1, "act s0->s1 mb0", src_mesh=0, nbytes=512, per_microbatch=True),
     Transfer(10, 11, 0, "argument leaf 0 host->0", reshape_microbatches=4, spec=P(None, "data")),
     Transfer(12, 13, 2, "grad", src_mesh=1, spec=P(("data", "model"), None, ("x",))),
@@ -37,8 +38,8 @@ HANDWRITTEN = [
 
 
 def test_handwritten_instructions_round_trip():
-    programs = {"prog": _program}
-    text = format_instructions(HANDWRITTEN, programs)
+    programs = {"init0": _program, "F1": _program, "post.L0.mesh2": _program}
+    text = format_instructions(HANDWRITTEN)
     assert parse_instructions(text, programs) == HANDWRITTEN
     assert "transfer 10@-1 -> 11@0" in text and "spec=[None,data]" in text
 
@@ -54,13 +55,14 @@ def test_comments_and_blank_lines_are_skipped():
         ("call 0 missing args=() outs=() label=x", r"program 'missing'.*pass it in programs"),
         ("jump 3", r"line 1 .*is not an instruction"),
         ("transfer 1@0 -> 2@1 label=x spec=None", r"spec='None' is not of the form"),
-        ("call 0 prog args=(1 outs=() label=x", r"args='\(1' is not a Python literal"),
-        ("call 0 prog args=() outs=() oops", r"cannot read 'oops'"),
+        ("call 0 F0 args=(1 outs=() label=x", r"args='\(1' is not a Python literal"),
+        ("call 0 F0 args=() outs=() oops", r"cannot read 'oops'"),
+        ("call 0 F-0 args=() outs=() label=x", r"'F-0' is not a program name"),
     ],
 )
 def test_bad_text_is_a_compile_error(text, message):
     with pytest.raises(mp.CompileError, match=message):
-        parse_instructions(text, {"prog": _program})
+        parse_instructions(text, {"F0": _program, "F-0": _program})
 
 
 def _step(model, opt, batch):
@@ -80,13 +82,10 @@ def test_compiled_step_instructions_round_trip(schedule, stages):
     step = mp.jit(_step, mesh=make_mesh(2, 2), schedule=schedule, num_microbatches=4)
     compiled = step.lower(model, opt, {"x": jnp.ones((8, WIDTH)), "y": jnp.ones((8, WIDTH))})
     program = compiled.compiled.instructions
-    programs = dict(compiled.programs)
-    named = {id(fn) for fn in programs.values()}
-    programs.update(  # accumulator initializers are not listed as programs: name them
-        {i.label: i.fn for i in program if isinstance(i, Call) and id(i.fn) not in named}
-    )
-    text = format_instructions(program, programs)
-    assert parse_instructions(text, programs) == program
+    text = format_instructions(program)
+    assert parse_instructions(text, compiled.programs) == program
+    called = {str(i.program) for i in program if isinstance(i, Call)}
+    assert called <= set(compiled.programs), called - set(compiled.programs)
     assert len(text.splitlines()) == len(program)
     assert compiled.ir_text() == text
 
@@ -102,4 +101,12 @@ def test_programs_are_named_by_label_in_their_xla_modules():
     lowered = step.lower(model, opt, {"x": jnp.ones((4, WIDTH)), "y": jnp.ones((4, WIDTH))})
     names = {label: fn.__name__ for label, fn in lowered.programs.items()}
     assert names["F0"] == "F0" and names["BW0"] == "BW0" and names["FB1"] == "FB1"
+    assert names["init0"] == "init0" and names["init1"] == "init1"
     assert any(name.startswith("post_L") for name in names.values()), names
+
+
+@pytest.mark.parametrize(
+    "key", [ProgramKey("F", 0), ProgramKey("init", 3), ProgramKey("post", mesh=2, index=1)]
+)
+def test_program_keys_round_trip(key):
+    assert ProgramKey.parse(str(key)) == key

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "Call",
     "Free",
     "Instruction",
+    "ProgramKey",
     "SlotTable",
     "Transfer",
     "format_instruction",
@@ -38,9 +40,56 @@ __all__ = [
 ]
 
 
+_KEY_TEXT = re.compile(r"^([A-Za-z_]+?)(\d+)?(?:\.L(\d+))?(?:\.mesh(\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class ProgramKey:
+    """Names one compiled program: what it computes, for which stage, on which mesh.
+
+    ``kind`` is a stage task kind (``F``, ``B``, ``FB``, ``BI``, ``BW``, ``Fwd``
+    forward-only, ``init`` accumulators) or a program of the outer code (``pre``
+    / ``post``: the step's code before / after the pipelined region, one program
+    per level and mesh) or of the region's outputs (``stack``, ``zeros``, ``sum``).
+    ``index`` is the outer program's level, or the output a region-output program
+    makes. The text form (``F0``, ``init1``, ``post.L0.mesh2``) is the program's
+    name in `format_instructions` and its XLA module's name (``jit_F0``).
+
+    Example:
+      >>> str(ProgramKey("post", index=0, mesh=2))
+      'post.L0.mesh2'
+      >>> ProgramKey.parse("BW1")
+      ProgramKey(kind='BW', stage=1, mesh=None, index=None)
+    """
+
+    kind: str
+    stage: int | None = None
+    mesh: int | None = None
+    index: int | None = None
+
+    def __str__(self) -> str:
+        text = self.kind + ("" if self.stage is None else str(self.stage))
+        text += "" if self.index is None else f".L{self.index}"
+        return text + ("" if self.mesh is None else f".mesh{self.mesh}")
+
+    @classmethod
+    def parse(cls, text: str) -> ProgramKey:
+        """Reads the text form; raises `CompileError` for anything else."""
+        match = _KEY_TEXT.match(text)
+        if match is None:
+            raise CompileError(
+                f"{text!r} is not a program name: names read KIND[STAGE][.LINDEX][.meshMESH], "
+                "e.g. F0, init1, post.L0.mesh2."
+            )
+        kind, *numbers = match.groups()
+        stage, index, mesh = (None if n is None else int(n) for n in numbers)
+        return cls(kind, stage=stage, mesh=mesh, index=index)
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """Runs ``fn`` on ``mesh``: args are built from slots, results stored in slots.
+    """Runs program ``program`` (the callable ``fn``) on ``mesh``: args are built
+    from slots, results stored in slots.
 
     ``args`` and ``outs`` are nested tuples of slot numbers mirroring the
     program's arguments and results (an ``int`` leaf is a slot; the
@@ -48,6 +97,7 @@ class Call:
     """
 
     mesh: int
+    program: ProgramKey
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     outs: Any
@@ -157,17 +207,11 @@ def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction
     return result
 
 
-def _program_names(programs: Mapping[str, Any]) -> dict[int, str]:
-    return {id(fn): name for name, fn in programs.items()}
-
-
-def format_instruction(ins: Instruction, names: Mapping[int, str] | None = None) -> str:
+def format_instruction(ins: Instruction) -> str:
     """One instruction as one line of text (see `format_instructions`).
 
     Args:
       ins: the instruction.
-      names: program names by ``id`` of the callable (a `Call` whose program is
-        not named prints its label as the name).
 
     Returns:
       The line, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0 task=F1.0``.
@@ -179,9 +223,8 @@ def format_instruction(ins: Instruction, names: Mapping[int, str] | None = None)
     if isinstance(ins, Free):
         return " ".join(["free", *map(str, ins.slots)])
     if isinstance(ins, Call):
-        name = (names or {}).get(id(ins.fn), ins.label)
         args, outs = (repr(t).replace(" ", "") for t in (ins.args, ins.outs))
-        line = f"call {ins.mesh} {shlex.quote(name)} args={args} outs={outs}"
+        line = f"call {ins.mesh} {ins.program} args={args} outs={outs}"
         line += f" label={shlex.quote(ins.label)}"
         return line + (f" task={ins.task}" if ins.task is not None else "")
     line = f"transfer {ins.src}@{ins.src_mesh} -> {ins.dst}@{ins.dst_mesh}"
@@ -221,25 +264,27 @@ def _parse_spec(text: str, line_no: int) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def format_instructions(program: Sequence[Instruction], programs: Mapping[str, Any]) -> str:
+def format_instructions(program: Sequence[Instruction]) -> str:
     """The text form of an instruction list, one line per instruction.
+
+    A `Call` prints its program's name (its `ProgramKey`), not the callable:
+    `parse_instructions` looks the callable up by that name.
 
     Args:
       program: the instructions, in dispatch order.
-      programs: the callables `Call` runs, by name (printed instead of the object).
 
     Returns:
       The text; `parse_instructions` reads it back.
 
     Example:
-      >>> prog = [Call(0, abs, (0,), 1, "abs"), Transfer(1, 2, 1, "x", src_mesh=0), Free((0,))]
-      >>> print(format_instructions(prog, {"abs": abs}))
-      call 0 abs args=(0,) outs=1 label=abs
+      >>> key = ProgramKey("F", stage=0)
+      >>> prog = [Call(0, key, abs, (0,), 1, "F0.0"), Transfer(1, 2, 1, "x", src_mesh=0)]
+      >>> print(format_instructions([*prog, Free((0,))]))
+      call 0 F0 args=(0,) outs=1 label=F0.0
       transfer 1@0 -> 2@1 label=x bytes=0
       free 0
     """
-    names = _program_names(programs)
-    return "\n".join(format_instruction(ins, names) for ins in program)
+    return "\n".join(format_instruction(ins) for ins in program)
 
 
 def _fields(tokens: list[str], line_no: int, line: str) -> dict[str, str]:
@@ -277,7 +322,8 @@ def _parse_line(line: str, line_no: int, programs: Mapping[str, Any]) -> Instruc
         task = Task.parse(fields["task"]) if "task" in fields else None
         args = _literal(fields["args"], "args", line_no)
         outs = _literal(fields["outs"], "outs", line_no)
-        return Call(mesh, programs[name], args, outs, fields["label"], task)
+        key = ProgramKey.parse(name)
+        return Call(mesh, key, programs[name], args, outs, fields["label"], task)
     if op == "transfer" and len(tokens) >= 4 and tokens[2] == "->":
         (src, src_mesh), (dst, dst_mesh) = (map(int, t.split("@")) for t in (tokens[1], tokens[3]))
         fields = _fields(tokens[4:], line_no, line)
@@ -314,8 +360,8 @@ def parse_instructions(text: str, programs: Mapping[str, Any]) -> list[Instructi
       CompileError: a line is not an instruction, or names an unknown program.
 
     Example:
-      >>> text = "call 0 abs args=(0,) outs=1 label=abs\\nfree 0"
-      >>> parse_instructions(text, {"abs": abs})[1]
+      >>> text = "call 0 F0 args=(0,) outs=1 label=F0.0\\nfree 0"
+      >>> parse_instructions(text, {"F0": abs})[1]
       Free(slots=(0,))
     """
     program = []

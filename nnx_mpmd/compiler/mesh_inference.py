@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, SlotTable, Transfer
+from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, named_jit, var_bytes
 from nnx_mpmd.compiler.region import region_p
 from nnx_mpmd.errors import CompileError
@@ -293,12 +293,12 @@ def plan_outer(
         shardings = [
             out_sharding(state_out[(o, q)], q) if (o, q) in state_out else None for o in outs
         ]
-        label = f"{'pre' if segment == 0 else 'post'}.L{lvl}.mesh{q}"
+        program_key = ProgramKey("pre" if segment == 0 else "post", index=lvl, mesh=q)
+        label = str(program_key)
         fn = _group_function(sub, shardings, submeshes[q] if not free else None, label)
         programs[label] = fn
-        calls[key] = Call(
-            q, fn, tuple(slots((v, q)) for v in free), tuple(slots((o, q)) for o in outs), label
-        )
+        args, results = tuple(slots((v, q)) for v in free), tuple(slots((o, q)) for o in outs)
+        calls[key] = Call(q, program_key, fn, args, results, label)
 
     instructions: list[Instruction] = []
     max_level = max([k[1] for k in groups] + [t[1] for t in transfers] + [0])

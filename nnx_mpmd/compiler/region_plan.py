@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, SlotTable, Transfer
+from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, var_bytes
 from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan
@@ -95,7 +95,7 @@ class _LazyInit:
 
     def __init__(self, fn: Callable[..., Any], submesh: Any, num_acc: int, label: str) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = fn, submesh, num_acc, None
-        self.label = label
+        self.label = self.__name__ = label
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
@@ -162,7 +162,9 @@ def build_region_program(
         bi[k] = compiled[f"BI{k}"] = named_jit(f.backward_input, f"BI{k}")
         fwd_only[k] = compiled[f"Fwd{k}"] = named_jit(f.forward_only, f"Fwd{k}")
         bw[k] = compiled[f"BW{k}"] = named_jit(f.backward_weight, f"BW{k}", donate_argnums=(3,))
-        init[k] = _LazyInit(f.init, submeshes[stage_mesh[k]], len(f.accumulated), f"init_s{k}")
+        init[k] = compiled[f"init{k}"] = _LazyInit(
+            f.init, submeshes[stage_mesh[k]], len(f.accumulated), f"init{k}"
+        )
 
     def idx_slot(i: int, q: int) -> int:
         key = ("idx", i, q)
@@ -177,7 +179,7 @@ def build_region_program(
         params = tuple(input_slot(r, q) for r in f.param_inputs)
         gacc = tuple(slots(("g", k, j)) for j in range(len(f.param_inputs)))
         racc = tuple(slots(("racc", k, j)) for j in range(len(f.accumulated)))
-        program.append(Call(q, init[k], (params,), (gacc, racc), f"init{k}"))
+        program.append(Call(q, ProgramKey("init", k), init[k], (params,), (gacc, racc), f"init{k}"))
 
     def state_slot(r: int, i: int, q: int) -> int:
         # Microbatch i reads the state the forward of microbatch i-1 left.
@@ -267,6 +269,7 @@ def build_region_program(
             program.append(
                 Call(
                     mesh,
+                    ProgramKey("Fwd", k),
                     fwd_only[k],
                     forward_args(k, i),
                     (sends, outs, carried_outs(k, i)),
@@ -291,6 +294,7 @@ def build_region_program(
                 program.append(
                     Call(
                         mesh,
+                        ProgramKey("FB", k),
                         fused[k],
                         (*forward_args(k, i), cts_args(k, i), gacc, racc),
                         (sends, after_backward(k, i), gacc, racc, carried_outs(k, i)),
@@ -304,6 +308,7 @@ def build_region_program(
             program.append(
                 Call(
                     mesh,
+                    ProgramKey("F", k),
                     fwd[k],
                     (*forward_args(k, i), racc),
                     (sends, slots(("res", k, i)), racc, carried_outs(k, i)),
@@ -316,6 +321,7 @@ def build_region_program(
             program.append(
                 Call(
                     mesh,
+                    ProgramKey("B", k),
                     bwd[k],
                     (slots(("res", k, i)), forward_args(k, i), cts_args(k, i), gacc),
                     (after_backward(k, i), gacc),
@@ -328,6 +334,7 @@ def build_region_program(
             program.append(
                 Call(
                     mesh,
+                    ProgramKey("BI", k),
                     bi[k],
                     (slots(("res", k, i)), forward_args(k, i), cts_args(k, i)),
                     (after_backward(k, i), slots(("extras", k, i))),
@@ -340,6 +347,7 @@ def build_region_program(
             program.append(
                 Call(
                     mesh,
+                    ProgramKey("BW", k),
                     bw[k],
                     (slots(("res", k, i)), forward_args(k, i), slots(("extras", k, i)), gacc),
                     gacc,
@@ -364,7 +372,9 @@ def build_region_program(
             j = fns[k].accumulated.index(source.var)
             parts = tuple(slots(("out", k, j, i)) for i in range(info.num_microbatches))
             out = slots(("stacked", o_index))
-            program.append(Call(q, _stack_jit, parts, out, f"stack output {o_index}"))
+            key = ProgramKey("stack", index=o_index, mesh=q)
+            compiled[str(key)] = _stack_jit
+            program.append(Call(q, key, _stack_jit, parts, out, f"stack output {o_index}"))
             output_slots.append([(q, out)])
     for o_index, source in enumerate(plan.outputs[:n_acc_outputs] if info.with_grad else []):
         if source.kind != "stage":
@@ -391,16 +401,18 @@ def build_region_program(
                 contributions.append(src)
             if not contributions:
                 out = slots(("gzero", d))
-                program.append(
-                    Call(home, _zeros_like_jit, (input_slot(r, home),), out, f"zero grad {d}")
-                )
+                key = ProgramKey("zeros", index=d, mesh=home)
+                compiled[str(key)] = _zeros_like_jit
+                zero_args = (input_slot(r, home),)
+                program.append(Call(home, key, _zeros_like_jit, zero_args, out, f"zero grad {d}"))
             elif len(contributions) == 1:
                 out = contributions[0]
             else:
                 out = slots(("gsum", d))
-                program.append(
-                    Call(home, _sum_jit, tuple(contributions), out, f"sum shared grad {d}")
-                )
+                key = ProgramKey("sum", index=d, mesh=home)
+                compiled[str(key)] = _sum_jit
+                parts = tuple(contributions)
+                program.append(Call(home, key, _sum_jit, parts, out, f"sum shared grad {d}"))
             output_slots.append([(home, out)])
     first_other = info.n_closure + info.n_diff
     for j, source in enumerate(plan.outputs[n_acc_outputs:]):

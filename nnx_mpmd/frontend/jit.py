@@ -177,17 +177,12 @@ class Lowered:
     def ir_text(self) -> str:
         """The whole instruction list in the IR's text form, one instruction a line.
 
-        ``compiler.instructions.parse_instructions`` reads it back given the
-        programs by name (`programs`, plus accumulator initializers named by label).
+        ``compiler.instructions.parse_instructions(text, lowered.programs)`` reads it
+        back: every `Call` names its program (``F0``, ``init1``, ``post.L0.mesh2``).
         """
-        from nnx_mpmd.compiler.instructions import Call, format_instructions
+        from nnx_mpmd.compiler.instructions import format_instructions
 
-        programs = dict(self.compiled.programs)
-        named = {id(fn) for fn in programs.values()}
-        for ins in self.compiled.instructions:
-            if isinstance(ins, Call) and id(ins.fn) not in named:
-                programs.setdefault(ins.label, ins.fn)
-        return format_instructions(self.compiled.instructions, programs)
+        return format_instructions(self.compiled.instructions)
 
     def __str__(self) -> str:
         return self.as_text()
