@@ -1,0 +1,451 @@
+"""Mesh inference, last passes: the outer code's programs, transfers and report.
+
+After `outer_assign.assign_meshes` decided where every equation runs:
+
+1. `level_equations` groups each mesh's equations into *levels*: a level ends
+   where a value must arrive from another mesh, so one program per (segment,
+   level, mesh) (`OuterGroup`, named ``pre.L0.mesh1``) and the transfers
+   between levels.
+2. `emit_outer_program` makes the instructions: per segment and level, the
+   transfers then the `Call` of each mesh's program; the region's instructions
+   between the ``pre`` and the ``post`` segment.
+3. `report_transfers` lists the transfers between meshes outside the region
+   (`CrossMeshTransfer`, ``lower(...).transfers``) and warns about large ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
+from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, named_jit, var_bytes
+from nnx_mpmd.compiler.outer_assign import (
+    HOST,
+    BatchOnMesh,
+    MeshAssignment,
+    Move,
+    OuterProblem,
+    Segment,
+    ValueOnMesh,
+    aval_text,
+    mesh_order,
+)
+
+__all__ = [
+    "CrossMeshTransfer",
+    "MpmdTransferWarning",
+    "OuterGroup",
+    "OuterLevels",
+    "OuterProgram",
+    "OuterTransfer",
+    "constrain_to",
+    "emit_outer_program",
+    "level_equations",
+    "report_transfers",
+]
+
+
+class MpmdTransferWarning(UserWarning):
+    """A large value crosses meshes outside the pipelined region every step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossMeshTransfer:
+    """A transfer outside the region, as reported by ``lower(...).transfers``."""
+
+    what: str
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class OuterGroup:
+    """One program of the outer code: a segment's equations of one level on one mesh."""
+
+    segment: Segment
+    level: int
+    mesh: int
+
+    @property
+    def program_key(self) -> ProgramKey:
+        """The program's name: ``pre.L0.mesh1``."""
+        return ProgramKey(self.segment.name.lower(), index=self.level, mesh=self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterTransfer:
+    """A `Move` with its source mesh (or `HOST`) and the level it runs before."""
+
+    var: Any
+    src: int
+    dst: int
+    segment: Segment
+    level: int
+    as_batch: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OuterLevels:
+    """Result of `level_equations`: equations per program, transfers per level.
+
+    Attributes:
+      groups: each program's equation indices, in emission order (segment,
+        level, mesh).
+      transfers: the transfers, in the order they were needed.
+      assignment: the `MeshAssignment` leveled.
+    """
+
+    groups: Mapping[OuterGroup, tuple[int, ...]]
+    transfers: tuple[OuterTransfer, ...]
+    assignment: MeshAssignment
+
+    def __str__(self) -> str:
+        eqns, names = self.assignment.jaxpr.eqns, self.assignment.names
+        lines = [
+            f"{group.program_key}: " + " ".join(f"{i}:{eqns[i].primitive.name}" for i in members)
+            for group, members in self.groups.items()
+        ]
+        for t in self.transfers:
+            src = "host" if t.src == HOST else f"mesh{t.src}"
+            kind = "batch " if t.as_batch else ""
+            lines.append(
+                f"transfer {kind}{names.get(t.var, '?')!r} {aval_text(t.var)} {src}->mesh{t.dst} "
+                f"before {t.segment.name.lower()}.L{t.level}"
+            )
+        return "\n".join(lines)
+
+
+def level_equations(assignment: MeshAssignment) -> OuterLevels:
+    """Pass: groups each mesh's equations into levels; places the transfers between them.
+
+    An equation's level on a mesh is the highest level of its inputs there; a
+    value copied from another mesh arrives one level after its source (from the
+    host: at level 0). A move copies from the host if the value is there, else
+    from the holder of the lowest level (then the lowest mesh id). Levels
+    restart at 0 after the region: everything before it is done by then.
+
+    Args:
+      assignment: `outer_assign.assign_meshes`'s result.
+
+    Returns:
+      The `OuterLevels`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from nnx_mpmd.compiler.outer_assign import OuterProblem, assign_meshes
+      >>> closed = jax.make_jaxpr(lambda a, b: a + b)(jnp.ones(2), jnp.ones(2))
+      >>> problem = OuterProblem(closed.jaxpr, [{0}, {1}], [None], ["a", "b"],
+      ...                        jax.devices()[:2], lambda j, q: None)
+      >>> print(level_equations(assign_meshes(problem, {}, region_at=1)))
+      pre.L1.mesh0: 0:add
+      transfer 'b' float32[2] mesh1->mesh0 before pre.L1
+    """
+    eqns = assignment.jaxpr.eqns
+    moves_at: dict[int, list[Move]] = {}
+    for move in assignment.moves:
+        moves_at.setdefault(move.before, []).append(move)
+    level: dict[Any, int] = {}  # ValueOnMesh / BatchOnMesh -> level; absent: 0
+    groups: dict[OuterGroup, list[int]] = {}
+    transfers: list[OuterTransfer] = []
+    for i in range(len(eqns) + 1):
+        transfers += [_level_move(move, level) for move in moves_at.get(i, ())]
+        if i == len(eqns):
+            break
+        if i == assignment.region_at:
+            level = {}  # the post-region code starts when everything before is done
+            continue
+        segment = Segment.PRE if i < assignment.region_at else Segment.POST
+        inputs = [v for v in eqns[i].invars if not is_literal(v)]
+        for q in mesh_order(assignment.run_on[i]):
+            lvl = max((level.get(ValueOnMesh(v, q), 0) for v in inputs), default=0)
+            groups.setdefault(OuterGroup(segment, lvl, q), []).append(i)
+            level.update((ValueOnMesh(out, q), lvl) for out in eqns[i].outvars)
+    ordered = {group: tuple(sorted(groups[group])) for group in sorted(groups)}
+    return OuterLevels(ordered, tuple(transfers), assignment)
+
+
+def _level_move(move: Move, level: dict[Any, int]) -> OuterTransfer:
+    if HOST in move.sources:
+        src, lvl = HOST, 0
+    else:
+        src = min(move.sources, key=lambda s: (level.get(ValueOnMesh(move.var, s), 0), s))
+        lvl = level.get(ValueOnMesh(move.var, src), 0) + 1
+    key = BatchOnMesh if move.as_batch else ValueOnMesh
+    level[key(move.var, move.dst)] = lvl
+    return OuterTransfer(move.var, src, move.dst, move.segment, lvl, move.as_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterProgram:
+    """Result of `emit_outer_program`.
+
+    Attributes:
+      instructions: the step's instructions (the region's spliced in), no frees.
+      programs: the outer programs by name (``pre.L0.mesh1``).
+      output_slots: per step output, its ``(mesh, slot)`` pairs.
+      input_slots: per step input, ``{mesh or HOST: slot}``.
+    """
+
+    instructions: tuple[Instruction, ...]
+    programs: dict[str, Any]
+    output_slots: list[list[tuple[int, int]]]
+    input_slots: list[dict[int, int]]
+
+
+def emit_outer_program(
+    problem: OuterProblem, levels: OuterLevels, slots: SlotTable
+) -> OuterProgram:
+    """Pass: one `Call` per `OuterGroup`, the `Transfer`s, the region in between.
+
+    Per segment (pre, post) and level: that level's transfers, then each mesh's
+    program of that level in mesh order; after the pre segment, the region's
+    instructions. A program returns the values read by another program, a
+    transfer, the region or the step's outputs; state outputs take their
+    sharding (``problem.out_sharding``). Slots are allocated in a fixed order:
+    the outputs, the programs, the transfers, the inputs.
+
+    Args:
+      problem: the step.
+      levels: `level_equations`'s result.
+      slots: the step's slot table (written).
+
+    Returns:
+      The `OuterProgram`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from nnx_mpmd.compiler.instructions import format_instructions
+      >>> from nnx_mpmd.compiler.outer_assign import OuterProblem, assign_meshes
+      >>> closed = jax.make_jaxpr(lambda a, b: a + b)(jnp.ones(2), jnp.ones(2))
+      >>> problem = OuterProblem(closed.jaxpr, [{0}, {1}], [None], ["a", "b"],
+      ...                        jax.devices()[:2], lambda j, q: None)
+      >>> levels = level_equations(assign_meshes(problem, {}, region_at=1))
+      >>> program = emit_outer_program(problem, levels, SlotTable())
+      >>> print(format_instructions(program.instructions))
+      transfer 3@1 -> 2@0 label='b 1->0' bytes=8
+      call 0 pre.L1.mesh0 args=(1,2) outs=(0,) label=pre.L1.mesh0
+    """
+    assignment = levels.assignment
+    outvars = problem.jaxpr.outvars
+    output_slots = [
+        [(q, slots(ValueOnMesh(v, q))) for q in meshes]
+        for v, meshes in zip(outvars, assignment.output_meshes)
+    ]
+    calls, programs = _emit_calls(problem, levels, slots)
+    by_level: dict[tuple[Segment, int], list[OuterTransfer]] = {}
+    for t in levels.transfers:
+        by_level.setdefault((t.segment, t.level), []).append(t)
+    max_level = max([g.level for g in levels.groups] + [t.level for t in levels.transfers] + [0])
+    instructions: list[Instruction] = []
+    for segment in Segment:
+        for lvl in range(max_level + 1):
+            for t in by_level.get((segment, lvl), ()):
+                instructions.append(_transfer(problem, t, assignment.names, slots))
+            for q in range(len(problem.submeshes)):
+                call = calls.get(OuterGroup(segment, lvl, q))
+                if call is not None:
+                    instructions.append(call)
+        if segment is Segment.PRE and assignment.region is not None:
+            instructions.extend(assignment.region.instructions)
+    input_slots = [
+        {q: slots(ValueOnMesh(v, q)) for q in meshes}
+        for v, meshes in zip(problem.jaxpr.invars, problem.invar_meshes)
+    ]
+    return OuterProgram(tuple(instructions), programs, output_slots, input_slots)
+
+
+def _kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
+    """Values read outside their program: by a transfer, the region or the step's outputs."""
+    assignment = levels.assignment
+    kept = {ValueOnMesh(t.var, t.src) for t in levels.transfers}
+    if assignment.region is not None:
+        region_eqn = problem.jaxpr.eqns[assignment.region_at]
+        kept |= {
+            ValueOnMesh(v, q) for v in region_eqn.invars for q in assignment.placement.get(v, ())
+        }
+    for v, meshes in zip(problem.jaxpr.outvars, assignment.output_meshes):
+        kept |= {ValueOnMesh(v, q) for q in meshes}
+    return kept
+
+
+def _emit_calls(
+    problem: OuterProblem, levels: OuterLevels, slots: SlotTable
+) -> tuple[dict[OuterGroup, Call], dict[str, Any]]:
+    eqns = problem.jaxpr.eqns
+    readers: dict[ValueOnMesh, set[OuterGroup]] = {}
+    for group, members in levels.groups.items():
+        for i in members:
+            for v in eqns[i].invars:
+                if not is_literal(v):
+                    readers.setdefault(ValueOnMesh(v, group.mesh), set()).add(group)
+    kept = _kept_values(problem, levels)
+    state_out = {
+        ValueOnMesh(v, q): j
+        for j, (v, targets) in enumerate(zip(problem.jaxpr.outvars, problem.outvar_targets))
+        if targets
+        for q in targets
+    }
+    calls: dict[OuterGroup, Call] = {}
+    programs: dict[str, Any] = {}
+    for group, members in levels.groups.items():
+        q = group.mesh
+        group_eqns = [eqns[i] for i in members]
+        outs = [
+            o
+            for e in group_eqns
+            for o in e.outvars
+            if (readers.get(ValueOnMesh(o, q), set()) - {group}) or ValueOnMesh(o, q) in kept
+        ]
+        sub, free = make_subprogram(group_eqns, outs)
+        shardings = [
+            problem.out_sharding(state_out[ValueOnMesh(o, q)], q)
+            if ValueOnMesh(o, q) in state_out
+            else None
+            for o in outs
+        ]
+        key = group.program_key
+        label = str(key)
+        fn = _group_function(sub, shardings, problem.submeshes[q] if not free else None, label)
+        programs[label] = fn
+        args = tuple(slots(ValueOnMesh(v, q)) for v in free)
+        results = tuple(slots(ValueOnMesh(o, q)) for o in outs)
+        calls[group] = Call(q, key, fn, args, results, label)
+    return calls, programs
+
+
+def _transfer(
+    problem: OuterProblem, t: OuterTransfer, names: Mapping[Any, str], slots: SlotTable
+) -> Transfer:
+    dst_key = BatchOnMesh(t.var, t.dst) if t.as_batch else ValueOnMesh(t.var, t.dst)
+    batch_spec = problem.batch_spec
+    return Transfer(
+        slots(ValueOnMesh(t.var, t.src)),
+        slots(dst_key),
+        t.dst,
+        f"{names.get(t.var, '?')} {'host' if t.src == HOST else t.src}->{t.dst}",
+        src_mesh=t.src,
+        nbytes=var_bytes(t.var),
+        reshape_microbatches=problem.num_microbatches if t.as_batch else None,
+        spec=batch_spec(t.var.aval) if t.as_batch and batch_spec else None,
+    )
+
+
+def report_transfers(
+    problem: OuterProblem, levels: OuterLevels, *, stacklevel: int = 2
+) -> list[CrossMeshTransfer]:
+    """Pass: the transfers between meshes outside the region; warns about large ones.
+
+    Transfers from the host and batches on their way to the region are not
+    reported. Each transfer above ``problem.transfer_warning_bytes`` raises an
+    `MpmdTransferWarning` (once per transfer).
+
+    Args:
+      problem: the step.
+      levels: `level_equations`'s result.
+      stacklevel: the warning's ``stacklevel``, counted from this function's caller
+        (1: the caller).
+
+    Returns:
+      The `CrossMeshTransfer` list, in the order the transfers were needed.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from nnx_mpmd.compiler.outer_assign import OuterProblem, assign_meshes
+      >>> closed = jax.make_jaxpr(lambda a, b: a + b)(jnp.ones(2), jnp.ones(2))
+      >>> problem = OuterProblem(closed.jaxpr, [{0}, {1}], [None], ["a", "b"],
+      ...                        jax.devices()[:2], lambda j, q: None)
+      >>> report_transfers(problem, level_equations(assign_meshes(problem, {}, region_at=1)))
+      [CrossMeshTransfer(what='b', src=1, dst=0, nbytes=8)]
+    """
+    names = levels.assignment.names
+    report = [
+        CrossMeshTransfer(names.get(t.var, str(t.var)), t.src, t.dst, var_bytes(t.var))
+        for t in levels.transfers
+        if t.src != HOST and not t.as_batch
+    ]
+    for t in report:
+        if t.nbytes > problem.transfer_warning_bytes:
+            warnings.warn(
+                f"{t.what} ({t.nbytes / 2**20:.1f} MiB) moves from mesh {t.src} to mesh "
+                f"{t.dst} outside the pipelined region on every step. Keep the computation that "
+                "uses it on the mesh of its stage, or raise transfer_warning_bytes if this is "
+                "intended.",
+                MpmdTransferWarning,
+                stacklevel=stacklevel + 1,
+            )
+    return report
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def constrain_to(x: Any, sharding: Any) -> Any:
+    """``x`` with ``sharding`` inside a traced program, on Explicit and Auto axes.
+
+    Explicit axes are part of the value's type, so they are set with
+    ``jax.sharding.reshard``; Auto axes take a ``with_sharding_constraint``
+    (which JAX allows only on Auto axes). A spec over both kinds does both.
+
+    Args:
+      x: a traced value.
+      sharding: a ``NamedSharding`` on one submesh.
+
+    Returns:
+      ``x`` resharded / constrained to ``sharding``.
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+      ...                      devices=jax.devices()[:2])
+      >>> x = jax.device_put(jax.numpy.ones(4), NamedSharding(mesh, P()))
+      >>> f = jax.jit(lambda x: constrain_to(x * 2, NamedSharding(mesh, P("data"))))
+      >>> f(x).sharding.spec
+      P('data',)
+    """
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    mesh, spec = sharding.mesh, sharding.spec
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = {name for name, kind in types.items() if kind == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def keep(names: set[str]) -> Any:
+        entries = []
+        for entry in spec:
+            kept = tuple(a for a in _spec_axes(entry) if a in names)
+            entries.append(kept[0] if len(kept) == 1 else (kept or None))
+        return jax.sharding.PartitionSpec(*entries)
+
+    x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, keep(explicit)))
+    auto = set(types) - explicit
+    if any(a in auto for entry in spec for a in _spec_axes(entry)):
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, keep(auto)))
+    return x
+
+
+def _group_function(
+    sub: Callable[..., Sequence[Any]], shardings: list[Any], submesh: Any, label: str
+) -> Any:
+    constrained = [i for i, s in enumerate(shardings) if s is not None]
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        outs = list(sub(*args))
+        for i in constrained:
+            outs[i] = constrain_to(outs[i], shardings[i])
+        return tuple(outs)
+
+    if submesh is not None:  # no inputs: pin the outputs to the mesh
+        replicated = jax.sharding.NamedSharding(submesh, jax.sharding.PartitionSpec())
+        return named_jit(run, label, out_shardings=tuple(s or replicated for s in shardings))
+    return named_jit(run, label)

@@ -1,0 +1,510 @@
+"""Mesh inference's passes, one by one, on tiny traced functions (no training).
+
+Each test traces a few ops with ``jax.make_jaxpr``, says by hand where the inputs
+live, and checks one pass: `needed_meshes`, `assign_meshes`, `level_equations`,
+`emit_outer_program`, `report_transfers`, and `plan_outer_problem` composing them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.instructions import (
+    Call,
+    ProgramKey,
+    SlotTable,
+    Transfer,
+    format_instructions,
+)
+from nnx_mpmd.compiler.mesh_inference import OuterPlan, plan_outer, plan_outer_problem
+from nnx_mpmd.compiler.outer_assign import (
+    HOST,
+    BatchOnMesh,
+    OuterProblem,
+    RegionPlacement,
+    Segment,
+    ValueOnMesh,
+    assign_meshes,
+    build_region,
+    locate_region,
+    needed_meshes,
+)
+from nnx_mpmd.compiler.outer_emit import (
+    CrossMeshTransfer,
+    OuterGroup,
+    emit_outer_program,
+    level_equations,
+    report_transfers,
+)
+from nnx_mpmd.compiler.region import region_p
+
+MESHES = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:3]]
+
+
+def _problem(fn, args, meshes, targets=None, names=None, **kw):
+    closed = jax.make_jaxpr(fn)(*args)
+    outs = len(closed.jaxpr.outvars)
+    return OuterProblem(
+        closed.jaxpr,
+        meshes,
+        targets if targets is not None else [None] * outs,
+        names or [f"in{i}" for i in range(len(args))],
+        MESHES,
+        kw.pop("out_sharding", lambda j, q: None),
+        **kw,
+    )
+
+
+def _assign(problem, region_needs=None, place_region=None):
+    region_at = locate_region(problem.jaxpr)
+    need = needed_meshes(problem, region_at, region_needs)
+    return assign_meshes(problem, need, region_at, region_needs, place_region)
+
+
+def _run(plan: OuterPlan, inputs):
+    """A tiny interpreter: every input put on its meshes, the instructions in order."""
+    store = {}
+    for where, x in zip(plan.input_slots, inputs):
+        for q, slot in where.items():
+            store[slot] = x if q == HOST else jax.device_put(x, NamedSharding(MESHES[q], P()))
+    for ins in plan.instructions:
+        if isinstance(ins, Call):
+            store.update(zip(ins.outs, ins.fn(*(store[a] for a in ins.args))))
+        elif isinstance(ins, Transfer):
+            target = NamedSharding(MESHES[ins.dst_mesh], P())
+            store[ins.dst] = jax.device_put(store[ins.src], target)
+    return [[(q, store[slot]) for q, slot in where] for where in plan.output_slots]
+
+
+def _sum_two(a, b):
+    return a + b
+
+
+def _global_norm_scale(g0, g1, g2):
+    norm = jnp.sqrt(jnp.sum(g0 * g0) + jnp.sum(g1 * g1) + jnp.sum(g2 * g2))
+    return g0 / norm, g1 / norm, g2 / norm
+
+
+GRADS = [jnp.arange(256.0) + k for k in range(3)]
+
+
+# -- locate_region / needed_meshes ---------------------------------------------------
+
+
+def test_needed_meshes_flow_back_from_output_targets():
+    problem = _problem(lambda a: jnp.sum(a * 2), [jnp.ones(4)], [{0}], targets=[{1}])
+    need = needed_meshes(problem, locate_region(problem.jaxpr), None)
+    assert need[problem.jaxpr.invars[0]] == {1}
+    assert all(need[e.outvars[0]] == {1} for e in problem.jaxpr.eqns)
+
+
+def test_needed_meshes_of_region_inputs_come_from_region_needs():
+    problem = _region_problem()
+    need = needed_meshes(problem, locate_region(problem.jaxpr), lambda r: frozenset({r % 2}))
+    _, w1, x = problem.jaxpr.invars
+    assert need[x] == {0} and need[w1] >= {1}
+
+
+def test_two_regions_are_an_error():
+    def two(x):
+        a = region_p.bind(x, info=_FakeRegion((x.aval,)))
+        return region_p.bind(*a, info=_FakeRegion((x.aval,)))
+
+    closed = jax.make_jaxpr(two)(jnp.ones(2))
+    with pytest.raises(mp.CompileError, match=r"2 times; one pipelined region per step"):
+        locate_region(closed.jaxpr)
+
+
+# -- assign_meshes -------------------------------------------------------------------
+
+
+def test_sum_of_values_on_two_meshes_runs_once_and_moves_one_input():
+    problem = _problem(_sum_two, [jnp.ones(4), jnp.ones(4)], [{0}, {1}], names=["a", "b"])
+    assignment = _assign(problem)
+    assert assignment.run_on == {0: {0}}
+    (move,) = assignment.moves
+    assert (move.dst, move.sources, move.segment) == (0, {1}, Segment.PRE)
+    assert assignment.names[move.var] == "b"
+    assert str(assignment) == (
+        "  move 'b' float32[4] to mesh0 (held on mesh1)\n0 add: mesh0\noutputs on mesh0"
+    )
+
+
+def test_global_norm_is_partial_sums_per_mesh_and_scalar_moves():
+    problem = _problem(
+        _global_norm_scale,
+        GRADS,
+        [{0}, {1}, {2}],
+        targets=[{0}, {1}, {2}],
+        names=["g0", "g1", "g2"],
+    )
+    assignment = _assign(problem)
+    eqns = problem.jaxpr.eqns
+    sums = [i for i, e in enumerate(eqns) if e.primitive.name == "reduce_sum"]
+    assert [assignment.run_on[i] for i in sums] == [{0}, {1}, {2}]
+    assert all(m.var.aval.shape == () for m in assignment.moves), "only scalars move"
+    sqrt = next(i for i, e in enumerate(eqns) if e.primitive.name == "sqrt")
+    assert assignment.run_on[sqrt] == {0, 1, 2}  # cheaper than computing once and shipping
+
+
+def test_value_needed_on_two_meshes_is_computed_on_both():
+    def f(x):
+        y = x * 2
+        return y + 1, y - 1
+
+    problem = _problem(f, [jnp.ones(8)], [{0}], targets=[{0}, {1}])
+    assignment = _assign(problem)
+    assert assignment.run_on[0] == {0, 1}  # the mul, where both results are needed
+    assert [(m.var, m.dst) for m in assignment.moves] == [(problem.jaxpr.invars[0], 1)]
+
+
+def test_reduction_runs_once_where_its_input_is_and_ships_the_scalar():
+    problem = _problem(lambda a: jnp.sum(a), [jnp.ones(1024)], [{0}], targets=[{1}])
+    assignment = _assign(problem)
+    assert assignment.run_on == {0: {0}}
+    (move,) = assignment.moves
+    assert (move.dst, move.before, move.segment) == (1, 1, Segment.POST)  # an output move
+    assert assignment.output_meshes == ((1,),)
+
+
+def test_host_input_is_fetched_where_it_is_used():
+    problem = _problem(_sum_two, [jnp.ones(4), jnp.ones(4)], [{HOST}, {1}])
+    assignment = _assign(problem)
+    assert assignment.run_on == {0: {1}}
+    assert assignment.moves[0].sources == {HOST}
+
+
+def test_literal_output_is_an_error():
+    closed = jax.make_jaxpr(lambda a: (a, 1.0))(jnp.ones(2))
+    problem = OuterProblem(closed.jaxpr, [{0}], [None, None], ["a"], MESHES, lambda j, q: None)
+    with pytest.raises(mp.CompileError, match=r"step output 1 is a constant"):
+        _assign(problem)
+
+
+# -- the region ---------------------------------------------------------------------
+
+
+class _FakeRegion:
+    """Stands in for `RegionInfo`: all `region_p`'s abstract evaluation reads."""
+
+    def __init__(self, out_avals):
+        self.out_avals = tuple(out_avals)
+
+    def __hash__(self):
+        return id(self)
+
+
+def _region_step(w0, w1, x):
+    loss, g0, g1 = region_p.bind(
+        w0, w1, x, info=_FakeRegion((jax.core.ShapedArray((), jnp.float32), w0.aval, w1.aval))
+    )
+    return loss * 2, w0 - g0, w1 - g1
+
+
+def _region_problem(**kw):
+    args = [jnp.ones(4), jnp.ones(4), jnp.ones((8, 2))]
+    return _problem(
+        _region_step,
+        args,
+        [{0}, {1}, {HOST}],
+        targets=[None, {0}, {1}],
+        names=["w0", "w1", "batch"],
+        batch_inputs=frozenset({2}),
+        num_microbatches=4,
+        batch_spec=lambda aval: P(None, "data"),
+        **kw,
+    )
+
+
+def _region_needs(r):
+    return frozenset({0: {0}, 1: {1}, 2: {0}}[r])
+
+
+def _fake_region_builder(seen):
+    """The region's passes, faked: one call on mesh 0; loss on 1, gradients at home."""
+
+    def builder(input_slot, home):
+        seen.update(homes=[home(r) for r in range(2)], batch=input_slot(2, 0))
+        slots = [input_slot(0, 0), input_slot(2, 0)]
+        call = Call(0, ProgramKey("F", 0), lambda *a: a, tuple(slots), (), "F0.0")
+        return [call], [[(1, 100)], [(0, 101)], [("input", 1)]]
+
+    return builder
+
+
+def _placer(problem, slots, builder):
+    """`assign_meshes`'s place_region: the region's (fake) passes at its place."""
+    return functools.partial(build_region, problem, slots, builder, locate_region(problem.jaxpr))
+
+
+def test_region_inputs_move_before_it_and_batches_get_their_own_copy():
+    problem, slots, seen = _region_problem(), SlotTable(), {}
+    place = _placer(problem, slots, _fake_region_builder(seen))
+    assignment = _assign(problem, _region_needs, place)
+    (move,) = assignment.moves[:1]
+    assert (move.dst, move.sources, move.as_batch, move.before) == (0, {HOST}, True, 0)
+    assert seen["homes"] == [0, 1]
+    x = problem.jaxpr.invars[2]
+    assert slots.index[BatchOnMesh(x, 0)] == seen["batch"]
+    assert assignment.region is not None
+    assert assignment.region.output_meshes == ({1}, {0}, {1})
+    w1 = problem.jaxpr.invars[1]
+    g1 = problem.jaxpr.eqns[0].outvars[2]
+    assert slots.index[ValueOnMesh(g1, 1)] == slots.index[ValueOnMesh(w1, 1)]  # an input output
+    assert "0 region: outputs on mesh1 | mesh0 | mesh1" in str(assignment)
+
+
+def test_region_without_callbacks_is_an_error():
+    problem = _region_problem()
+    with pytest.raises(mp.CompileError, match=r"equation 0 of the step is a pipelined region"):
+        _assign(problem)
+
+
+def test_literal_region_output_is_an_error():
+    problem, slots = _region_problem(), SlotTable()
+
+    def builder(input_slot, home):
+        return [], [[("literal", 1.0)], [(0, 1)], [(1, 2)]]
+
+    with pytest.raises(mp.CompileError, match=r"literal region outputs are not supported"):
+        _assign(problem, _region_needs, _placer(problem, slots, builder))
+
+
+def test_region_input_on_no_mesh_is_an_error():
+    problem, slots = _region_problem(), SlotTable()
+
+    def builder(input_slot, home):
+        home(2)  # the batch is on the host only: it has no home mesh
+        return [], []
+
+    with pytest.raises(mp.CompileError, match=r"region input 2 is not on any mesh; place"):
+        _assign(problem, lambda r: frozenset(), _placer(problem, slots, builder))
+
+
+def test_region_placing_too_few_outputs_is_an_error():
+    problem = _region_problem()
+    with pytest.raises(mp.CompileError, match=r"placed 0 outputs, but the region has 3"):
+        _assign(problem, _region_needs, lambda placement: RegionPlacement((), ()))
+
+
+# -- level_equations -----------------------------------------------------------------
+
+
+def test_levels_end_where_a_value_arrives_from_another_mesh():
+    problem = _problem(
+        _global_norm_scale,
+        GRADS,
+        [{0}, {1}, {2}],
+        targets=[{0}, {1}, {2}],
+        names=["g0", "g1", "g2"],
+    )
+    levels = level_equations(_assign(problem))
+    # Partial sums at level 0 on each mesh, gathered on mesh 0 (level 1), where the
+    # norm is computed, then sent back (level 2).
+    assert [str(g.program_key) for g in levels.groups] == [
+        *(f"pre.L0.mesh{q}" for q in range(3)),
+        "pre.L1.mesh0",
+        "pre.L2.mesh1",
+        "pre.L2.mesh2",
+    ]
+    assert [(t.src, t.dst, t.level) for t in levels.transfers] == [
+        (1, 0, 1),
+        (2, 0, 1),
+        (0, 1, 2),
+        (0, 2, 2),
+    ]
+    assert "transfer 'g1' float32[] mesh1->mesh0 before pre.L1" in str(levels)
+
+
+def test_levels_restart_after_the_region():
+    problem, slots = _region_problem(), SlotTable()
+    place = _placer(problem, slots, _fake_region_builder({}))
+    levels = level_equations(_assign(problem, _region_needs, place))
+    assert all(g.segment == Segment.POST and g.level == 0 for g in levels.groups)
+    (batch, *post) = levels.transfers
+    assert (batch.segment, batch.level, batch.src, batch.as_batch) == (Segment.PRE, 0, HOST, True)
+    assert all(t.segment == Segment.POST for t in post)
+
+
+def test_moves_copy_from_the_lowest_level_holder():
+    def f(a, b, c):
+        s = jnp.sum(a) + jnp.sum(b)  # on mesh 0 at level 1 (b's sum arrives)
+        return s * c  # on mesh 2: s is shipped from mesh 0 at level 1 -> arrives at level 2
+
+    problem = _problem(f, [jnp.ones(64), jnp.ones(64), jnp.ones(64)], [{0}, {1}, {2}])
+    levels = level_equations(_assign(problem))
+    assert [(t.src, t.dst, t.level) for t in levels.transfers] == [(1, 0, 1), (0, 2, 2)]
+    assert OuterGroup(Segment.PRE, 2, 2) in levels.groups
+
+
+# -- emit_outer_program --------------------------------------------------------------
+
+
+def test_emitted_program_of_a_sum():
+    problem = _problem(_sum_two, [jnp.ones(4), jnp.ones(4)], [{0}, {1}], names=["a", "b"])
+    slots = SlotTable()
+    program = emit_outer_program(problem, level_equations(_assign(problem)), slots)
+    assert format_instructions(program.instructions) == (
+        "transfer 3@1 -> 2@0 label='b 1->0' bytes=16\n"
+        "call 0 pre.L1.mesh0 args=(1,2) outs=(0,) label=pre.L1.mesh0"
+    )
+    assert program.output_slots == [[(0, 0)]] and program.input_slots == [{0: 1}, {1: 3}]
+    assert set(program.programs) == {"pre.L1.mesh0"}
+
+
+def test_region_instructions_sit_between_pre_and_post():
+    problem, slots = _region_problem(), SlotTable()
+    place = _placer(problem, slots, _fake_region_builder({}))
+    program = emit_outer_program(
+        problem, level_equations(_assign(problem, _region_needs, place)), slots
+    )
+    text = format_instructions(program.instructions)
+    assert text.splitlines()[:2] == [
+        "transfer 9@-1 -> 0@0 label='batch host->0' bytes=64 reshape=4 spec=[None,data]",
+        "call 0 F0 args=(1,0) outs=() label=F0.0",
+    ], text
+    assert "call 0 post.L0.mesh0" in text and "call 1 post.L0.mesh1" in text
+    assert "pre." not in text
+
+
+def test_state_outputs_take_their_sharding_and_the_numbers_are_right():
+    asked = []
+
+    def out_sharding(j, q):
+        asked.append((j, q))
+        return NamedSharding(MESHES[q], P())
+
+    problem = _problem(
+        _global_norm_scale,
+        GRADS,
+        [{0}, {1}, {2}],
+        targets=[{0}, {1}, {2}],
+        out_sharding=out_sharding,
+    )
+    plan = plan_outer_problem(problem, SlotTable())
+    assert sorted(asked) == [(0, 0), (1, 1), (2, 2)]
+    expected = _global_norm_scale(*GRADS)
+    for ((_, got),), want, mesh in zip(_run(plan, GRADS), expected, MESHES):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert got.sharding.mesh == mesh
+
+
+def test_program_without_inputs_is_pinned_to_its_mesh():
+    problem = _problem(lambda a: (a, jnp.zeros(3)), [jnp.ones(2)], [{1}], targets=[None, {2}])
+    plan = plan_outer_problem(problem, SlotTable())
+    ((_, zeros),) = _run(plan, [jnp.ones(2)])[1]
+    assert zeros.sharding.mesh == MESHES[2]
+
+
+# -- report_transfers ----------------------------------------------------------------
+
+
+def test_large_transfers_are_reported_and_warned_about():
+    problem = _problem(
+        _sum_two,
+        [jnp.ones(1024), jnp.ones(1024)],
+        [{0}, {1}],
+        names=["w0", "w1"],
+        transfer_warning_bytes=1000,
+    )
+    levels = level_equations(_assign(problem))
+    with pytest.warns(mp.MpmdTransferWarning, match=r"w1 \(0.0 MiB\) moves from mesh 1 to mesh 0"):
+        report = report_transfers(problem, levels)
+    assert report == [CrossMeshTransfer("w1", 1, 0, 4096)]
+
+
+def test_host_and_batch_transfers_are_not_reported():
+    problem, slots = _region_problem(), SlotTable()
+    place = _placer(problem, slots, _fake_region_builder({}))
+    levels = level_equations(_assign(problem, _region_needs, place))
+    report = report_transfers(problem, levels)
+    assert all(t.src != HOST for t in report)
+    assert not any(t.what == "batch" for t in report)
+
+
+# -- plan_outer_problem and the transitional plan_outer -------------------------------
+
+
+def test_plan_records_every_pass():
+    problem = _problem(_sum_two, [jnp.ones(4), jnp.ones(4)], [{0}, {1}])
+    plan = plan_outer_problem(problem, SlotTable())
+    assert [name for name, _ in plan.passes] == [
+        "needed_meshes",
+        "assign_meshes",
+        "level_equations",
+        "emit_outer_program",
+        "report_transfers",
+    ]
+    passes = dict(plan.passes)
+    assert passes["emit_outer_program"] == plan.instructions
+    assert "0 add: mesh0" in str(passes["assign_meshes"])
+    assert "pre.L1.mesh0: 0:add" in str(passes["level_equations"])
+
+
+def test_plan_outer_wrapper_matches_the_problem_form():
+    problem = _region_problem()
+    slots_a, slots_b = SlotTable(), SlotTable()
+    direct = plan_outer_problem(problem, slots_a, _fake_region_builder({}), _region_needs)
+    wrapped = plan_outer(
+        problem.jaxpr,
+        problem.invar_meshes,
+        problem.outvar_targets,
+        problem.names,
+        slots_b,
+        problem.submeshes,
+        problem.out_sharding,
+        _fake_region_builder({}),
+        _region_needs,
+        problem.batch_inputs,
+        problem.num_microbatches,
+        problem.batch_spec,
+        problem.transfer_warning_bytes,
+    )
+    assert format_instructions(direct.instructions) == format_instructions(wrapped.instructions)
+    assert direct.output_slots == wrapped.output_slots
+    assert direct.input_slots == wrapped.input_slots
+    assert direct.transfers == wrapped.transfers and len(slots_a) == len(slots_b)
+
+
+# -- OuterProblem's checks -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(invar_meshes=[{0}]), r"got 1 input meshes for a step with 2 inputs"),
+        (dict(names=["a"]), r"got 1 input names for a step with 2 inputs"),
+        (dict(outvar_targets=[None, None]), r"got 2 output targets for a step with 1 outputs"),
+        (dict(invar_meshes=[{0}, set()]), r"step input 1 \(b\) is said to live on meshes \[\]"),
+        (dict(invar_meshes=[{0}, {7}]), r"mesh ids below 3"),
+    ],
+)
+def test_bad_problem_is_an_error(change, message):
+    closed = jax.make_jaxpr(_sum_two)(jnp.ones(2), jnp.ones(2))
+    fields = dict(
+        jaxpr=closed.jaxpr,
+        invar_meshes=[{0}, {1}],
+        outvar_targets=[None],
+        names=["a", "b"],
+        submeshes=MESHES,
+        out_sharding=lambda j, q: None,
+    )
+    with pytest.raises(mp.CompileError, match=message):
+        OuterProblem(**{**fields, **change})
+
+
+def test_jaxpr_with_constvars_is_an_error():
+    const = np.arange(3.0)
+    closed = jax.make_jaxpr(lambda a: a + jnp.asarray(const))(jnp.ones(3))
+    if not closed.jaxpr.constvars:
+        pytest.skip("this JAX inlines the constant")
+    with pytest.raises(mp.CompileError, match=r"constvars; turn them into inputs"):
+        OuterProblem(closed.jaxpr, [{0}], [None], ["a"], MESHES, lambda j, q: None)
