@@ -1,23 +1,47 @@
-"""The single-controller runtime: one process drives every submesh.
+"""The device runtime: how instructions run on real arrays, in one process or many.
 
-Instructions are dispatched in order; JAX's asynchronous dispatch lets each
-submesh run as soon as its inputs are ready, so meshes overlap as the schedule
-intends. Transfers are ``jax.device_put`` onto the destination submesh with the
-source's PartitionSpec. An optional profiler records each task's start and end,
-and an optional memory recorder the bytes of live arrays per mesh after every
-instruction.
+`DeviceOperations` is the `nnx_mpmd.runtime.interpreter.Operations` of a real
+run. Which process runs what is data: ``owners[q]`` is the process that owns
+mesh ``q`` (`nnx_mpmd.runtime.multi_process.mesh_owners`), and a process
 
-The host work per instruction is kept small: on first use a compiled step is
-turned into a list of *operations* whose argument builders and result
-assignments are generated Python code over the slot list (no recursive walk of
-nested slot tuples per call), and transfer shardings are built once.
+* runs the `Call` instructions of the meshes it owns and skips the others;
+* does a `Transfer` between two of its meshes (or from the host) with
+  ``jax.device_put`` onto the destination submesh, keeping the source's
+  PartitionSpec unless the transfer names one, reshaping a batch into
+  microbatches on the way;
+* sends a `Transfer` whose source it owns and whose destination another
+  process owns through a `Channel`, and receives one it is the destination of;
+* drops the values of a `Free` (every process: a slot never filled is None).
+
+With no owners given, every mesh is local and no channel is needed: that is
+the single-controller runtime, `execute`, where one process drives every
+submesh. JAX's asynchronous dispatch lets each submesh run as soon as its
+inputs are ready, so meshes overlap as the schedule intends. An optional
+profiler records each task's start and end, and an optional memory recorder
+the bytes of live arrays per mesh after every instruction
+(`nnx_mpmd.runtime.observers`). The multi-process entry is
+`nnx_mpmd.runtime.multi_process.execute_multi_process`.
+
+The host work per instruction is kept small: a compiled step is prepared into
+steps once (cached on the step), each a closure with its slot numbers and
+shardings built in, and the loop only calls them.
+
+Example:
+  >>> import jax
+  >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey, Transfer
+  >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
+  >>> ops = DeviceOperations(Shardings(meshes), owners=[0, 1], process=1)
+  >>> first = Call(0, ProgramKey("F", stage=0), abs, (0,), 1, "F0.0")
+  >>> ops.call(0, first) is None  # mesh 0 belongs to process 0
+  True
+  >>> ops.transfer(1, Transfer(1, 2, 1, "x", src_mesh=1)) is not None
+  True
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -28,62 +52,38 @@ from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.placement.partition import MpmdArray
+from nnx_mpmd.errors import DistributedError
+from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
+from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
 
-__all__ = ["MemoryRecorder", "TaskRecord", "execute"]
-
-
-class TaskRecord(tuple):
-    """``(mesh, label, task, start_s, end_s)`` of one profiled instruction."""
-
-    __slots__ = ()
-
-
-def _build(store: list[Any], tree: Any) -> Any:
-    if isinstance(tree, int):
-        return store[tree]
-    return tuple(_build(store, t) for t in tree)
-
-
-def _assign(store: list[Any], tree: Any, value: Any) -> None:
-    if isinstance(tree, int):
-        store[tree] = value
-        return
-    for t, v in zip(tree, value, strict=True):
-        _assign(store, t, v)
+__all__ = [
+    "Channel",
+    "DeviceOperations",
+    "MemoryRecorder",
+    "Shardings",
+    "TaskRecord",
+    "execute",
+    "kept_spec",
+    "transfer_value",
+    "transferred_shape",
+]
 
 
-def _build_expr(tree: Any) -> str:
-    if isinstance(tree, int):
-        return f"s[{tree}]"
-    inner = "".join(f"{_build_expr(t)}, " for t in tree)
-    return f"({inner})"
+class Shardings:
+    """A cache of ``NamedSharding(submeshes[mesh], spec)``.
 
+    Args:
+      submeshes: the jax Mesh of each mesh id.
 
-def _assign_lines(tree: Any, value: str, lines: list[str]) -> None:
-    if isinstance(tree, int):
-        lines.append(f"    s[{tree}] = {value}")
-        return
-    lines.append(f"    if len({value}) != {len(tree)}: raise ValueError({value!r})")
-    for j, t in enumerate(tree):
-        _assign_lines(t, f"{value}[{j}]", lines)
-
-
-def _compile_call(fn: Callable[..., Any], args: Any, outs: Any) -> Callable[[list[Any]], Any]:
-    """``run(s)``: calls ``fn`` on the arguments built from slot list ``s``, stores results.
-
-    The builder is generated source, so a call costs one Python frame plus the
-    tuple displays, instead of a recursive walk over the slot tree.
+    Example:
+      >>> import jax
+      >>> shardings = Shardings([jax.make_mesh((1,), ("data",))])
+      >>> shardings(0, P("data")) is shardings(0, P("data"))
+      True
     """
-    lines = ["def run(s):", f"    r = fn({''.join(f'{_build_expr(a)}, ' for a in args)})"]
-    _assign_lines(outs, "r", lines)
-    lines.append("    return r")
-    namespace: dict[str, Any] = {"fn": fn}
-    exec("\n".join(lines), namespace)  # the source holds slot numbers only
-    return namespace["run"]
 
-
-class _Shardings:
     def __init__(self, submeshes: Sequence[Any]) -> None:
         self.submeshes = submeshes
         self.cache: dict[tuple[int, Any], NamedSharding] = {}
@@ -96,163 +96,202 @@ class _Shardings:
         return sharding
 
 
-def _value_on(x: Any, q: int) -> Any:
-    if q == HOST:
-        return x
-    if isinstance(x, MpmdArray):
-        return x.array(q)
-    return x
+def transferred_shape(ins: Transfer, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``ins`` delivers for a source of ``shape`` (microbatch reshape).
 
-
-def _transferred_shape(ins: Transfer, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape ``ins`` delivers for a source of ``shape`` (microbatch reshape)."""
+    Example:
+      >>> transferred_shape(Transfer(0, 1, 1, "batch", reshape_microbatches=4), (8, 3))
+      (4, 2, 3)
+    """
     m = ins.reshape_microbatches
     return (m, shape[0] // m, *shape[1:]) if m else tuple(shape)
 
 
-def _kept_spec(sharding: Any) -> Any:
+def kept_spec(sharding: Any) -> Any:
     """The PartitionSpec a transfer without its own ``spec`` keeps from its source."""
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 
-def _transfer(ins: Transfer, value: Any, shardings: _Shardings) -> Any:
+def transfer_value(ins: Transfer, value: Any, shardings: Shardings) -> jax.Array:
+    """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec).
+
+    Args:
+      ins: the transfer.
+      value: the source value (a jax.Array, or a host value).
+      shardings: the sharding cache.
+
+    Returns:
+      The array on the destination submesh.
+    """
     if ins.reshape_microbatches:
-        value = value.reshape(_transferred_shape(ins, value.shape))
+        value = value.reshape(transferred_shape(ins, value.shape))
     spec = ins.spec
     if spec is None:
-        spec = _kept_spec(getattr(value, "sharding", None))
+        spec = kept_spec(getattr(value, "sharding", None))
     if not isinstance(value, jax.Array):
         value = np.asarray(value)
     return jax.device_put(value, shardings(ins.dst_mesh, spec))
 
 
-# Operation codes of the precomputed plan.
-_CALL, _MOVE, _TRANSFER, _FREE = range(4)
+class Channel(Protocol):
+    """Where values that cross processes go (one per run; see `DeviceOperations`)."""
+
+    def send(
+        self, index: int, value: jax.Array, src_mesh: int, spec: Any, receivers: Sequence[int]
+    ) -> None:
+        """Offers ``value`` (on ``src_mesh``, as ``spec``) of instruction ``index`` to ``receivers``."""
+
+    def receive(self, index: int, src_mesh: int, dst_mesh: int) -> jax.Array:
+        """The value instruction ``index`` sends from ``src_mesh``, on ``dst_mesh``."""
 
 
-class _Plan:
-    """A compiled step as a flat list of ``(code, ...)`` operations."""
-
-    def __init__(self, step: CompiledStep, shardings: _Shardings) -> None:
-        self.ops: list[tuple[Any, ...]] = []
-        for ins in step.instructions:
-            if isinstance(ins, Call):
-                self.ops.append((_CALL, _compile_call(ins.fn, ins.args, ins.outs), ins))
-            elif isinstance(ins, Transfer):
-                if ins.spec is not None and not ins.reshape_microbatches:
-                    # The destination sharding is known now: one device_put per step.
-                    sharding = shardings(ins.dst_mesh, ins.spec)
-                    self.ops.append((_MOVE, ins.src, ins.dst, sharding, ins))
-                else:
-                    self.ops.append((_TRANSFER, ins.src, ins.dst, None, ins))
-            elif isinstance(ins, Free):
-                self.ops.append((_FREE, ins.slots, None, None, ins))
-
-
-def _plan_for(step: CompiledStep, shardings: _Shardings | None) -> tuple[_Shardings, _Plan]:
-    """The step's cached plan (rebuilt when another sharding cache is passed)."""
-    cached = getattr(step, "_executor_plan", None)
-    if cached is not None and shardings in (None, cached[0]):
-        return cached
-    shardings = shardings or _Shardings(cached[0].submeshes if cached else [])
-    cached = (shardings, _Plan(step, shardings))
-    step._executor_plan = cached  # type: ignore[attr-defined]
-    return cached
-
-
-class MemoryRecorder:
-    """Per-mesh bytes of the live arrays held in a step's slots, after every instruction.
-
-    Bytes are per device: for each array on a mesh, the size of one shard
-    (what ``addressable_shards[0].data.nbytes`` gives, computed from the
-    sharding without touching the shards; residual pytrees counted leaf by
-    leaf). An array held in several slots counts once.
+class DeviceOperations:
+    """Runs instructions on devices: this process's share of them (see the module docstring).
 
     Args:
-      submeshes: the jax Mesh of each mesh id.
-
-    Attributes:
-      timeline: ``(instruction index, label, bytes per mesh)`` per instruction;
-        index -1 is the state before the first instruction.
-      output_bytes: ``(mesh, label, task, bytes)`` of every stage task's results.
+      shardings: the sharding cache of the step's submeshes.
+      owners: the process owning each mesh (None: this process owns every mesh).
+      process: this process's index.
+      channel: sends and receives values that cross processes. Read when a
+        step runs, so one prepared list serves every run: set it per run.
 
     Example:
       >>> import jax
-      >>> mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
-      >>> recorder = MemoryRecorder([mesh])
-      >>> recorder.record(-1, "start", [jax.numpy.zeros((4,), "float32")])
-      >>> recorder.peak_bytes
-      [16]
+      >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
+      >>> DeviceOperations(Shardings(meshes)).owns(1)
+      True
     """
 
-    def __init__(self, submeshes: Sequence[Any]) -> None:
-        self.num_meshes = len(submeshes)
-        self.mesh_of_device = {
-            d.id: q for q, sub in enumerate(submeshes) for d in np.asarray(sub.devices).flat
-        }
-        self.timeline: list[tuple[int, str, list[int]]] = []
-        self.output_bytes: list[tuple[int, str, Any, int]] = []
-        self._cache: dict[tuple[Any, ...], tuple[int | None, int]] = {}
+    def __init__(
+        self,
+        shardings: Shardings,
+        owners: Sequence[int] | None = None,
+        process: int = 0,
+        channel: Channel | None = None,
+    ) -> None:
+        self.shardings = shardings
+        self.owners = None if owners is None else tuple(owners)
+        self.process = process
+        self.channel = channel
+        self.local = None if owners is None else {q for q, p in enumerate(owners) if p == process}
 
-    def _leaf(self, leaf: jax.Array) -> tuple[int | None, int]:
-        """``(mesh, bytes per device)`` of an array, cached per shape/dtype/sharding."""
-        key = (leaf.shape, leaf.dtype, leaf.sharding)
-        info = self._cache.get(key)
-        if info is None:
-            device = next(iter(leaf.sharding.device_set))
-            shard = leaf.sharding.shard_shape(leaf.shape)
-            nbytes = int(np.prod(shard, dtype=np.int64)) * leaf.dtype.itemsize
-            info = self._cache[key] = (self.mesh_of_device.get(device.id), nbytes)
-        return info
+    def owns(self, mesh: int) -> bool:
+        """Whether this process holds mesh ``mesh``'s values (the host counts as local)."""
+        return mesh == HOST or self.local is None or mesh in self.local
 
-    def _bytes(self, values: Sequence[Any]) -> list[int]:
-        totals = [0] * self.num_meshes
-        seen: set[int] = set()
-        for leaf in jax.tree.leaves(list(values)):
-            if not isinstance(leaf, jax.Array) or id(leaf) in seen or leaf.is_deleted():
-                continue
-            seen.add(id(leaf))
-            q, nbytes = self._leaf(leaf)
-            if q is not None:
-                totals[q] += nbytes
-        return totals
+    def call(self, index: int, ins: Call) -> Step | None:
+        return call_step(ins) if self.owns(ins.mesh) else None
 
-    def record(self, index: int, label: str, store: Sequence[Any]) -> None:
-        """Appends the live bytes of ``store`` to the timeline.
+    def free(self, index: int, ins: Free) -> Step | None:
+        return free_step(ins)
 
-        Args:
-          index: the instruction index (-1 before the first).
-          label: what just ran.
-          store: the slot values.
-        """
-        self.timeline.append((index, label, self._bytes(store)))
+    def transfer(self, index: int, ins: Transfer) -> Step | None:
+        src_here, dst_here = self.owns(ins.src_mesh), self.owns(ins.dst_mesh)
+        if src_here and dst_here:
+            return self._local_transfer(ins)
+        if src_here and ins.src_mesh != HOST:
+            return self._send(index, ins)
+        if dst_here:
+            return self._receive(index, ins)
+        return None  # between two other processes (or from their host)
 
-    def record_outputs(self, ins: Call, result: Any) -> None:
-        """Remembers the bytes a stage task produced (its sends and residuals)."""
-        if ins.task is not None:
-            self.output_bytes.append((ins.mesh, ins.label, ins.task, sum(self._bytes([result]))))
+    def _local_transfer(self, ins: Transfer) -> Step:
+        src, dst, shardings = ins.src, ins.dst, self.shardings
+        if ins.reshape_microbatches:
 
-    @property
-    def peak_bytes(self) -> list[int]:
-        """The largest live bytes seen on each mesh."""
-        return [max((t[2][q] for t in self.timeline), default=0) for q in range(self.num_meshes)]
+            def transfer(store: list[Any]) -> Any:
+                value = store[dst] = transfer_value(ins, store[src], shardings)
+                return value
 
-    def summary(self) -> dict[str, Any]:
-        """``{"peak_bytes", "initial_bytes", "timeline", "task_output_bytes"}``."""
-        initial = self.timeline[0][2] if self.timeline else [0] * self.num_meshes
-        return {
-            "peak_bytes": self.peak_bytes,
-            "initial_bytes": list(initial),
-            "timeline": [(i, label, list(b)) for i, label, b in self.timeline],
-            "task_output_bytes": [(q, label, str(t), b) for q, label, t, b in self.output_bytes],
-        }
+            return transfer
+        device_put, array = jax.device_put, jax.Array
+        if ins.spec is not None:  # the destination sharding is known now
+            sharding = shardings(ins.dst_mesh, ins.spec)
+
+            def move(store: list[Any]) -> Any:
+                value = store[src]
+                if not isinstance(value, array):
+                    value = np.asarray(value)
+                value = store[dst] = device_put(value, sharding)
+                return value
+
+            return move
+        # The source's spec is kept: the destination sharding of each source
+        # sharding is looked up once (same result as `transfer_value`).
+        targets: dict[Any, NamedSharding] = {}
+        dst_mesh = ins.dst_mesh
+
+        def keep_spec(store: list[Any]) -> Any:
+            value = store[src]
+            if not isinstance(value, array):
+                value = np.asarray(value)
+            source = value.sharding if isinstance(value, array) else None
+            target = targets.get(source)
+            if target is None:
+                target = targets[source] = shardings(dst_mesh, kept_spec(source))
+            value = store[dst] = device_put(value, target)
+            return value
+
+        return keep_spec
+
+    def _channel(self, ins: Transfer) -> Channel:
+        if self.channel is None:
+            raise DistributedError(
+                f"transfer {ins.label!r} goes from mesh {ins.src_mesh} to mesh {ins.dst_mesh}, "
+                f"which belong to different processes (owners {list(self.owners or ())}), but "
+                "this run has no channel between processes: set DeviceOperations.channel, or run "
+                "the step with nnx_mpmd.runtime.multi_process.execute_multi_process."
+            )
+        return self.channel
+
+    def _send(self, index: int, ins: Transfer) -> Step:
+        src, receiver = ins.src, self.owners[ins.dst_mesh]  # type: ignore[index]
+
+        def send(store: list[Any]) -> None:
+            value = store[src]
+            if ins.reshape_microbatches:
+                value = value.reshape(transferred_shape(ins, value.shape))
+            spec = ins.spec
+            if spec is None and isinstance(getattr(value, "sharding", None), NamedSharding):
+                spec = value.sharding.spec
+            self._channel(ins).send(index, value, ins.src_mesh, spec, [receiver])
+
+        return send
+
+    def _receive(self, index: int, ins: Transfer) -> Step:
+        dst = ins.dst
+
+        def receive(store: list[Any]) -> Any:
+            value = store[dst] = self._channel(ins).receive(index, ins.src_mesh, ins.dst_mesh)
+            return value
+
+        return receive
+
+
+def _single_process_shardings(step: CompiledStep, submeshes: Sequence[Any]) -> Shardings:
+    """The sharding cache the step was last prepared with, else a new one."""
+    for key in reversed(interpreter.cached_keys(step)):
+        if key[0] == "single":
+            return key[1]
+    return Shardings(submeshes)
+
+
+def outputs_of(step: CompiledStep, store: list[Any]) -> list[Any]:
+    """The step's outputs from the final slot list: an `MpmdArray` for several copies."""
+    outputs = []
+    for locations in step.output_slots:
+        if len(locations) == 1:
+            outputs.append(store[locations[0][1]])
+        else:
+            outputs.append(MpmdArray({q: store[slot] for q, slot in locations}))
+    return outputs
 
 
 def execute(
     step: CompiledStep,
     inputs: Sequence[Any],
     submeshes: Sequence[Any],
-    shardings: _Shardings | None = None,
+    shardings: Shardings | None = None,
     profile: list[Any] | None = None,
     memory: MemoryRecorder | None = None,
 ) -> list[Any]:
@@ -284,72 +323,18 @@ def execute(
     """
     if submeshes:
         check_mesh_context(submeshes)
-    if shardings is None and getattr(step, "_executor_plan", None) is None:
-        shardings = _Shardings(submeshes)
-    shardings, plan = _plan_for(step, shardings)
-    store: list[Any] = [None] * step.num_slots
-    for slot, value in step.constants.items():
-        store[slot] = value
-    for value, slots_of in zip(inputs, step.input_slots):
-        for q, slot in slots_of.items():
-            store[slot] = _value_on(value, q)
-    if profile is None and memory is None:
-        _run_fast(plan.ops, store, shardings)
-    else:
-        _run_instrumented(plan.ops, store, shardings, profile, memory)
-    outputs = []
-    for locations in step.output_slots:
-        if len(locations) == 1:
-            outputs.append(store[locations[0][1]])
-        else:
-            outputs.append(MpmdArray({q: store[slot] for q, slot in locations}))
-    return outputs
-
-
-def _run_fast(ops: list[tuple[Any, ...]], store: list[Any], shardings: _Shardings) -> None:
-    device_put = jax.device_put
-    for op in ops:
-        code = op[0]
-        if code == _CALL:
-            op[1](store)
-        elif code == _MOVE:
-            store[op[2]] = device_put(store[op[1]], op[3])
-        elif code == _TRANSFER:
-            store[op[2]] = _transfer(op[4], store[op[1]], shardings)
-        else:
-            for slot in op[1]:
-                store[slot] = None
-
-
-def _run_instrumented(
-    ops: list[tuple[Any, ...]],
-    store: list[Any],
-    shardings: _Shardings,
-    profile: list[Any] | None,
-    memory: MemoryRecorder | None,
-) -> None:
-    clock = time.perf_counter
-    t0 = clock()
+    if shardings is None:
+        shardings = _single_process_shardings(step, submeshes)
+    _, prepared = prepared_for(step, ("single", shardings), lambda: DeviceOperations(shardings))
+    store = interpreter.load_store(step, inputs)
+    observers: list[Observer] = []
+    if profile is not None:
+        observers.append(Profiler(profile))
     if memory is not None:
-        memory.record(-1, "start", store)
-    for index, op in enumerate(ops):
-        code, ins = op[0], op[-1]
-        if code == _CALL:
-            start = clock()
-            result = op[1](store)
-            jax.block_until_ready(result)
-            if profile is not None:
-                profile.append(
-                    TaskRecord((ins.mesh, ins.label, ins.task, start - t0, clock() - t0))
-                )
-            if memory is not None:
-                memory.record_outputs(ins, result)
-        elif code in (_MOVE, _TRANSFER):
-            store[ins.dst] = _transfer(ins, store[ins.src], shardings)
-            if memory is not None:
-                jax.block_until_ready(store[ins.dst])
-        else:
-            for slot in ins.slots:
-                store[slot] = None
-        if memory is not None:
-            memory.record(index, "free" if code == _FREE else ins.label, store)
+        observers.append(memory)
+    interpreter.run(prepared, store, observers)
+    return outputs_of(step, store)
+
+
+#: The old private name of `Shardings` (``nnx_mpmd.frontend.jit`` imports it).
+_Shardings = Shardings

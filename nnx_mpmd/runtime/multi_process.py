@@ -42,23 +42,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from nnx_mpmd import _jax_compat
-from nnx_mpmd.compiler.instructions import Call, Free, Transfer
-from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.partition import MpmdArray
-from nnx_mpmd.runtime.executor import (
-    TaskRecord,
-    _assign,
-    _build,
-    _Shardings,
-    _transfer,
-    _value_on,
-)
+from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime.executor import DeviceOperations, Shardings
+from nnx_mpmd.runtime.interpreter import prepared_for, value_on
+from nnx_mpmd.runtime.observers import Profiler
 from nnx_mpmd.runtime.transport import (
     Transport,
     aval_of,
@@ -361,56 +355,53 @@ def _wait_ready(values: Sequence[Any], transport: Transport, where: str) -> None
 
 
 class _Run:
-    """One execution of a compiled step on this process."""
+    """One execution of a compiled step on this process: the `Channel` between processes.
 
-    def __init__(self, step: CompiledStep, mesh: MpmdMesh, shardings: _Shardings) -> None:
+    Sends through the transport (``await_pull``) under an id unique to this
+    call, the instruction and the receiver; receives (``pull``) with the layout
+    the sender published once per step.
+    """
+
+    def __init__(
+        self,
+        step: CompiledStep,
+        mesh: MpmdMesh,
+        shardings: Shardings,
+        owners: Sequence[int],
+        process: int,
+    ) -> None:
         self.step = step
         self.mesh = mesh
         self.shardings = shardings
-        self.owners = mesh_owners(mesh)
-        self.me = jax.process_index()
+        self.owners = list(owners)
+        self.me = process
         self.local = {q for q, p in enumerate(self.owners) if p == self.me}
         self.transport = get_transport()
         self.state = _step_state(step)
         self.round = _next_round()
 
-    def _send(self, index: int, value: Any, src: int, spec: Any, receivers: Sequence[int]) -> None:
+    def send(
+        self, index: int, value: Any, src_mesh: int, spec: Any, receivers: Sequence[int]
+    ) -> None:
         if not isinstance(value, jax.Array) or spec is not None:
-            value = jax.device_put(value, self.shardings(src, spec or PartitionSpec()))
+            value = jax.device_put(value, self.shardings(src_mesh, spec or PartitionSpec()))
         if index not in self.state.published:
             self.transport.publish(f"meta/{self.state.number}/{index}", meta_of(value))
             self.state.published.add(index)
         for receiver in receivers:
             self.transport.send(_uuid(self.round, index, receiver), [value])
 
-    def _receive(self, index: int, src: int, dst: int) -> jax.Array:
+    def receive(self, index: int, src_mesh: int, dst_mesh: int) -> jax.Array:
         meta = self.state.meta.get(index)
-        peer = self.owners[src]
+        peer = self.owners[src_mesh]
         if meta is None:
-            where = f"waiting for the layout of value {index} from mesh {src}"
+            where = f"waiting for the layout of value {index} from mesh {src_mesh}"
             meta = self.state.meta[index] = self.transport.fetch(
                 f"meta/{self.state.number}/{index}", peer, where
             )
-        aval = aval_of(meta, self.mesh.submesh(dst))
+        aval = aval_of(meta, self.mesh.submesh(dst_mesh))
         (value,) = self.transport.receive(_uuid(self.round, index, self.me), peer, [aval])
         return value
-
-    def transfer(self, index: int, ins: Transfer, store: list[Any]) -> None:
-        src, dst = ins.src_mesh, ins.dst_mesh
-        src_here = src == HOST or src in self.local
-        if dst in self.local and src_here:
-            store[ins.dst] = _transfer(ins, store[ins.src], self.shardings)
-        elif src_here and src != HOST:
-            value = store[ins.src]
-            if ins.reshape_microbatches:
-                m = ins.reshape_microbatches
-                value = value.reshape((m, value.shape[0] // m, *value.shape[1:]))
-            spec = ins.spec
-            if spec is None and isinstance(getattr(value, "sharding", None), NamedSharding):
-                spec = value.sharding.spec
-            self._send(index, value, src, spec, [self.owners[dst]])
-        elif dst in self.local:
-            store[ins.dst] = self._receive(index, src, dst)
 
     def user_output(self, j: int, locations: list[tuple[int, int]], store: list[Any]) -> Any:
         index = len(self.step.instructions) + j
@@ -418,10 +409,10 @@ class _Run:
         holders = {self.owners[q] for q, _ in locations}
         receivers = sorted(set(range(jax.process_count())) - holders)
         if self.owners[src] == self.me and receivers:
-            self._send(index, store[slot], src, None, receivers)
+            self.send(index, store[slot], src, None, receivers)
         mine = {q: store[s] for q, s in locations if q in self.local}
         if not mine:
-            return self._receive(index, src, min(self.local))
+            return self.receive(index, src, min(self.local))
         if len(mine) == 1:
             return next(iter(mine.values()))
         return MpmdArray(mine)
@@ -432,7 +423,7 @@ class _Run:
             if q in self.local:
                 copies[q] = store[slot]
             else:
-                placeholder = _value_on(old, q)
+                placeholder = value_on(old, q)
                 if not isinstance(placeholder, jax.Array) or self.mesh.mesh_id_of(placeholder) != q:
                     raise DistributedError(
                         f"state leaf on remote mesh {q} has no placed input ({type(old).__name__}); "
@@ -448,10 +439,15 @@ def execute_multi_process(
     step: CompiledStep,
     inputs: Sequence[Any],
     mesh: MpmdMesh,
-    shardings: _Shardings | None = None,
+    shardings: Shardings | None = None,
     profile: list[Any] | None = None,
 ) -> list[Any]:
     """Runs this process's share of ``step`` (see the module docstring).
+
+    The same interpreter as one process runs (`nnx_mpmd.runtime.interpreter`),
+    with device operations that know which process owns each mesh
+    (`nnx_mpmd.runtime.executor.DeviceOperations`) and this call's `_Run`
+    as their channel between processes.
 
     Args:
       step: the compiled step (identical on every process).
@@ -471,33 +467,16 @@ def execute_multi_process(
       >>> execute_multi_process.__name__  # needs a jax.distributed run; see the guide
       'execute_multi_process'
     """
-    run = _Run(step, mesh, shardings or _Shardings(list(mesh.submeshes)))
-    store: list[Any] = [None] * step.num_slots
-    for slot, value in step.constants.items():
-        store[slot] = value
-    for value, slots_of in zip(inputs, step.input_slots):
-        for q, slot in slots_of.items():
-            if q == HOST or q in run.local:
-                store[slot] = _value_on(value, q)
-    clock = time.perf_counter
-    t0 = clock()
-    for index, ins in enumerate(step.instructions):
-        if isinstance(ins, Call):
-            if ins.mesh not in run.local:
-                continue
-            start = clock()
-            result = ins.fn(*_build(store, ins.args))
-            _assign(store, ins.outs, result)
-            if profile is not None:
-                jax.block_until_ready(result)
-                profile.append(
-                    TaskRecord((ins.mesh, ins.label, ins.task, start - t0, clock() - t0))
-                )
-        elif isinstance(ins, Transfer):
-            run.transfer(index, ins, store)
-        elif isinstance(ins, Free):
-            for slot in ins.slots:
-                store[slot] = None
+    owners, me = mesh_owners(mesh), jax.process_index()
+    shardings = shardings or Shardings(list(mesh.submeshes))
+    operations, prepared = prepared_for(
+        step,
+        ("processes", shardings, tuple(owners), me),
+        lambda: DeviceOperations(shardings, owners, me),
+    )
+    run = operations.channel = _Run(step, mesh, shardings, owners, me)
+    store = interpreter.load_store(step, inputs, owns=operations.owns)
+    interpreter.run(prepared, store, [] if profile is None else [Profiler(profile)])
     n_user, n_consts = step.num_user_outputs, len(step.consts)
     outputs = []
     for j, locations in enumerate(step.output_slots):

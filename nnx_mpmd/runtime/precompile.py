@@ -3,13 +3,15 @@
 The first run of a compiled step would compile its stage programs one after
 the other, each when the executor first reaches it. XLA compilation releases
 the GIL, so programs whose argument shapes and shardings are known can compile
-side by side. This module walks the instruction list once *abstractly*: slots
-hold ``jax.ShapeDtypeStruct`` values with shardings, a call's outputs become
-known when its program is compiled (``lowered.out_info`` with the compiled
-output shardings), and a transfer's output is its input on the destination
-mesh. Each distinct ``(program, argument signature)`` is lowered and compiled
-once in a thread pool, as soon as its arguments are known; ``jax.jit``'s own
-cache then serves the real run.
+side by side. This module runs the instruction list through the same
+interpreter as a real run (`nnx_mpmd.runtime.interpreter`), with *abstract*
+operations: slots hold ``jax.ShapeDtypeStruct`` values with shardings (or a
+pending job that will know them), a call's outputs become known when its
+program is compiled (``lowered.out_info`` with the compiled output shardings),
+and a transfer's output is its input on the destination mesh. Each distinct
+``(program, argument signature)`` is lowered and compiled once in a thread
+pool, as soon as its arguments are known; ``jax.jit``'s own cache then serves
+the real run.
 
 It is an optimisation only: a program whose abstract arguments turn out to
 differ from the real ones is compiled again by the real call, and a program
@@ -29,16 +31,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.instructions import Call, Transfer, slots_in
+from nnx_mpmd.compiler.instructions import Call, Free, Transfer, slots_in
 from nnx_mpmd.compiler.region import microbatch_spec
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.runtime.executor import (
-    _build,
-    _kept_spec,
-    _Shardings,
-    _transferred_shape,
-    _value_on,
-)
+from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime.executor import Shardings, kept_spec, transferred_shape
+from nnx_mpmd.runtime.interpreter import Step, build
 
 __all__ = ["precompile"]
 
@@ -161,7 +159,7 @@ def precompile(
     step: CompiledStep,
     inputs: Sequence[Any],
     submeshes: Sequence[Any],
-    shardings: _Shardings | None = None,
+    shardings: Shardings | None = None,
     max_workers: int | None = None,
     batch_axis: Any = _STEP_BATCH_AXIS,
 ) -> int:
@@ -196,46 +194,74 @@ def precompile(
     """
     if batch_axis is _STEP_BATCH_AXIS:
         batch_axis = step.batch_axis
-    shardings = shardings or _Shardings(submeshes)
+    shardings = shardings or Shardings(submeshes)
     workers = max_workers or min(8, os.cpu_count() or 2)
-    store: list[Any] = [None] * step.num_slots
-    for slot, value in step.constants.items():
-        store[slot] = _abstract(value)
-    for value, slots_of in zip(inputs, step.input_slots):
-        for q, slot in slots_of.items():
-            store[slot] = _abstract(_value_on(value, q))
+    slots = interpreter.load_store(step, inputs, convert=_abstract)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile") as pool:
-        compiler = _Compiler()
-        # A slot holds its abstract value, or a _Pending while its job runs. A job
-        # starts once every job it reads from has finished, so threads never wait
-        # on each other (except on a duplicate signature's compilation).
-        slots: list[Any] = list(store)
-        jobs: list[Future] = []
-        for ins in step.instructions:
-            if isinstance(ins, Call):
-                reads = {slot: slots[slot] for slot in ins.reads()}
-                traced: Future = Future()
-                job = _after(pool, reads.values(), _run_call, compiler, ins, reads, traced)
-                jobs += [job, traced]
-                for slot in ins.writes():
-                    slots[slot] = _Pending(job, slot, traced)
-            elif isinstance(ins, Transfer):
-                source = slots[ins.src]
-                if (
-                    ins.per_microbatch
-                    and ins.spec is None
-                    and isinstance(source, _Pending)
-                    and source.traced is not None
-                ):
-                    early = _Pending(source.traced, source.slot)
-                    guess = _Guess(submeshes[ins.dst_mesh], batch_axis)
-                    job = _after(None, [early], _run_transfer, ins, early, shardings, guess)
-                else:
-                    job = _after(None, [source], _run_transfer, ins, source, shardings, None)
-                jobs.append(job)
-                slots[ins.dst] = _Pending(job, None)
-        wait(jobs)  # before the pool closes: finished jobs submit their dependants
-    return compiler.compiled
+        operations = _AbstractOperations(pool, shardings, submeshes, batch_axis)
+        interpreter.run(interpreter.prepare(step.instructions, operations), slots)
+        wait(operations.jobs)  # before the pool closes: finished jobs submit their dependants
+    return operations.compiler.compiled
+
+
+class _AbstractOperations:
+    """The interpreter's operations over abstract values (see the module docstring).
+
+    A slot holds its abstract value, or a `_Pending` while the job that derives
+    it runs. A call's job starts in the pool once every job it reads from has
+    finished, so threads never wait on each other (except on a duplicate
+    signature's compilation); a transfer's job is cheap and runs in the thread
+    that finished its input. Frees change nothing here.
+    """
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        shardings: Shardings,
+        submeshes: Sequence[Any],
+        batch_axis: str | None,
+    ) -> None:
+        self.pool = pool
+        self.shardings = shardings
+        self.submeshes = submeshes
+        self.batch_axis = batch_axis
+        self.compiler = _Compiler()
+        self.jobs: list[Future] = []
+
+    def call(self, index: int, ins: Call) -> Step:
+        def start_compiling(slots: list[Any]) -> Future:
+            reads = {slot: slots[slot] for slot in ins.reads()}
+            traced: Future = Future()
+            job = _after(self.pool, reads.values(), _run_call, self.compiler, ins, reads, traced)
+            self.jobs += [job, traced]
+            for slot in ins.writes():
+                slots[slot] = _Pending(job, slot, traced)
+            return job
+
+        return start_compiling
+
+    def transfer(self, index: int, ins: Transfer) -> Step:
+        def derive(slots: list[Any]) -> Future:
+            source = slots[ins.src]
+            if (
+                ins.per_microbatch
+                and ins.spec is None
+                and isinstance(source, _Pending)
+                and source.traced is not None
+            ):
+                early = _Pending(source.traced, source.slot)
+                guess = _Guess(self.submeshes[ins.dst_mesh], self.batch_axis)
+                job = _after(None, [early], _run_transfer, ins, early, self.shardings, guess)
+            else:
+                job = _after(None, [source], _run_transfer, ins, source, self.shardings, None)
+            self.jobs.append(job)
+            slots[ins.dst] = _Pending(job, None)
+            return job
+
+        return derive
+
+    def free(self, index: int, ins: Free) -> None:
+        return None
 
 
 def _after(pool: ThreadPoolExecutor | None, inputs: Any, fn: Any, *args: Any) -> Future:
@@ -300,7 +326,7 @@ def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Fut
 
     try:
         values = {slot: _resolve(value) for slot, value in reads.items()}
-        args = tuple(_build(values, a) for a in ins.args)  # type: ignore[arg-type]
+        args = tuple(build(values, a) for a in ins.args)
         result = compiler.outputs(ins.fn, args, on_traced)
     except Exception:
         result = _UNKNOWN
@@ -328,21 +354,21 @@ class _Guess(NamedTuple):
         return P() if spec is None else spec
 
 
-def _run_transfer(ins: Transfer, source: Any, shardings: _Shardings, guess: _Guess | None) -> Any:
+def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Guess | None) -> Any:
     value = _resolve(source)
     if isinstance(value, np.ndarray | np.generic | int | float | bool | complex):
-        # a host value: device_put makes a committed array of its canonical dtype
+        # a host value: the transfer puts np.asarray(value), a committed array of its
+        # canonical dtype that is never weakly typed (a Python scalar included)
         dtype = jax.dtypes.canonicalize_dtype(np.result_type(value))
-        weak = not isinstance(value, np.ndarray | np.generic)
-        value = jax.ShapeDtypeStruct(np.shape(value), dtype, weak_type=weak)
+        value = jax.ShapeDtypeStruct(np.shape(value), dtype, weak_type=False)
     if not isinstance(value, jax.ShapeDtypeStruct):
         return _UNKNOWN
-    shape = _transferred_shape(ins, value.shape)
+    shape = transferred_shape(ins, value.shape)
     spec = ins.spec
     if spec is None and guess is not None:
         spec = guess.spec(value.shape)
     elif spec is None:
-        spec = _kept_spec(value.sharding)
+        spec = kept_spec(value.sharding)
     return jax.ShapeDtypeStruct(
         shape, value.dtype, sharding=shardings(ins.dst_mesh, spec), weak_type=value.weak_type
     )

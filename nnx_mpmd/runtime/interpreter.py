@@ -1,0 +1,383 @@
+"""The one interpreter of the instruction list (`Call`, `Transfer`, `Free`).
+
+A compiled step is a flat list of instructions over numbered slots. Running it
+has two phases:
+
+1. `prepare` turns each instruction into a *step*: a closure ``step(store)``
+   that does the instruction's work on the slot list ``store`` and returns
+   what it produced. Which closure is made is decided by an `Operations`
+   object, once per instruction: the device operations
+   (`nnx_mpmd.runtime.executor.DeviceOperations`) run programs and
+   ``jax.device_put`` transfers, skip the work of meshes another process owns
+   and send or receive what crosses processes; the abstract operations of
+   `nnx_mpmd.runtime.precompile` compile programs ahead of time. An operation
+   may return None: the instruction has nothing to do here (another process's
+   program) and leaves no step.
+2. `run` calls the steps in order. With no observer that is the whole loop;
+   `Observer` objects (the profiler, the memory recorder of
+   `nnx_mpmd.runtime.observers`) wrap every step with their hooks instead of
+   copying the loop.
+
+The slot-store helpers shared by every runtime (`load_store`, `call_step`,
+`free_step`, `build`, `value_on`) and the cache of prepared steps on a compiled
+step (`prepared_for`) live here too.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey
+  >>> class Plain:  # runs every Call; this list has no transfers
+  ...     def call(self, index, ins):
+  ...         return call_step(ins)
+  ...     def transfer(self, index, ins):
+  ...         raise NotImplementedError
+  ...     def free(self, index, ins):
+  ...         return free_step(ins)
+  >>> double = Call(0, ProgramKey("F", stage=0), lambda x: 2 * x, (0,), 1, "F0.0")
+  >>> prepared = prepare([double, Free((0,))], Plain())
+  >>> store = [jnp.ones(2), None]
+  >>> run(prepared, store)
+  >>> store[0], store[1].tolist()
+  (None, [2.0, 2.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer
+from nnx_mpmd.compiler.mesh_inference import HOST
+from nnx_mpmd.errors import CompileError
+from nnx_mpmd.placement.mpmd_array import MpmdArray
+
+__all__ = [
+    "Observer",
+    "Operations",
+    "Prepared",
+    "PreparedStep",
+    "Step",
+    "build",
+    "cached_keys",
+    "call_step",
+    "free_step",
+    "load_store",
+    "prepare",
+    "prepared_for",
+    "run",
+    "value_on",
+]
+
+#: One prepared instruction: does its work on the slot list, returns what it produced.
+Step = Callable[[list[Any]], Any]
+
+
+class Operations(Protocol):
+    """How each kind of instruction runs: a `Step` for it, or None to skip it.
+
+    Called once per instruction by `prepare` (never in the hot loop), with the
+    instruction's index in the list (a stable id: multi-process transfers are
+    keyed by it).
+    """
+
+    def call(self, index: int, ins: Call) -> Step | None: ...
+
+    def transfer(self, index: int, ins: Transfer) -> Step | None: ...
+
+    def free(self, index: int, ins: Free) -> Step | None: ...
+
+
+class Observer:
+    """Watches a run: hooks around every prepared step (each a no-op here).
+
+    Subclasses override what they need. An observer that needs a step's result
+    finished (timing, memory) waits for it in `after`.
+    """
+
+    def start(self, store: list[Any]) -> None:
+        """Called once before the first step, with the loaded slot list."""
+
+    def before(self, index: int, ins: Instruction, store: list[Any]) -> None:
+        """Called before the step of instruction ``index`` runs."""
+
+    def after(self, index: int, ins: Instruction, result: Any, store: list[Any]) -> None:
+        """Called after the step of instruction ``index`` ran; ``result`` is what it produced."""
+
+
+class PreparedStep(NamedTuple):
+    """A step and the instruction it came from."""
+
+    index: int
+    instruction: Instruction
+    run: Step
+
+
+class Prepared(NamedTuple):
+    """An instruction list turned into steps (skipped instructions left out).
+
+    Attributes:
+      entries: each step with its instruction, in order.
+      steps: the bare steps, for the loop without observers.
+    """
+
+    entries: tuple[PreparedStep, ...]
+    steps: tuple[Step, ...]
+
+
+def prepare(instructions: Sequence[Instruction], operations: Operations) -> Prepared:
+    """Turns ``instructions`` into steps, asking ``operations`` how each one runs.
+
+    Args:
+      instructions: the list, in dispatch order.
+      operations: makes the step of each instruction (see `Operations`).
+
+    Returns:
+      The `Prepared` steps; an instruction whose operation returned None has none.
+
+    Raises:
+      CompileError: an instruction is not a `Call`, `Transfer` or `Free`.
+
+    Example:
+      >>> from nnx_mpmd.compiler.instructions import Free
+      >>> class FreeOnly:
+      ...     def free(self, index, ins):
+      ...         return free_step(ins)
+      >>> [entry.index for entry in prepare([Free((0,)), Free((1,))], FreeOnly()).entries]
+      [0, 1]
+    """
+    entries = []
+    for index, ins in enumerate(instructions):
+        if isinstance(ins, Call):
+            step = operations.call(index, ins)
+        elif isinstance(ins, Transfer):
+            step = operations.transfer(index, ins)
+        elif isinstance(ins, Free):
+            step = operations.free(index, ins)
+        else:
+            raise CompileError(
+                f"instruction {index} ({ins!r}) is a {type(ins).__name__}, which the runtime "
+                "cannot run: it runs Call, Transfer and Free. Lower the step to those (a compiler "
+                "pass that adds an instruction kind must also teach nnx_mpmd.runtime.interpreter)."
+            )
+        if step is not None:
+            entries.append(PreparedStep(index, ins, step))
+    return Prepared(tuple(entries), tuple(entry.run for entry in entries))
+
+
+def run(prepared: Prepared, store: list[Any], observers: Sequence[Observer] = ()) -> None:
+    """Runs the prepared steps in order on ``store``; observers wrap each step.
+
+    Args:
+      prepared: from `prepare`.
+      store: the slot list (`load_store`); updated in place.
+      observers: called around every step (see `Observer`). With none, the loop
+        is one call per step and nothing else.
+
+    Example:
+      >>> record = []
+      >>> class Seen(Observer):
+      ...     def after(self, index, ins, result, store):
+      ...         record.append(index)
+      >>> class FreeOnly:
+      ...     def free(self, index, ins):
+      ...         return free_step(ins)
+      >>> run(prepare([Free((0,))], FreeOnly()), [1], [Seen()])
+      >>> record
+      [0]
+    """
+    steps = prepared.steps
+    if observers:
+        for observer in observers:
+            observer.start(store)
+        steps = tuple(_observed(entry, tuple(observers)) for entry in prepared.entries)
+    for step in steps:
+        step(store)
+
+
+def _observed(entry: PreparedStep, observers: tuple[Observer, ...]) -> Step:
+    index, ins, inner = entry
+
+    def step(store: list[Any]) -> Any:
+        for observer in observers:
+            observer.before(index, ins, store)
+        result = inner(store)
+        for observer in observers:
+            observer.after(index, ins, result, store)
+        return result
+
+    return step
+
+
+# The step attribute that caches its prepared steps: {key: (operations, prepared)},
+# oldest first, at most _MAX_PREPARED entries (one per sharding cache and process).
+_CACHE_ATTRIBUTE = "_runtime_prepared"
+_MAX_PREPARED = 4
+OperationsT = TypeVar("OperationsT", bound=Operations)
+
+
+def prepared_for(
+    step: Any, key: Any, make_operations: Callable[[], OperationsT]
+) -> tuple[OperationsT, Prepared]:
+    """``step``'s instructions prepared by ``make_operations()``, cached on the step by ``key``.
+
+    Preparing is done once per step and key (the operations' sharding cache,
+    owners, process), so a run pays only for the loop.
+
+    Args:
+      step: the compiled step (its ``instructions``; the cache is an attribute of it,
+        so it goes with the step).
+      key: what the operations depend on (hashable).
+      make_operations: builds the operations on a cache miss.
+
+    Returns:
+      ``(operations, prepared)``.
+
+    Example:
+      >>> from types import SimpleNamespace
+      >>> step = SimpleNamespace(instructions=[])
+      >>> ops, prepared = prepared_for(step, "k", object)
+      >>> prepared_for(step, "k", object)[0] is ops, cached_keys(step)
+      (True, ['k'])
+    """
+    cache = step.__dict__.setdefault(_CACHE_ATTRIBUTE, {})
+    entry = cache.get(key)
+    if entry is None:
+        operations = make_operations()
+        entry = cache[key] = (operations, prepare(step.instructions, operations))
+        while len(cache) > _MAX_PREPARED:
+            del cache[next(iter(cache))]
+    return entry
+
+
+def cached_keys(step: Any) -> list[Any]:
+    """The keys `prepared_for` holds prepared steps under for ``step``, oldest first."""
+    return list(step.__dict__.get(_CACHE_ATTRIBUTE, {}))
+
+
+# ---------------------------------------------------------------- slot store
+
+
+def value_on(x: Any, mesh: int) -> Any:
+    """The copy of input ``x`` that mesh ``mesh`` reads (``x`` itself unless an `MpmdArray`)."""
+    if mesh != HOST and isinstance(x, MpmdArray):
+        return x.array(mesh)
+    return x
+
+
+def load_store(
+    step: Any,
+    inputs: Sequence[Any],
+    *,
+    owns: Callable[[int], bool] | None = None,
+    convert: Callable[[Any], Any] | None = None,
+) -> list[Any]:
+    """The slot list of a compiled step before its first instruction.
+
+    Args:
+      step: the compiled step (``num_slots``, ``constants``, ``input_slots``).
+      inputs: one value per input (consts, state leaves, other leaves).
+      owns: whether this process holds mesh ``q``'s inputs (default: every mesh;
+        host values are always loaded).
+      convert: applied to every loaded value (precompile makes them abstract).
+
+    Returns:
+      ``num_slots`` values, None where nothing is loaded.
+
+    Example:
+      >>> from types import SimpleNamespace
+      >>> step = SimpleNamespace(num_slots=3, constants={2: 7.0}, input_slots=[{0: 0, 1: 1}])
+      >>> load_store(step, [5], owns=lambda q: q == 0)
+      [5, None, 7.0]
+    """
+    store: list[Any] = [None] * step.num_slots
+    for slot, value in step.constants.items():
+        store[slot] = value if convert is None else convert(value)
+    for value, slots_of in zip(inputs, step.input_slots, strict=False):
+        for q, slot in slots_of.items():
+            if q == HOST or owns is None or owns(q):
+                loaded = value_on(value, q)
+                store[slot] = loaded if convert is None else convert(loaded)
+    return store
+
+
+def build(store: Any, tree: Any) -> Any:
+    """The value of a nested tuple of slots (an ``int`` leaf is ``store[slot]``)."""
+    if isinstance(tree, int):
+        return store[tree]
+    return tuple(build(store, t) for t in tree)
+
+
+def _build_expr(tree: Any) -> str:
+    if isinstance(tree, int):
+        return f"s[{tree}]"
+    inner = "".join(f"{_build_expr(t)}, " for t in tree)
+    return f"({inner})"
+
+
+def _assign_lines(tree: Any, value: str, lines: list[str]) -> None:
+    if isinstance(tree, int):
+        lines.append(f"    s[{tree}] = {value}")
+        return
+    lines.append(f"    if len({value}) != {len(tree)}: mismatch({value}, {len(tree)})")
+    for j, t in enumerate(tree):
+        _assign_lines(t, f"{value}[{j}]", lines)
+
+
+def call_step(ins: Call, fn: Callable[..., Any] | None = None) -> Step:
+    """The step of ``ins``: calls its program on the slots ``args``, stores the results.
+
+    The argument builder and result assignment are generated Python source over
+    the slot numbers, so a call costs one frame and its tuple displays instead
+    of a recursive walk of the slot tree.
+
+    Args:
+      ins: the `Call`.
+      fn: the callable to run instead of ``ins.fn`` (precompile wraps it).
+
+    Returns:
+      ``step(store)``, which returns the program's results.
+
+    Raises:
+      CompileError: (from the step) the program returned a different number of
+        results than ``ins.outs`` holds.
+
+    Example:
+      >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey
+      >>> key = ProgramKey("F", stage=0)
+      >>> sum_and_product = Call(0, key, lambda a, b: (a + b, a * b), (0, 1), (2, 3), "F0.0")
+      >>> store = [2, 3, None, None]
+      >>> call_step(sum_and_product)(store)
+      (5, 6)
+      >>> store
+      [2, 3, 5, 6]
+    """
+
+    def mismatch(result: Any, expected: int) -> None:
+        raise CompileError(
+            f"program {ins.program} ({ins.label}, mesh {ins.mesh}) returned {len(result)} values "
+            f"where its instruction stores {expected} (outs={ins.outs!r}); the program and its "
+            "instruction disagree, which is a bug in nnx_mpmd's compiler: please report it."
+        )
+
+    args = "".join(f"{_build_expr(a)}, " for a in ins.args)
+    lines = ["def step(s):", f"    r = fn({args})"]
+    _assign_lines(ins.outs, "r", lines)
+    lines.append("    return r")
+    namespace: dict[str, Any] = {"fn": ins.fn if fn is None else fn, "mismatch": mismatch}
+    exec("\n".join(lines), namespace)  # the source holds slot numbers only
+    return namespace["step"]
+
+
+def free_step(ins: Free) -> Step:
+    """The step of ``ins``: drops the values of its slots.
+
+    Example:
+      >>> store = [1, 2, 3]
+      >>> free_step(Free((0, 2)))(store), store
+      (None, [None, 2, None])
+    """
+    if not ins.slots:
+        return lambda store: None
+    targets = " = ".join(f"s[{int(slot)}]" for slot in ins.slots)
+    namespace: dict[str, Any] = {}
+    exec(f"def free(s):\n    {targets} = None", namespace)  # slot numbers only
+    return namespace["free"]
