@@ -12,7 +12,7 @@ from nnx_mpmd import distributed as distributed
 from nnx_mpmd import errors as errors
 from nnx_mpmd import schedules as schedules
 from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
-from nnx_mpmd.compiler.step import ReplicatedBatchWarning as ReplicatedBatchWarning
+from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning as ReplicatedBatchWarning
 from nnx_mpmd.distributed import gather as gather
 from nnx_mpmd.errors import CheckpointError as CheckpointError
 from nnx_mpmd.errors import CompileError as CompileError
@@ -30,6 +30,7 @@ from nnx_mpmd.frontend.jit import Lowered as Lowered
 from nnx_mpmd.frontend.jit import PipelinedFunction as PipelinedFunction
 from nnx_mpmd.frontend.jit import jit as jit
 from nnx_mpmd.frontend.jit import value_and_grad as value_and_grad
+from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
 from nnx_mpmd.placement.partition import place as place
@@ -58,6 +59,7 @@ __all__ = [
     "Interleaved1F1B",
     "LoopedBFS",
     "Lowered",
+    "Compiled",
     "MeshError",
     "MpmdArray",
     "MpmdError",

@@ -7,7 +7,7 @@ have no public API. Keep it small; every function says what it relies on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from flax import nnx
@@ -19,6 +19,7 @@ __all__ = [
     "convert_constvars_jaxpr",
     "coordination_state",
     "dce_jaxpr",
+    "explicit_sharding_rejection",
     "variable_belongs_to_current_trace",
     "variables_bound_to_current_trace",
 ]
@@ -125,3 +126,19 @@ DIFFERENTIATION_FRAMES = {
     ("jax._src.api", "linearize"): "jax.linearize",
     ("jax._src.api", "jacfun"): "jax.jacfwd/jax.jacrev",
 }
+
+
+def explicit_sharding_rejection(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """``(fn(*args), None)``, or ``(None, error)`` when JAX's Explicit sharding rules
+    reject an op of ``fn``.
+
+    JAX reports such a rejection (an op whose output sharding is ambiguous on
+    Explicit axes) only by raising its private ``ShardingTypeError``; this turns
+    that one error into data for the caller to decide on. Other errors propagate.
+    """
+    from jax._src.core import ShardingTypeError
+
+    try:
+        return fn(*args), None
+    except ShardingTypeError as error:
+        return None, error

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.step import ReplicatedBatchWarning
+from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning
 
 WIDTH = 8
 MICROBATCHES = 4

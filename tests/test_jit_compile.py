@@ -123,7 +123,7 @@ def test_large_transfer_outside_region_is_reported():
 
 
 def _compilations(schedule, data, compile_threads):
-    """(compilations while lowering, while then running step 1, the loss)."""
+    """(compilations while lowering and compiling, while then running step 1, the loss)."""
     stages = schedule.default_num_stages(4)
     model, opt, loss_fn, kind = build("lm", "adamw", stages)
     step = mp.jit(
@@ -135,7 +135,9 @@ def _compilations(schedule, data, compile_threads):
     )
     batch = make_batch(kind, 16)
     with count_compilations() as lowering:
-        step.lower(model, opt, batch)
+        lowered = step.lower(model, opt, batch)
+        if compile_threads != 1:
+            lowered.compile()
     with count_compilations() as running:
         loss = float(step(model, opt, batch))
     return lowering.count, running.count, loss

@@ -292,7 +292,7 @@ def _pipelined(settings: BenchSettings, preset: str, name: str, batches: list) -
 
 
 def _compiled_and_inputs(variant: _Variant) -> tuple[Any, list[Any]]:
-    from nnx_mpmd.compiler.step import flatten_args
+    from nnx_mpmd.compiler.trace_step import flatten_args
 
     step = variant.step
     flat = flatten_args((*variant.args, variant.batches[0]))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from nnx_mpmd.compiler.instructions import Instruction, SlotTable
@@ -58,7 +57,6 @@ __all__ = [
     "OuterPlan",
     "OuterProblem",
     "constrain_to",
-    "plan_outer",
     "plan_outer_problem",
 ]
 
@@ -152,44 +150,3 @@ def _need_text(problem: OuterProblem, need: dict[Any, frozenset[int]]) -> str:
         meshes = frozenset().union(*(need.get(out, ()) for out in eqn.outvars))
         lines.append(f"{i} {eqn.primitive.name}: needed on {sorted(meshes) or 'no mesh'}")
     return "\n".join(lines)
-
-
-def plan_outer(
-    jaxpr: Any,
-    invar_meshes: Sequence[frozenset[int]],
-    outvar_targets: Sequence[frozenset[int] | None],
-    invar_names: Sequence[str],
-    slots: SlotTable,
-    submeshes: Sequence[Any],
-    out_sharding: Callable[[int, int], Any],
-    region_builder: RegionBuilder | None,
-    region_needs: RegionNeeds | None,
-    region_batch_inputs: frozenset[int] = frozenset(),
-    num_microbatches: int = 1,
-    batch_spec: Callable[[Any], Any] | None = None,
-    transfer_warning_bytes: int = 1 << 20,
-) -> OuterPlan:
-    """Transitional: `plan_outer_problem` with the `OuterProblem` given field by field.
-
-    Kept while ``compiler/step.py`` calls it; it will be removed once the step
-    builds an `OuterProblem` itself. The arguments are `OuterProblem`'s fields
-    (``invar_names`` is ``names``, ``region_batch_inputs`` is ``batch_inputs``)
-    plus `plan_outer_problem`'s.
-
-    Returns:
-      The `OuterPlan`.
-    """
-    problem = OuterProblem(
-        jaxpr=jaxpr,
-        invar_meshes=invar_meshes,
-        outvar_targets=outvar_targets,
-        names=invar_names,
-        submeshes=submeshes,
-        out_sharding=out_sharding,
-        batch_inputs=region_batch_inputs,
-        num_microbatches=num_microbatches,
-        batch_spec=batch_spec,
-        transfer_warning_bytes=transfer_warning_bytes,
-    )
-    # One frame more than a direct call: the warning names the same frame as before.
-    return plan_outer_problem(problem, slots, region_builder, region_needs, warning_stacklevel=5)

@@ -366,13 +366,23 @@ class _Sweep:
         have.add(mesh)
 
 
+# Results up to this size move in one hop when computing them everywhere costs the
+# same bytes as computing them once (see `choose_meshes`).
+SMALL_RESULT_BYTES = 64
+
+
 def choose_meshes(eqn: Any, wanted: frozenset[int], avail: Mapping[Any, Any]) -> frozenset[int]:
     """The meshes that run ``eqn``: everywhere it is wanted, or once and shipped.
 
     Running on every mesh in ``wanted`` fetches the inputs each lacks; running
     once on the best mesh (fewest missing input bytes, then a wanted mesh, then
-    the lowest id) ships the result to the others. The cheaper in bytes wins,
-    ties to running everywhere. Inputs on the host cost nothing to fetch.
+    the lowest id) ships the result to the others. The cheaper in bytes wins.
+    A tie runs once when the result is larger than `SMALL_RESULT_BYTES`: an
+    elementwise op needed on every mesh (the squares of a global norm) then
+    stays where its input is, and the reduction after it ships a scalar instead
+    of every mesh fetching the whole input. A tie on a small result (a norm, a
+    learning rate) runs everywhere: one hop of latency, not bytes, is what
+    counts. Inputs on the host cost nothing to fetch.
 
     Args:
       eqn: the equation.
@@ -402,6 +412,8 @@ def choose_meshes(eqn: Any, wanted: frozenset[int], avail: Mapping[Any, Any]) ->
     home = min(candidates, key=lambda q: (missing(q), q not in wanted, q))
     cost_home = missing(home) + out_bytes * len(wanted - {home})
     cost_everywhere = sum(missing(q) for q in wanted)
+    if cost_everywhere == cost_home and out_bytes > SMALL_RESULT_BYTES:
+        return frozenset({home})
     return wanted if wanted and cost_everywhere <= cost_home else frozenset({home})
 
 

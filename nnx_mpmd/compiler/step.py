@@ -1,211 +1,92 @@
-"""Compiling a whole train step: trace, cut, infer meshes, emit one instruction list."""
+"""Lowering a whole train step: a sequence of named passes, IR to IR.
+
+The passes, in order (each recorded in `CompiledStep.passes` with the IR's text
+after it, which ``Lowered.passes`` shows):
+
+1. ``trace`` (`trace_step.trace_step`): the step as one jaxpr with the pipelined
+   region recorded as one equation; its mode (training or forward-only) is read
+   from what the trace recorded.
+2. ``cut_stages`` (`stages.cut_stages`): the region's body cut at the `Stage`
+   markers into stage slices, glue placed by dataflow.
+3. ``stage_vjp`` (`stage_programs.StageFunctions`): per stage, the forward
+   with its vjp residuals, the backward, the fused and forward-only variants.
+4. ``split_backward`` (zero-bubble schedules only): each backward split into BI
+   (input cotangents) and BW (weight gradients).
+5. ``schedule``: the schedule's per-mesh task lists for this model.
+6. the region's lowering passes (`region_plan`): schedule lowering, fusion,
+   transfer insertion, region outputs; spliced by
+7. the mesh-inference passes (`mesh_inference`): the code outside the region
+   placed on the meshes that use its results, with its transfers.
+8. ``insert_frees``: every slot freed after its last read.
+9. ``dedupe_programs``: the programs the instruction list calls, one per name.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import errors as flax_errors
-from flax import nnx
-from flax.nnx import graph as nnx_graph
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd._jax_compat import (
-    convert_constvars_jaxpr,
-    dce_jaxpr,
-    variables_bound_to_current_trace,
+from nnx_mpmd.compiler.instructions import (
+    Call,
+    Instruction,
+    SlotTable,
+    format_instructions,
+    insert_frees,
 )
-from nnx_mpmd.compiler.captured import implicit_rng_nodes, rng_variables
-from nnx_mpmd.compiler.instructions import Instruction, SlotTable, insert_frees
-from nnx_mpmd.compiler.mesh_inference import HOST, CrossMeshTransfer, plan_outer
-from nnx_mpmd.compiler.region import microbatch_spec, region_tracing, trace_region
-from nnx_mpmd.compiler.region_plan import build_region_program
-from nnx_mpmd.compiler.stage_programs import StageFunctions, submesh_tracing
+from nnx_mpmd.compiler.mesh_inference import (
+    HOST,
+    CrossMeshTransfer,
+    OuterPlan,
+    OuterProblem,
+    plan_outer_problem,
+)
+from nnx_mpmd.compiler.region import microbatch_spec
+from nnx_mpmd.compiler.region_plan import RegionProgram, build_region_program
+from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan, cut_stages
-from nnx_mpmd.errors import CompileError, ScheduleError
-from nnx_mpmd.frontend import markers
+from nnx_mpmd.compiler.trace_step import (
+    FlatArgs,
+    ReplicatedBatchWarning,
+    TracedStep,
+    flatten_args,
+    flatten_step_args,
+    trace_step,
+)
+from nnx_mpmd.errors import ScheduleError
+from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.placement.partition import MpmdArray, leaf_mesh_ids
 
 __all__ = [
     "CompiledStep",
     "FlatArgs",
+    "PassRecord",
     "ReplicatedBatchWarning",
     "compile_step",
+    "dedupe_programs",
     "flatten_args",
     "flatten_step_args",
 ]
 
 
-def is_graph_node(x: Any) -> bool:
-    return nnx_graph.is_graph_node(x)
-
-
-@dataclasses.dataclass
-class FlatArgs:
-    """The arguments of a step, split into NNX state leaves and other leaves."""
-
-    args_tree: Any
-    node_positions: list[int]
-    nodes: tuple[Any, ...]
-    graphdef: Any
-    state_tree: Any
-    state_leaves: list[Any]
-    other_positions: list[int]
-    other_leaves: list[Any]
-    args_leaves: list[Any]
-    # The Variable objects behind ``state_leaves`` (one leaf each, same order), so a
-    # step can write its new state back with one assignment per Variable instead of
-    # ``nnx.update``'s walk over the graph; None when some Variable does not hold
-    # exactly one plain array (then ``nnx.update`` is used).
-    variables: list[Any] | None = None
-    # How many of ``nodes`` (the last ones) are not arguments but ``nnx.Rngs`` the
-    # step reaches by name (see `captured.implicit_rng_nodes`).
-    num_implicit: int = 0
-
-
-def _one_leaf_variables(state: Any, state_leaves: list[Any]) -> list[Any] | None:
-    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    if len(variables) != len(state_leaves):
-        return None
-    for variable, leaf in zip(variables, state_leaves):
-        if not isinstance(variable, nnx.Variable) or variable.get_raw_value() is not leaf:
-            return None
-        if getattr(variable, "ref", False) or getattr(variable, "hijax", False):
-            return None  # the raw value is a mutable reference: let nnx.update write into it
-    return variables
-
-
-def flatten_args(args: tuple[Any, ...], implicit: Sequence[Any] = ()) -> FlatArgs:
-    """Splits a step's arguments (and ``implicit`` NNX nodes) into state and other leaves."""
-    leaves, tree = jax.tree.flatten(args, is_leaf=is_graph_node)
-    node_positions = [i for i, x in enumerate(leaves) if is_graph_node(x)]
-    other_positions = [i for i, x in enumerate(leaves) if not is_graph_node(x)]
-    nodes = (*(leaves[i] for i in node_positions), *implicit)
-    graphdef, state = nnx.split(nodes)
-    state_leaves, state_tree = jax.tree.flatten(state)
-    return FlatArgs(
-        tree,
-        node_positions,
-        nodes,
-        graphdef,
-        state_tree,
-        state_leaves,
-        other_positions,
-        [leaves[i] for i in other_positions],
-        leaves,
-        _one_leaf_variables(state, state_leaves),
-        len(implicit),
-    )
-
-
-def flatten_step_args(fn: Callable[..., Any], args: tuple[Any, ...]) -> FlatArgs:
-    """`flatten_args`, plus the ``nnx.Rngs`` that ``fn`` reaches without receiving them."""
-    flat = flatten_args(args)
-    implicit = implicit_rng_nodes(fn, lambda: _variable_ids(flat))
-    return flatten_args(args, implicit) if implicit else flat
-
-
-def _variable_ids(flat: FlatArgs) -> set[int]:
-    if flat.variables is not None:
-        return {id(v) for v in flat.variables}
-    return {id(v) for _, v in nnx.to_flat_state(nnx.state(flat.nodes))}
-
-
-@contextlib.contextmanager
-def _implicit_rngs_bound(flat: FlatArgs, copies: tuple[Any, ...]) -> Iterator[None]:
-    """Lets ``fn`` draw from the implicit ``nnx.Rngs`` (the user's own objects).
-
-    The step's code reaches those objects by name, not through the merged copies
-    the trace made, so the originals hold the copies' traced values for the
-    duration of the trace; their new values then go into the copies, from which
-    the step's new state is read.
-    """
-    if not flat.num_implicit:
-        yield
-        return
-    originals = [v for n in flat.nodes[-flat.num_implicit :] for v in rng_variables(n)]
-    traced = [v for n in copies[-flat.num_implicit :] for v in rng_variables(n)]
-    with variables_bound_to_current_trace(originals, [v.get_raw_value() for v in traced]):
-        yield
-        new_values = [v.get_raw_value() for v in originals]
-    for variable, value in zip(traced, new_values, strict=True):
-        variable.set_raw_value(value)
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(x, MpmdArray):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-
-
-def _merge_microbatches(x: Any) -> Any:
-    """``[m, B/m, ...] -> [B, ...]`` (forward-only outputs), on Explicit axes too.
-
-    On Explicit axes each microbatch is sharded over the batch axis, and rows of
-    different microbatches would interleave on a device: JAX asks for the
-    output's sharding, which is replicated.
-    """
-    if x.ndim < 2:
-        return x
-    shape = (-1, *x.shape[2:])
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or all(entry is None for entry in sharding.spec):
-        return x.reshape(shape)
-    return jnp.reshape(x, shape, out_sharding=P())
-
-
-def _is_sharding_type_error(error: BaseException) -> bool:
-    """Whether ``error`` is JAX's error for an op its Explicit sharding rules reject."""
-    return any(cls.__name__ == "ShardingTypeError" for cls in type(error).__mro__)
-
-
-def _explicit_axis(mesh: MpmdMesh, axis: str | None) -> bool:
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
-    return axis is not None and types.get(axis) == AxisType.Explicit
-
-
-class ReplicatedBatchWarning(UserWarning):
-    """A step's batch is replicated on its submeshes: its code rejects a sharded batch.
-
-    On an Explicit batch axis, JAX rejects some ops on a data-sharded input
-    unless they say where their output goes (an embedding lookup with sharded
-    ids, say). The step then runs with each microbatch replicated (the same
-    numbers, no data parallelism inside the stages). Fix it by giving the op
-    ``out_sharding=``, by building the mesh with Auto axes, or silence it with
-    ``mp.jit(..., batch_axis=None)``.
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """One lowering pass and the IR after it, as text (rendered when first read).
 
     Example:
-      >>> import warnings
-      >>> import nnx_mpmd as mp
-      >>> issubclass(mp.ReplicatedBatchWarning, UserWarning)
-      True
+      >>> PassRecord("insert_frees", lambda: "free 0").text
+      'free 0'
     """
 
+    name: str
+    render: Callable[[], str] = dataclasses.field(repr=False, compare=False)
 
-def _warn_replicated_batch(error: BaseException, mesh: MpmdMesh, batch_axis: str) -> None:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
-    warnings.warn(
-        f"the step's code cannot be traced with each microbatch sharded over the Explicit "
-        f"mesh axis {batch_axis!r} of {mesh!r}: JAX rejects an op whose output sharding is "
-        f"ambiguous ({first_line}). The batch is replicated on every device of each submesh "
-        "instead (same results, no data parallelism inside a stage). To shard it, give that "
-        "op its output sharding (out_sharding=P(...), e.g. table.at[ids].get(out_sharding=...) "
-        "or nnx.Embed(...)(ids, out_sharding=P(...)) for an embedding), or build the mesh with "
-        "Auto axes, jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names)), "
-        "so that XLA propagates the batch sharding; pass mp.jit(batch_axis=None) to "
-        "replicate the batch without this warning.",
-        ReplicatedBatchWarning,
-        stacklevel=5,
-    )
+    @property
+    def text(self) -> str:
+        return self.render()
 
 
 @dataclasses.dataclass
@@ -228,31 +109,218 @@ class CompiledStep:
     # The submesh axis microbatches are sharded over (None: replicated), which is
     # mp.jit's batch_axis unless the step's code rejects a sharded batch.
     batch_axis: str | None = None
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
 
 
-def _leaf_meshes(x: Any, mesh: MpmdMesh) -> frozenset[int]:
-    ids = leaf_mesh_ids(x, mesh)
-    return frozenset(ids) if ids else frozenset({HOST})
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The traced step's inputs: readable names and where each one lives."""
+
+    names: list[str]  # per used input
+    meshes: list[frozenset[int]]  # per used input ({HOST}: not on a submesh)
+    used_index: list[int]  # index of each used input among all inputs
+    num_inputs: int
+    state_avals: list[PlacedAval]
 
 
-def _leaf_sharding(x: Any, q: int) -> Any:
-    if isinstance(x, MpmdArray):
-        return x.array(q).sharding
-    return x.sharding
+def _leaf_meshes(aval: PlacedAval) -> frozenset[int]:
+    return frozenset(aval.mesh_ids) or frozenset({HOST})
 
 
-@contextlib.contextmanager
-def _outer_state_explained() -> Iterator[None]:
-    """Turns Flax's error for state updated from another trace into one naming the fix."""
+def describe_inputs(
+    traced: TracedStep,
+    flat: FlatArgs,
+    mesh: MpmdMesh,
+    state_avals: list[PlacedAval],
+    other: list[PlacedAval],
+) -> StepInputs:
+    """Names and meshes of the inputs the traced step reads."""
+    n_consts, n_state = len(traced.consts), len(state_avals)
+    tree = jax.tree.unflatten(flat.state_tree, list(range(n_state)))
+    state_paths = [
+        ".".join(str(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    names = [f"constant {i}" for i in range(n_consts)] + state_paths
+    names += [f"argument leaf {i}" for i in range(len(other))]
+    avals = [placed_aval(c, mesh) for c in traced.consts] + list(state_avals) + list(other)
+    used_index = [i for i, u in enumerate(traced.used) if u]
+    return StepInputs(
+        names=[names[i] for i in used_index],
+        meshes=[_leaf_meshes(avals[i]) for i in used_index],
+        used_index=used_index,
+        num_inputs=len(avals),
+        state_avals=list(state_avals),
+    )
+
+
+def schedule_tasks(
+    plan: StagePlan, schedule: Any, mesh: MpmdMesh, num_microbatches: int
+) -> tuple[Any, list[int]]:
+    """The schedule's per-mesh task lists and each stage's mesh, for this model."""
+    num_stages, num_meshes = plan.num_stages, mesh.num_meshes
     try:
-        yield
-    except flax_errors.TraceContextError as e:
-        raise CompileError(
-            f"the step updates NNX state that it does not receive as an argument ({e}). "
-            "mp.jit, like nnx.jit, can only update the NNX objects passed to the step: pass "
-            "the nnx.Rngs (or module) as an argument, step(model, optimizer, rngs, batch), or "
-            "keep it inside the model."
+        schedule.check(num_stages, num_meshes, num_microbatches)
+    except ScheduleError as e:
+        raise ScheduleError(
+            f"{type(schedule).__name__} cannot run this model's {num_stages} stages on "
+            f"{num_meshes} meshes with {num_microbatches} microbatches: {e}"
         ) from None
+    tasks = schedule.tasks(num_stages, num_meshes, num_microbatches)
+    stage_mesh = [schedule.mesh_of(s, num_stages, num_meshes) for s in range(num_stages)]
+    return tasks, stage_mesh
+
+
+def dedupe_programs(instructions: Sequence[Instruction]) -> dict[str, Any]:
+    """The programs the instruction list calls, one callable per name.
+
+    Programs built but never called (a backward the schedule fuses, say) are
+    dropped.
+
+    Args:
+      instructions: the step's instructions.
+
+    Returns:
+      ``{name: program}`` for the names some `Call` uses, in name order.
+
+    Raises:
+      AssertionError: two different callables under one name (a compiler bug).
+
+    Example:
+      >>> from nnx_mpmd.compiler.instructions import ProgramKey
+      >>> calls = [Call(0, ProgramKey("F", 0), abs, (0,), 1, "F0.0")]
+      >>> dedupe_programs(calls)
+      {'F0': <built-in function abs>}
+    """
+    called: dict[str, Any] = {}
+    for ins in instructions:
+        if isinstance(ins, Call):
+            name = str(ins.program)
+            if called.setdefault(name, ins.fn) is not ins.fn:
+                raise AssertionError(f"two programs are named {name}")
+    return {name: called[name] for name in sorted(called)}
+
+
+class _RegionLowering:
+    """The region's passes, run when mesh inference reaches the region."""
+
+    def __init__(
+        self, plan: StagePlan, fns: list[StageFunctions], tasks: Any, stage_mesh: list[int]
+    ) -> None:
+        self.plan, self.fns, self.tasks, self.stage_mesh = plan, fns, tasks, stage_mesh
+        self.program: RegionProgram | None = None
+        info = plan.info
+        first_batch = info.n_closure + info.n_diff + info.n_other
+        self.batch_inputs = frozenset(range(first_batch, first_batch + info.n_batch))
+
+    def needs(self, r: int) -> frozenset[int]:
+        return frozenset(self.stage_mesh[k] for k in self.plan.input_stages.get(r, []))
+
+    def build(self, submeshes: list[Any], slots: SlotTable) -> Callable[..., Any]:
+        def builder(input_slot: Any, home: Any) -> Any:
+            self.program = build_region_program(
+                self.plan, self.fns, self.tasks, self.stage_mesh, submeshes, slots, input_slot, home
+            )
+            return self.program.instructions, self.program.output_slots
+
+        return builder
+
+
+def _plan_text(plan: StagePlan) -> str:
+    lines = []
+    for sl in plan.stages:
+        lines.append(
+            f"stage {sl.stage}: {len(sl.program.jaxpr.eqns)} equations, "
+            f"{len(sl.region_inputs)} region inputs, {len(sl.boundary_in)} in, "
+            f"{len(sl.boundary_out)} out{', remat' if sl.remat else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _vjp_text(fns: list[StageFunctions]) -> str:
+    return "\n".join(
+        f"stage {f.stage}: {len(f.param_inputs)} params, {len(f.batch_inputs)} batch leaves, "
+        f"{len(f.sends)} sends ({len(f.diff_sends)} differentiable), {len(f.carries)} carries"
+        for f in fns
+    )
+
+
+def _tasks_text(tasks: Any, stage_mesh: list[int]) -> str:
+    lines = [f"stage -> mesh: {stage_mesh}"]
+    lines += [f"mesh {q}: {' '.join(str(t) for t in ts)}" for q, ts in enumerate(tasks)]
+    return "\n".join(lines)
+
+
+def _batch_spec(mesh: MpmdMesh, num_microbatches: int, batch_axis: str | None) -> Any:
+    def batch_spec(aval: Any) -> Any:
+        # The stacked [m, B/m, ...] batch: each microbatch as the stages were traced.
+        shape = (aval.shape[0] // num_microbatches, *aval.shape[1:]) if aval.shape else ()
+        spec = microbatch_spec(shape, mesh.submesh(0), batch_axis)
+        return P() if spec is None else P(None, *spec)
+
+    return batch_spec
+
+
+def _region_passes(
+    traced: TracedStep, schedule: Any, mesh: MpmdMesh, num_microbatches: int, record: Any
+) -> _RegionLowering | None:
+    """cut_stages, stage_vjp, split_backward and schedule, recorded."""
+    if not traced.regions:
+        return None
+    plan = cut_stages(traced.regions[0])
+    record("cut_stages", lambda: _plan_text(plan))
+    fns = [StageFunctions(plan, k) for k in range(plan.num_stages)]
+    record("stage_vjp", lambda: _vjp_text(fns))
+    tasks, stage_mesh = schedule_tasks(plan, schedule, mesh, num_microbatches)
+    if any(t.kind == "BW" for ts in tasks for t in ts):
+        record("split_backward", lambda: "backward split into BI and BW for every stage")
+    record("schedule", lambda: _tasks_text(tasks, stage_mesh))
+    return _RegionLowering(plan, fns, tasks, stage_mesh)
+
+
+def _outer_pass(
+    traced: TracedStep,
+    inputs: StepInputs,
+    mesh: MpmdMesh,
+    region: _RegionLowering | None,
+    slots: SlotTable,
+    num_microbatches: int,
+    transfer_warning_bytes: int,
+) -> OuterPlan:
+    """Mesh inference over the step's jaxpr, calling the region's passes in place."""
+    n_user = traced.num_user_outputs
+    targets: list[frozenset[int] | None] = [None] * n_user + [
+        frozenset(a.mesh_ids) or None for a in inputs.state_avals
+    ]
+
+    def out_sharding(j: int, q: int) -> Any:
+        return inputs.state_avals[j - n_user].sharding(q)
+
+    submeshes = list(mesh.submeshes)
+    problem = OuterProblem(
+        traced.jaxpr,
+        inputs.meshes,
+        targets,
+        inputs.names,
+        submeshes,
+        out_sharding,
+        batch_inputs=region.batch_inputs if region else frozenset(),
+        num_microbatches=num_microbatches,
+        batch_spec=_batch_spec(mesh, num_microbatches, traced.batch_axis),
+        transfer_warning_bytes=transfer_warning_bytes,
+    )
+    return plan_outer_problem(
+        problem,
+        slots,
+        region.build(submeshes, slots) if region else None,
+        region.needs if region else None,
+        warning_stacklevel=_USER_FRAME,
+    )
+
+
+# Warnings name the user's line: the step's call (or lower()) is this many frames
+# above the pass that warns (the pass, _outer_pass, compile_step,
+# PipelinedFunction._lowered, its _prepare or _lower_abstract, then __call__ or lower).
+_USER_FRAME = 7
 
 
 def compile_step(
@@ -262,194 +330,80 @@ def compile_step(
     schedule: Any,
     num_microbatches: int,
     *,
+    state_avals: list[PlacedAval] | None = None,
+    other_avals: list[PlacedAval] | None = None,
     batch_axis: str | None = "data",
     transfer_warning_bytes: int = 1 << 20,
 ) -> CompiledStep:
-    """Traces ``fn`` on ``flat`` and compiles it for ``mesh`` and ``schedule``."""
-    out_tree_box: list[Any] = []
+    """Lowers ``fn`` for ``mesh`` and ``schedule``: the passes in this module's order.
 
-    def pure(state_leaves: list[Any], other_leaves: list[Any]) -> Any:
-        state = jax.tree.unflatten(flat.state_tree, state_leaves)
-        nodes = nnx.merge(flat.graphdef, state)
-        leaves = list(flat.args_leaves)
-        for pos, node in zip(flat.node_positions, nodes):
-            leaves[pos] = node
-        for pos, leaf in zip(flat.other_positions, other_leaves):
-            leaves[pos] = leaf
-        with _implicit_rngs_bound(flat, nodes):
-            out = fn(*jax.tree.unflatten(flat.args_tree, leaves))
-        _, new_state = nnx.split(nodes)
-        new_leaves, new_tree = jax.tree.flatten(new_state)
-        if new_tree != flat.state_tree:
-            raise CompileError(
-                "the step changed the structure of its NNX objects (added or removed "
-                "Variables); mp.jit steps may only update existing state."
-            )
-        out_leaves, out_tree = jax.tree.flatten(out)
-        if any(is_graph_node(x) for x in out_leaves):
-            raise CompileError("the step returned an NNX object; return arrays instead.")
-        out_tree_box.append(out_tree)
-        return out_leaves, new_leaves
+    Args:
+      fn: the step.
+      flat: its arguments.
+      mesh: the `MpmdMesh`.
+      schedule: the schedule object.
+      num_microbatches: microbatches per step.
+      state_avals: where each state leaf lives (default: where it is now); give
+        where `place` would put it to lower without placing.
+      other_avals: the same for the other leaves (default: where they are).
+      batch_axis: the submesh axis microbatches are sharded over, or None.
+      transfer_warning_bytes: report transfers outside the region above this.
 
-    def pure_inference(state_leaves: list[Any], other_leaves: list[Any]) -> Any:
-        # A step that runs stages without mp.value_and_grad is a forward-only
-        # pipeline: the whole function is the region, applied per microbatch of
-        # its array arguments, and its outputs are concatenated in order.
-        nodes = nnx.merge(flat.graphdef, jax.tree.unflatten(flat.state_tree, state_leaves))
+    Returns:
+      The `CompiledStep`, with the IR after every pass in ``passes``.
+    """
+    state_avals = state_avals or [placed_aval(x, mesh) for x in flat.state_leaves]
+    other_avals = other_avals or [placed_aval(x, mesh) for x in flat.other_leaves]
+    passes: list[PassRecord] = []
 
-        def forward(local_nodes: Any, batch_leaves: list[Any]) -> Any:
-            leaves = list(flat.args_leaves)
-            for pos, node in zip(flat.node_positions, local_nodes):
-                leaves[pos] = node
-            for pos, leaf in zip(flat.other_positions, batch_leaves):
-                leaves[pos] = leaf
-            return fn(*jax.tree.unflatten(flat.args_tree, leaves))
+    def record(name: str, render: Callable[[], str]) -> None:
+        passes.append(PassRecord(name, render))
 
-        with _implicit_rngs_bound(flat, nodes):
-            stacked = trace_region(
-                forward, nodes, list(other_leaves), has_aux=False, wrt=nnx.Nothing, with_grad=False
-            )
-        out = jax.tree.map(_merge_microbatches, stacked)
-        out_leaves, out_tree = jax.tree.flatten(out)
-        out_tree_box.append(out_tree)
-        _, new_state = nnx.split(nodes)
-        return out_leaves, jax.tree.leaves(new_state)
-
-    avals = ([_abstract(x) for x in flat.state_leaves], [_abstract(x) for x in flat.other_leaves])
-
-    def trace(traced_batch_axis: str | None) -> tuple[Any, list[Any]]:
-        traced: list[list[Any]] = []
-        region_context = functools.partial(
-            region_tracing, num_microbatches, mesh.submesh(0), traced_batch_axis
-        )
-        try:
-            with (
-                submesh_tracing(mesh),
-                _outer_state_explained(),
-                region_context() as regions,
-                markers.outer_tracing(),
-            ):
-                traced.append(regions)
-                return jax.make_jaxpr(pure)(*avals), regions
-        except markers.StageOutsideRegionError:
-            if traced and traced[0]:
-                raise  # stages called both inside and outside the region
-        with submesh_tracing(mesh), _outer_state_explained(), region_context() as regions:
-            return jax.make_jaxpr(pure_inference)(*avals), regions
-
-    try:
-        closed, regions = trace(batch_axis)
-    except Exception as e:
-        if not (_is_sharding_type_error(e) and _explicit_axis(mesh, batch_axis)):
-            raise
-        # Ordinary model code that JAX's Explicit sharding rules reject on a
-        # sharded batch (a gather with batch-sharded indices): replicate the batch.
-        _warn_replicated_batch(e, mesh, batch_axis)
-        batch_axis = None
-        closed, regions = trace(None)
-    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
-    jaxpr, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
-    consts = list(closed.consts)
-    all_inputs = consts + list(flat.state_leaves) + list(flat.other_leaves)
-    n_consts, n_state = len(consts), len(flat.state_leaves)
-    num_user_outputs = len(jaxpr.outvars) - n_state
-
-    names = [f"constant {i}" for i in range(n_consts)]
-    state_paths = [
-        ".".join(str(k) for k in path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(
-            jax.tree.unflatten(flat.state_tree, list(range(n_state)))
-        )[0]
-    ]
-    names += state_paths + [f"argument leaf {i}" for i in range(len(flat.other_leaves))]
-    used_inputs = [x for x, u in zip(all_inputs, used) if u]
-    used_names = [n for n, u in zip(names, used) if u]
-    used_index = [i for i, u in enumerate(used) if u]
-    invar_meshes = [_leaf_meshes(x, mesh) for x in used_inputs]
-    state_meshes = [_leaf_meshes(x, mesh) for x in flat.state_leaves]
-    outvar_targets: list[frozenset[int] | None] = [None] * num_user_outputs + [
-        m - {HOST} or None for m in state_meshes
-    ]
-
-    def out_sharding(j: int, q: int) -> Any:
-        leaf = flat.state_leaves[j - num_user_outputs]
-        return _leaf_sharding(leaf, q)
-
+    avals = ([a.aval for a in state_avals], [a.aval for a in other_avals])
+    traced = trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
+    record("trace", lambda: str(traced.jaxpr))
+    region = _region_passes(traced, schedule, mesh, num_microbatches, record)
+    inputs = describe_inputs(traced, flat, mesh, state_avals, other_avals)
     slots = SlotTable()
-    plan: StagePlan | None = None
-    tasks: Any = ()
-    stage_mesh: list[int] = []
-    region_builder = region_needs = None
-    batch_inputs: frozenset[int] = frozenset()
-    constants: dict[int, Any] = {}
-    region_programs: dict[str, Any] = {}
-    if regions:
-        info = regions[0]
-        plan = cut_stages(info)
-        num_stages, num_meshes = plan.num_stages, mesh.num_meshes
-        try:
-            schedule.check(num_stages, num_meshes, num_microbatches)
-        except ScheduleError as e:
-            raise ScheduleError(
-                f"{type(schedule).__name__} cannot run this model's {num_stages} stages on "
-                f"{num_meshes} meshes with {num_microbatches} microbatches: {e}"
-            ) from None
-        tasks = schedule.tasks(num_stages, num_meshes, num_microbatches)
-        stage_mesh = [schedule.mesh_of(s, num_stages, num_meshes) for s in range(num_stages)]
-        fns = [StageFunctions(plan, k) for k in range(num_stages)]
-        first_batch = info.n_closure + info.n_diff + info.n_other
-        batch_inputs = frozenset(range(first_batch, first_batch + info.n_batch))
-
-        def region_needs(r: int) -> frozenset[int]:
-            return frozenset(stage_mesh[k] for k in plan.input_stages.get(r, []))
-
-        def region_builder(input_slot: Any, home: Any) -> Any:
-            program = build_region_program(
-                plan, fns, tasks, stage_mesh, list(mesh.submeshes), slots, input_slot, home
-            )
-            constants.update(program.constants)
-            region_programs.update(program.compiled)
-            return program.instructions, program.output_slots
-
-    def batch_spec(aval: Any) -> Any:
-        # The stacked [m, B/m, ...] batch: each microbatch as the stages were traced.
-        shape = (aval.shape[0] // num_microbatches, *aval.shape[1:]) if aval.shape else ()
-        spec = microbatch_spec(shape, mesh.submesh(0), batch_axis)
-        return P() if spec is None else P(None, *spec)
-
-    outer = plan_outer(
-        jaxpr,
-        invar_meshes,
-        outvar_targets,
-        used_names,
-        slots,
-        list(mesh.submeshes),
-        out_sharding,
-        region_builder,
-        region_needs,
-        batch_inputs,
-        num_microbatches,
-        batch_spec,
-        transfer_warning_bytes,
+    outer = _outer_pass(
+        traced, inputs, mesh, region, slots, num_microbatches, transfer_warning_bytes
     )
+    region_program = region.program if region else None
+    for name, ir in getattr(region_program, "passes", []):
+        record(name, lambda ir=ir: _ir_text(ir))
+    for name, ir in getattr(outer, "passes", []):
+        record(name, lambda ir=ir: _ir_text(ir))
     keep = {slot for locs in outer.output_slots for _, slot in locs}
     instructions = insert_frees(outer.instructions, keep)
-    input_slots: list[dict[int, int]] = [{} for _ in all_inputs]
-    for i, slots_of in zip(used_index, outer.input_slots):
+    record("insert_frees", lambda: format_instructions(instructions))
+    programs = dedupe_programs(instructions)
+    record("dedupe_programs", lambda: "\n".join(programs))
+    input_slots: list[dict[int, int]] = [{} for _ in range(inputs.num_inputs)]
+    for i, slots_of in zip(inputs.used_index, outer.input_slots):
         input_slots[i] = slots_of
     return CompiledStep(
         instructions=instructions,
         num_slots=len(slots),
-        constants=constants,
+        constants=dict(region_program.constants) if region_program else {},
         input_slots=input_slots,
-        consts=consts,
+        consts=list(traced.consts),
         output_slots=outer.output_slots,
-        num_user_outputs=num_user_outputs,
-        out_tree=out_tree_box[-1],
+        num_user_outputs=traced.num_user_outputs,
+        out_tree=traced.out_tree,
         transfers=outer.transfers,
-        programs={**outer.programs, **region_programs},
-        plan=plan,
-        tasks=tasks,
-        stage_mesh=stage_mesh,
-        batch_axis=batch_axis,
+        programs=programs,
+        plan=region.plan if region else None,
+        tasks=region.tasks if region else (),
+        stage_mesh=region.stage_mesh if region else [],
+        batch_axis=traced.batch_axis,
+        passes=passes,
     )
+
+
+def _ir_text(ir: Any) -> str:
+    if isinstance(ir, list | tuple) and all(
+        isinstance(i, Instruction.__args__)
+        for i in ir  # type: ignore[attr-defined]
+    ):
+        return format_instructions(ir)
+    return str(ir)

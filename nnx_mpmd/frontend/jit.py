@@ -8,20 +8,28 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
-from nnx_mpmd.compiler.step import CompiledStep, FlatArgs, compile_step, flatten_step_args
+from nnx_mpmd.compiler.step import CompiledStep, compile_step
+from nnx_mpmd.compiler.trace_step import FlatArgs, flatten_step_args
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
+from nnx_mpmd.frontend.stages import Compiled as Compiled
+from nnx_mpmd.frontend.stages import Lowered as Lowered
+from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.placement.partition import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.precompile import precompile
 
-__all__ = ["MAX_COMPILED_STEPS", "Lowered", "PipelinedFunction", "jit", "value_and_grad"]
+__all__ = [
+    "MAX_COMPILED_STEPS",
+    "Compiled",
+    "Lowered",
+    "PipelinedFunction",
+    "jit",
+    "value_and_grad",
+]
 
 # How many input signatures one `PipelinedFunction` keeps compiled (least recently
 # used dropped first).
@@ -81,23 +89,6 @@ def value_and_grad(
     return wrapped
 
 
-def _sharding_key(sharding: Any) -> Any:
-    if isinstance(sharding, NamedSharding):
-        # P() and P(None, None) are the same layout: key them the same.
-        return (sharding.mesh, normalize_spec(sharding.spec), sharding.memory_kind)
-    return sharding
-
-
-def _leaf_key(x: Any) -> Any:
-    if isinstance(x, MpmdArray):
-        shardings = tuple((q, _sharding_key(x.array(q).sharding)) for q in x.mesh_ids)
-        return ("mpmd", x.shape, str(x.dtype), shardings)
-    if isinstance(x, jax.Array):
-        weak = getattr(x, "weak_type", False)  # PRNG key arrays have none
-        return ("array", x.shape, str(x.dtype), _sharding_key(x.sharding), weak)
-    return ("host", np.shape(x), str(np.result_type(x)))
-
-
 def _write_back(flat: FlatArgs, new_leaves: list[Any]) -> None:
     """Stores a step's new state leaves into the caller's Variables."""
     if flat.variables is None:
@@ -105,87 +96,6 @@ def _write_back(flat: FlatArgs, new_leaves: list[Any]) -> None:
         return
     for variable, value in zip(flat.variables, new_leaves, strict=True):
         variable.set_raw_value(value)
-
-
-class Lowered:
-    """A compiled step for inspection: per-mesh instruction lists and programs.
-
-    Example:
-      >>> import jax, optax
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> import nnx_mpmd as mp
-      >>> class Two(mp.PipelinedModel):
-      ...     def __init__(self, rngs):
-      ...         self.a = mp.Stage(nnx.Linear(4, 4, rngs=rngs), stage=0)
-      ...         self.b = mp.Stage(nnx.Linear(4, 1, rngs=rngs), stage=1)
-      ...     def __call__(self, x):
-      ...         return self.b(self.a(x))
-      >>> mesh = mp.MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
-      >>> model = Two(nnx.Rngs(0))
-      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-      >>> def step(model, opt, x):
-      ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
-      ...     opt.update(model, grads)
-      ...     return loss
-      >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
-      >>> lowered = f.lower(model, opt, jnp.ones((4, 4)))
-      >>> lowered.instructions(mesh=1)[:3]
-      ['mesh 1: run init1', 'mesh 1: receive act s0->s1 mb0 (32 B)', 'mesh 1: run F1.0']
-    """
-
-    def __init__(self, compiled: CompiledStep, mesh: MpmdMesh) -> None:
-        self.compiled = compiled
-        self.mesh = mesh
-
-    @property
-    def transfers(self) -> list[Any]:
-        """Transfers outside the pipelined region (what, src, dst, bytes)."""
-        return list(self.compiled.transfers)
-
-    @property
-    def programs(self) -> dict[str, Any]:
-        """The jitted programs by label (``F0``, ``B1``, ``FB3``, ``post.L0.mesh2``...)."""
-        return dict(self.compiled.programs)
-
-    def instructions(self, mesh: int | None = None) -> list[str]:
-        """The instruction list in dispatch order, optionally for one mesh."""
-        from nnx_mpmd.compiler.instructions import Call, Transfer
-
-        lines = []
-        for ins in self.compiled.instructions:
-            if isinstance(ins, Call) and mesh in (None, ins.mesh):
-                lines.append(f"mesh {ins.mesh}: run {ins.label}")
-            elif isinstance(ins, Transfer) and mesh in (None, ins.dst_mesh):
-                lines.append(f"mesh {ins.dst_mesh}: receive {ins.label} ({ins.nbytes} B)")
-        return lines
-
-    def as_text(self) -> str:
-        """Every mesh's instruction list, one section per mesh."""
-        out = []
-        for q in range(self.mesh.num_meshes):
-            out.append(f"== mesh {q} ==")
-            out.extend("  " + line.split(": ", 1)[1] for line in self.instructions(q))
-        out.append("== programs (one per stage and task kind) ==")
-        out.append("  " + ", ".join(sorted(self.compiled.programs)))
-        return "\n".join(out)
-
-    def program_text(self, label: str, *args: Any) -> str:
-        """The jaxpr of program ``label`` (e.g. ``"F0"``) for the given arguments."""
-        return str(jax.make_jaxpr(self.compiled.programs[label])(*args))
-
-    def ir_text(self) -> str:
-        """The whole instruction list in the IR's text form, one instruction a line.
-
-        ``compiler.instructions.parse_instructions(text, lowered.programs)`` reads it
-        back: every `Call` names its program (``F0``, ``init1``, ``post.L0.mesh2``).
-        """
-        from nnx_mpmd.compiler.instructions import format_instructions
-
-        return format_instructions(self.compiled.instructions)
-
-    def __str__(self) -> str:
-        return self.as_text()
 
 
 class _DefaultBatchAxis(str):
@@ -274,70 +184,102 @@ class PipelinedFunction:
         # that a long-lived step called with ever new signatures (a fresh optax
         # transformation each time, say) does not grow without limit.
         self._cache: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
+        # XLA executables of each cached step compiled ahead of time, by id of the step.
+        self._executables: dict[int, dict[str, list[Any]]] = {}
+        # Signatures whose state was found placed where it belongs (no planning needed).
+        self._placed_signatures: set[Any] = set()
         self._shardings = _Shardings(list(mesh.submeshes))
         self.last_profile: list[TaskRecord] | None = None
         self.last_memory: dict[str, Any] | None = None
+
+    def _signature(
+        self, flat: FlatArgs, state_avals: list[PlacedAval], other_avals: list[PlacedAval]
+    ) -> Any:
+        """The cache key: structure, shapes, dtypes and placements of the arguments."""
+        return (
+            flat.graphdef,
+            flat.state_tree,
+            flat.args_tree,
+            tuple(a.key() for a in state_avals),
+            tuple(a.key() for a in other_avals),
+        )
+
+    def _lowered(
+        self, flat: FlatArgs, state_avals: list[PlacedAval], other_avals: list[PlacedAval]
+    ) -> CompiledStep:
+        """The step lowered for these avals: from the cache, or lowered now."""
+        key = self._signature(flat, state_avals, other_avals)
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        compiled = compile_step(
+            self.fn,
+            flat,
+            self.mesh,
+            self.schedule,
+            self.num_microbatches,
+            state_avals=state_avals,
+            other_avals=other_avals,
+            batch_axis=self.batch_axis,
+            transfer_warning_bytes=self.transfer_warning_bytes,
+        )
+        self._cache[key] = compiled
+        while len(self._cache) > MAX_COMPILED_STEPS:
+            evicted = self._cache.popitem(last=False)[1]
+            self._executables.pop(id(evicted), None)
+        return compiled
+
+    def _planned(self, flat: FlatArgs) -> list[PlacedAval]:
+        """Where the state leaves will live once placed (no data moves)."""
+        try:
+            return planned_avals(flat.nodes, flat.state_leaves, self.mesh, self.schedule)
+        except ScheduleError as e:
+            raise ScheduleError(
+                f"{type(self.schedule).__name__} cannot place this step's state on "
+                f"{self.mesh.num_meshes} meshes: {e}"
+            ) from None
+
+    def _compile_programs(self, compiled: CompiledStep, inputs: list[Any]) -> dict[str, list[Any]]:
+        """Compiles ``compiled``'s programs ahead of time, once per lowered step."""
+        found = self._executables.get(id(compiled))
+        if found is None:
+            found = self._executables[id(compiled)] = {}
+            precompile(
+                compiled,
+                inputs,
+                list(self.mesh.submeshes),
+                self._shardings,
+                max_workers=self.compile_threads,
+                batch_axis=compiled.batch_axis,  # None where the step replicates it
+                executables=found,
+            )
+        return found
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
         from nnx_mpmd.compiler.stage_programs import check_mesh_context
 
         check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
         flat = flatten_step_args(self.fn, args)
-        key = self._key(flat)
-        compiled = self._cached(key)
-        if compiled is None:
-            # Unseen signature: place the state (a no-op for leaves already placed;
-            # an unplaced array on a device of submesh 0 is not "placed").
-            try:
+        state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
+        placed_key = (flat.graphdef, flat.state_tree, tuple(a.key() for a in state_avals))
+        if placed_key not in self._placed_signatures:
+            planned = self._planned(flat)
+            if [a.key() for a in planned] != list(placed_key[2]):
+                # Not placed (or placed for another layout): place, then read again.
                 place(flat.nodes, self.mesh, self.schedule)
-            except ScheduleError as e:
-                raise ScheduleError(
-                    f"{type(self.schedule).__name__} cannot place this step's state on "
-                    f"{self.mesh.num_meshes} meshes: {e}"
-                ) from None
-            flat = flatten_step_args(self.fn, args)
-            key = self._key(flat)
-            compiled = self._cached(key)
-        if compiled is None:
-            compiled = compile_step(
-                self.fn,
-                flat,
-                self.mesh,
-                self.schedule,
-                self.num_microbatches,
-                batch_axis=self.batch_axis,
-                transfer_warning_bytes=self.transfer_warning_bytes,
-            )
-            if self.compile_threads != 1 and not self.mesh.is_multi_process:
-                inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
-                precompile(
-                    compiled,
-                    inputs,
-                    list(self.mesh.submeshes),
-                    self._shardings,
-                    max_workers=self.compile_threads,
-                    batch_axis=compiled.batch_axis,  # None where the step replicates it
-                )
-            self._cache[key] = compiled
-            while len(self._cache) > MAX_COMPILED_STEPS:
-                self._cache.popitem(last=False)
+                flat = flatten_step_args(self.fn, args)
+                state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
+            if len(self._placed_signatures) > 4 * MAX_COMPILED_STEPS:
+                self._placed_signatures.clear()
+            keys = tuple(a.key() for a in state_avals)
+            self._placed_signatures.add((flat.graphdef, flat.state_tree, keys))
+        other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
+        compiled = self._lowered(flat, state_avals, other_avals)
+        if self.compile_threads != 1 and not self.mesh.is_multi_process:
+            inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
+            self._compile_programs(compiled, inputs)
         return flat, compiled
-
-    def _cached(self, key: Any) -> CompiledStep | None:
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-        return compiled
-
-    @staticmethod
-    def _key(flat: FlatArgs) -> Any:
-        return (
-            flat.graphdef,
-            flat.state_tree,
-            flat.args_tree,
-            tuple(_leaf_key(x) for x in flat.state_leaves),
-            tuple(_leaf_key(x) for x in flat.other_leaves),
-        )
 
     def __call__(self, *args: Any, profile: bool = False, memory: bool = False) -> Any:
         flat, compiled = self._prepare(args)
@@ -361,13 +303,38 @@ class PipelinedFunction:
         return jax.tree.unflatten(compiled.out_tree, user)
 
     def lower(self, *args: Any) -> Lowered:
-        """Compiles for ``args`` (placing state if needed) without running."""
-        _, compiled = self._prepare(args)
-        return Lowered(compiled, self.mesh)
+        """Lowers the step for ``args`` without running it or moving any state.
+
+        State that is not placed yet is lowered for where `mp.place` would put
+        it; a later call (which places it) finds this lowering in the cache.
+
+        Returns:
+          A `Lowered`: its passes, instructions and programs; ``compile()`` it for
+          a `Compiled` with XLA's memory and cost analyses.
+        """
+        compiled, abstract_inputs = self._lower_abstract(args)
+        return Lowered(
+            compiled,
+            self.mesh,
+            compile_fn=lambda step: self._compile_programs(step, abstract_inputs),
+            run_fn=self,
+        )
+
+    def _lower_abstract(self, args: tuple[Any, ...]) -> tuple[CompiledStep, list[PlacedAval]]:
+        """The lowering for ``args`` as placed by `mp.place`, and its abstract inputs."""
+        from nnx_mpmd.compiler.stage_programs import check_mesh_context
+
+        check_mesh_context(self.mesh)
+        flat = flatten_step_args(self.fn, args)
+        state_avals = self._planned(flat)
+        other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
+        compiled = self._lowered(flat, state_avals, other_avals)
+        consts = [placed_aval(c, self.mesh) for c in compiled.consts]
+        return compiled, [*consts, *state_avals, *other_avals]
 
     @property
     def num_compiled_steps(self) -> int:
-        """How many distinct input signatures have been compiled."""
+        """How many distinct input signatures have been lowered (and are cached)."""
         return len(self._cache)
 
 

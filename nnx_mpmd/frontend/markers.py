@@ -31,6 +31,7 @@ __all__ = [
     "call_stage",
     "current_stage",
     "outer_tracing",
+    "stage_outside_region_error",
     "pipeline_tracing",
     "stage_marker_p",
 ]
@@ -139,7 +140,8 @@ mlir.register_lowering(
 class _TraceState(threading.local):
     def __init__(self) -> None:
         self.active = False
-        self.outer = False
+        # While mp.jit traces a step outside its region: the stage calls seen there.
+        self.outer: list[str] | None = None
         self.stage_stack: list[int] = []
 
 
@@ -150,7 +152,7 @@ _state = _TraceState()
 def pipeline_tracing() -> Iterator[None]:
     """Within this context, `Stage` calls emit markers (used by the compiler)."""
     previous = (_state.active, _state.outer, _state.stage_stack)
-    _state.active, _state.outer, _state.stage_stack = True, False, []
+    _state.active, _state.outer, _state.stage_stack = True, None, []
     try:
         yield
     finally:
@@ -158,14 +160,30 @@ def pipeline_tracing() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def outer_tracing() -> Iterator[None]:
-    """While `mp.jit` traces a step outside its pipelined region, a `Stage` call is an error."""
+def outer_tracing() -> Iterator[list[str]]:
+    """Records the `Stage` calls a step makes outside its pipelined region.
+
+    Yields:
+      A list that receives one description per such call (``"Stage 1 (at
+      model.head)"``). The calls run unmarked; the compiler reads the list to
+      tell a forward-only step (stages and no region) from a training step
+      that also calls stages outside ``mp.value_and_grad`` (an error).
+    """
     previous = _state.outer
-    _state.outer = True
+    _state.outer = calls = []
     try:
-        yield
+        yield calls
     finally:
         _state.outer = previous
+
+
+def stage_outside_region_error(calls: list[str]) -> StageOutsideRegionError:
+    """The error for a step that calls stages both inside and outside its region."""
+    return StageOutsideRegionError(
+        f"{calls[0]} was called by the step outside mp.value_and_grad: mp.jit can only "
+        "place stage code inside the pipelined region. Call the model inside the loss "
+        "function given to mp.value_and_grad."
+    )
 
 
 def current_stage() -> int | None:
@@ -234,13 +252,9 @@ def call_stage(
       Whatever ``fn`` returns.
     """
     if not _state.active:
-        if _state.outer:
+        if _state.outer is not None:
             _probe_differentiation(stage, fn, (args, kwargs))
-            raise StageOutsideRegionError(
-                f"Stage {stage}{where} was called by the step outside mp.value_and_grad: "
-                "mp.jit can only place stage code inside the pipelined region. Call the model "
-                "inside the loss function given to mp.value_and_grad."
-            )
+            _state.outer.append(f"Stage {stage}{where}")
         return fn(*args, **kwargs)
     outer = current_stage()
     if outer is not None:

@@ -85,6 +85,8 @@ class MpmdMesh:
         self._mesh_by_devices = {
             _device_ids(sub.devices.flat): i for i, sub in enumerate(self._submeshes)
         }
+        # A NamedSharding over a submesh itself: found without comparing devices.
+        self._mesh_by_submesh = {sub: i for i, sub in enumerate(self._submeshes)}
 
     @property
     def jax_mesh(self) -> Mesh:
@@ -237,6 +239,9 @@ class MpmdMesh:
           >>> mesh.mesh_id_of(jax.devices()[4:6]), mesh.mesh_id_of(jax.devices()[:1])
           (2, None)
         """
+        found = self._submesh_of_sharding(x)
+        if found is not None:
+            return found
         if isinstance(x, jax.Array):
             try:
                 devices = x.sharding.device_set
@@ -252,6 +257,13 @@ class MpmdMesh:
             if not all(hasattr(d, "id") for d in devices):
                 return None
         return self._mesh_by_devices.get(_device_ids(devices))
+
+    def _submesh_of_sharding(self, x: Any) -> int | None:
+        try:
+            sharding = x.sharding if isinstance(x, jax.Array) else x
+            return self._mesh_by_submesh.get(sharding.mesh)
+        except Exception:  # no sharding, a deleted array, or an unhashable mesh
+            return None
 
     def process_indices(self, mesh_id: int) -> set[int]:
         """The indices of the processes that own the devices of submesh ``mesh_id``.

@@ -43,6 +43,7 @@ __all__ = [
     "merge_partitions",
     "partition",
     "place",
+    "placement_decisions",
     "placement_of",
 ]
 
@@ -534,40 +535,31 @@ def _placed_value(
     return MpmdArray(arrays)
 
 
-def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
-    """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
-
-    ``tree`` holds NNX objects (models, optimizers), ``nnx.State`` objects and
-    Variables, possibly inside tuples, lists and dicts. NNX objects are updated
-    in place; States come back as new, placed States. A Variable's mesh follows
-    its ``mpmd_stage`` (``schedule.mesh_of(stage, num_stages, num_meshes)`` when a
-    schedule is given, else ``stage % num_meshes``); optimizer state follows its
-    parameter; leaves of no parameter (the step count) go to every mesh as an
-    `MpmdArray`. Already-placed leaves are not copied.
+def placement_decisions(
+    tree: Any, mesh: MpmdMesh, schedule: Any = None
+) -> list[tuple[Any, Path, Any, Any, tuple[tuple[int, ...], PartitionSpec]]]:
+    """Where `place` would put every placeable leaf of ``tree``, without moving anything.
 
     Args:
-      tree: the objects to place.
+      tree: the objects to place (as for `place`).
       mesh: the `MpmdMesh`.
       schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``.
 
     Returns:
-      ``tree`` (with any States in it replaced by placed States).
+      ``(root, path, leaf, value, (mesh_ids, spec))`` per placeable leaf, where
+      ``leaf`` is the Variable (or the bare leaf of a State) and ``value`` its value.
 
     Raises:
-      PlacementError: a Param has no stage (all such paths are listed), an
-        ``out_sharding`` does not fit its submesh, or a stage maps to a mesh
-        index outside the mesh.
+      PlacementError: as `place`.
 
     Example:
-      >>> import jax, optax
+      >>> import jax
       >>> from flax import nnx
       >>> from nnx_mpmd.frontend.annotate import Stage
       >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
-      >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-      >>> _ = place((model, opt), mesh)
-      >>> opt.step.get_value()
-      MpmdArray(shape=(), dtype=uint32, meshes=(0, 1, 2, 3), spec=P())
+      >>> sorted({d[-1] for d in placement_decisions(model, mesh)})
+      [((1,), P())]
     """
     if not isinstance(mesh, MpmdMesh):
         raise PlacementError(
@@ -616,6 +608,46 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
         else:
             decision = everywhere
         decisions.append((root, path, leaf, value, decision))
+    return decisions
+
+
+def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
+    """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
+
+    ``tree`` holds NNX objects (models, optimizers), ``nnx.State`` objects and
+    Variables, possibly inside tuples, lists and dicts. NNX objects are updated
+    in place; States come back as new, placed States. A Variable's mesh follows
+    its ``mpmd_stage`` (``schedule.mesh_of(stage, num_stages, num_meshes)`` when a
+    schedule is given, else ``stage % num_meshes``); optimizer state follows its
+    parameter; leaves of no parameter (the step count) go to every mesh as an
+    `MpmdArray`. Already-placed leaves are not copied.
+
+    Args:
+      tree: the objects to place.
+      mesh: the `MpmdMesh`.
+      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``.
+
+    Returns:
+      ``tree`` (with any States in it replaced by placed States).
+
+    Raises:
+      PlacementError: a Param has no stage (all such paths are listed), an
+        ``out_sharding`` does not fit its submesh, or a stage maps to a mesh
+        index outside the mesh.
+
+    Example:
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from nnx_mpmd.frontend.annotate import Stage
+      >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+      >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
+      >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      >>> _ = place((model, opt), mesh)
+      >>> opt.step.get_value()
+      MpmdArray(shape=(), dtype=uint32, meshes=(0, 1, 2, 3), spec=P())
+    """
+    decisions = placement_decisions(tree, mesh, schedule)
+    roots = _roots(tree)
     new_states: dict[int, dict[Path, Any]] = {
         id(root): dict(_variables_of(root)) for root in roots if isinstance(root, nnx.State)
     }

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.errors import CompileError
+from nnx_mpmd.placement.abstract import PlacedAval
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 
 __all__ = [
@@ -257,9 +258,15 @@ def cached_keys(step: Any) -> list[Any]:
 
 
 def value_on(x: Any, mesh: int) -> Any:
-    """The copy of input ``x`` that mesh ``mesh`` reads (``x`` itself unless an `MpmdArray`)."""
+    """The copy of input ``x`` that mesh ``mesh`` reads (``x`` itself unless an `MpmdArray`).
+
+    A `PlacedAval` (an input known by type and placement only, for ahead-of-time
+    compilation) gives its copy's ``jax.ShapeDtypeStruct``.
+    """
     if mesh != HOST and isinstance(x, MpmdArray):
         return x.array(mesh)
+    if isinstance(x, PlacedAval):
+        return x.aval if mesh == HOST else x.on(mesh)
     return x
 
 

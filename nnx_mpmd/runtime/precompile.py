@@ -119,12 +119,14 @@ class _Pending(NamedTuple):
 class _Compiler:
     """Traces, lowers and compiles each distinct (program, signature) once."""
 
-    def __init__(self) -> None:
+    def __init__(self, executables: dict[str, list[Any]] | None = None) -> None:
         self.lock = threading.Lock()
         self.jobs: dict[Any, Future] = {}
         self.compiled = 0
+        # XLA's compiled programs by program name, for Compiled.memory_analysis().
+        self.executables = executables
 
-    def outputs(self, fn: Any, args: tuple[Any, ...], on_traced: Any) -> Any:
+    def outputs(self, fn: Any, args: tuple[Any, ...], on_traced: Any, name: str = "") -> Any:
         """The abstract outputs of ``fn(*args)``, or a Future of them.
 
         A Future comes back when another job compiles the same signature: the
@@ -150,6 +152,8 @@ class _Compiler:
             job.set_result(_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings))
             with self.lock:
                 self.compiled += 1
+                if self.executables is not None:
+                    self.executables.setdefault(name, []).append(compiled)
         except Exception:  # the real call raises it where it belongs
             job.set_result(_UNKNOWN)
         return job.result()
@@ -162,6 +166,7 @@ def precompile(
     shardings: Shardings | None = None,
     max_workers: int | None = None,
     batch_axis: Any = _STEP_BATCH_AXIS,
+    executables: dict[str, list[Any]] | None = None,
 ) -> int:
     """Compiles the programs of ``step``'s first run concurrently.
 
@@ -175,14 +180,17 @@ def precompile(
 
     Args:
       step: the compiled step.
-      inputs: its real inputs (consts, state leaves, other leaves); only their
-        shapes, dtypes and shardings are read.
+      inputs: its inputs (consts, state leaves, other leaves); only their shapes,
+        dtypes and shardings are read, so each may be the value or its
+        `PlacedAval`.
       submeshes: the jax Mesh of each mesh id.
       shardings: a sharding cache to reuse.
       max_workers: compile threads (default: the number of CPUs, at most 8).
       batch_axis: the submesh axis activations are sharded over:
         ``step.batch_axis``, which is the ``batch_axis`` of `nnx_mpmd.jit`
         unless the step replicates its batch. Defaults to ``step.batch_axis``.
+      executables: if given, receives XLA's compiled programs by program name
+        (``F0``, ``post.L0.mesh1``), one per distinct argument signature.
 
     Returns:
       How many programs were compiled here.
@@ -198,7 +206,7 @@ def precompile(
     workers = max_workers or min(8, os.cpu_count() or 2)
     slots = interpreter.load_store(step, inputs, convert=_abstract)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile") as pool:
-        operations = _AbstractOperations(pool, shardings, submeshes, batch_axis)
+        operations = _AbstractOperations(pool, shardings, submeshes, batch_axis, executables)
         interpreter.run(interpreter.prepare(step.instructions, operations), slots)
         wait(operations.jobs)  # before the pool closes: finished jobs submit their dependants
     return operations.compiler.compiled
@@ -220,12 +228,13 @@ class _AbstractOperations:
         shardings: Shardings,
         submeshes: Sequence[Any],
         batch_axis: str | None,
+        executables: dict[str, list[Any]] | None = None,
     ) -> None:
         self.pool = pool
         self.shardings = shardings
         self.submeshes = submeshes
         self.batch_axis = batch_axis
-        self.compiler = _Compiler()
+        self.compiler = _Compiler(executables)
         self.jobs: list[Future] = []
 
     def call(self, index: int, ins: Call) -> Step:
@@ -327,7 +336,7 @@ def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Fut
     try:
         values = {slot: _resolve(value) for slot, value in reads.items()}
         args = tuple(build(values, a) for a in ins.args)
-        result = compiler.outputs(ins.fn, args, on_traced)
+        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program))
     except Exception:
         result = _UNKNOWN
     if isinstance(result, Future):  # a duplicate: finish when its owner does

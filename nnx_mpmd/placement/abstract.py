@@ -1,0 +1,171 @@
+"""Abstract placed values: a leaf's shape, dtype and where it lives, without its data.
+
+The compiler works on these, not on arrays, so that ``lower()`` can compile a
+step for state that is not placed yet (where `place` *would* put it) without
+moving anything, like ``jax.jit(f).lower(...)`` on ``jax.ShapeDtypeStruct``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nnx_mpmd.errors import PlacementError
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
+from nnx_mpmd.placement.partition import placement_decisions
+
+__all__ = ["PlacedAval", "placed_aval", "planned_avals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedAval:
+    """A leaf's type and placement: ``shardings`` holds ``(mesh id, sharding)`` pairs.
+
+    No pairs means the value is on the host (a NumPy array, a Python number) or
+    on no single submesh.
+
+    Example:
+      >>> import jax
+      >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
+      >>> aval = placed_aval(jax.device_put(jax.numpy.ones(8), mesh.submesh(1).devices.flat[0]), mesh)
+      >>> aval.mesh_ids, aval.shape
+      ((), (8,))
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+    shardings: tuple[tuple[int, Any], ...] = ()
+    weak_type: bool = False
+
+    @property
+    def mesh_ids(self) -> tuple[int, ...]:
+        """The meshes holding a copy (empty: host)."""
+        return tuple(q for q, _ in self.shardings)
+
+    def sharding(self, mesh_id: int) -> Any:
+        """The sharding of the copy on ``mesh_id``."""
+        return dict(self.shardings)[mesh_id]
+
+    def on(self, mesh_id: int) -> jax.ShapeDtypeStruct:
+        """The copy on ``mesh_id`` as a ``jax.ShapeDtypeStruct`` with its sharding."""
+        return jax.ShapeDtypeStruct(
+            self.shape, self.dtype, sharding=self.sharding(mesh_id), weak_type=self.weak_type
+        )
+
+    @property
+    def aval(self) -> jax.ShapeDtypeStruct:
+        """Shape and dtype only: what the step is traced with."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
+
+    def key(self) -> tuple[Any, ...]:
+        """A hashable signature (P() and P(None) count as the same layout)."""
+        return (
+            "placed",
+            self.shape,
+            str(self.dtype),
+            self.weak_type,
+            tuple((q, _sharding_key(s)) for q, s in self.shardings),
+        )
+
+
+def _sharding_key(sharding: Any) -> Any:
+    if isinstance(sharding, NamedSharding):
+        return (sharding.mesh, normalize_spec(sharding.spec), sharding.memory_kind)
+    return sharding
+
+
+def placed_aval(x: Any, mesh: MpmdMesh) -> PlacedAval:
+    """Where ``x`` lives now, as a `PlacedAval`.
+
+    Args:
+      x: an `MpmdArray`, a ``jax.Array`` or a host value.
+      mesh: the `MpmdMesh` whose submeshes count as placements.
+
+    Returns:
+      The `PlacedAval`; a ``jax.Array`` on no single submesh counts as host.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
+      >>> placed_aval(np.zeros((2, 3), np.float32), mesh).shape
+      (2, 3)
+    """
+    if isinstance(x, MpmdArray):
+        pairs = tuple((q, x.array(q).sharding) for q in x.mesh_ids)
+        return PlacedAval(tuple(x.shape), x.dtype, pairs)
+    if isinstance(x, jax.Array):
+        weak = bool(getattr(x, "weak_type", False))
+        q = mesh.mesh_id_of(x)
+        pairs = () if q is None else ((q, x.sharding),)
+        return PlacedAval(tuple(x.shape), x.dtype, pairs, weak)
+    # The runtime passes host values through np.asarray: never weakly typed.
+    return PlacedAval(tuple(np.shape(x)), jnp.result_type(x))
+
+
+def planned_avals(
+    nodes: Sequence[Any], state_leaves: Sequence[Any], mesh: MpmdMesh, schedule: Any
+) -> list[PlacedAval]:
+    """Where `place` would put each state leaf of ``nodes``, without moving anything.
+
+    Args:
+      nodes: the NNX objects (in the order ``nnx.split(nodes)`` flattens them).
+      state_leaves: the leaves of ``nnx.split(nodes)``'s state, in order.
+      mesh: the `MpmdMesh`.
+      schedule: the schedule whose ``mesh_of`` places stages.
+
+    Returns:
+      One `PlacedAval` per state leaf; a leaf `place` leaves alone keeps its
+      current placement.
+
+    Example:
+      >>> import jax
+      >>> from flax import nnx
+      >>> from nnx_mpmd.frontend.stage import Stage
+      >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
+      >>> model = Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1)
+      >>> _, state = nnx.split((model,))
+      >>> [a.mesh_ids for a in planned_avals((model,), jax.tree.leaves(state), mesh, None)]
+      [(1,), (1,)]
+    """
+    decisions = {
+        id(leaf): decision for _, _, leaf, _, decision in placement_decisions(nodes, mesh, schedule)
+    }
+    _, state = nnx.split(tuple(nodes))
+    variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    avals: list[PlacedAval] = []
+    for variable in variables:
+        leaves = jax.tree.leaves(variable)
+        decision = decisions.get(id(variable))
+        for leaf in leaves:
+            if decision is None:
+                avals.append(placed_aval(leaf, mesh))
+                continue
+            mesh_ids, spec = decision
+            avals.append(_planned(leaf, mesh_ids, spec, mesh))
+    if len(avals) != len(state_leaves):
+        raise PlacementError(
+            f"{len(state_leaves)} state leaves but {len(avals)} leaves under their Variables: "
+            "cannot plan their placement; call mp.place(...) before lower()."
+        )
+    return avals
+
+
+def _planned(
+    leaf: Any, mesh_ids: tuple[int, ...], spec: PartitionSpec, mesh: MpmdMesh
+) -> PlacedAval:
+    """``leaf`` as `place` leaves it: on ``mesh_ids`` with ``spec``."""
+    current = placed_aval(leaf, mesh)
+    pairs = tuple((q, NamedSharding(mesh.submesh(q), spec)) for q in mesh_ids)
+    # jax.device_put keeps a Python scalar weakly typed.
+    weak = current.weak_type or (
+        isinstance(leaf, int | float | complex) and not isinstance(leaf, bool)
+    )
+    return dataclasses.replace(current, shardings=pairs, weak_type=weak)

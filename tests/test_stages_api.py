@@ -1,0 +1,127 @@
+"""``lower()`` has no side effects; ``Lowered`` shows every pass; ``Compiled`` runs and reports.
+
+Like ``jax.stages``: ``f.lower(*args)`` -> `Lowered` (passes, instructions,
+programs) -> ``.compile()`` -> `Compiled` (callable, XLA memory and cost analyses).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss, train_step_fn
+
+import nnx_mpmd as mp
+
+
+def _setup(schedule=None, stages=2):
+    model = MLP(stages, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = mp.jit(
+        train_step_fn(mlp_loss),
+        mesh=make_mesh(2, 2),
+        schedule=schedule or mp.OneFOneB(),
+        num_microbatches=4,
+    )
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(8, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(8, WIDTH)).astype(np.float32),
+    }
+    return model, opt, step, batch
+
+
+def _leaves(*nodes):
+    return jax.tree.leaves(nnx.state(nodes))
+
+
+def test_lower_moves_no_state_and_the_call_reuses_its_lowering():
+    model, opt, step, batch = _setup()
+    before = _leaves(model, opt)
+    lowered = step.lower(model, opt, batch)
+    after = _leaves(model, opt)
+    assert all(a is b for a, b in zip(before, after, strict=True))  # nothing placed
+    assert not any(isinstance(x, mp.MpmdArray) for x in after)
+    assert step.num_compiled_steps == 1
+    step(model, opt, batch)  # places the state, then finds the lowering in the cache
+    assert step.num_compiled_steps == 1
+    assert any(isinstance(x, mp.MpmdArray) for x in _leaves(model, opt))
+    assert lowered.ir_text() == step.lower(model, opt, batch).ir_text()
+    assert step.num_compiled_steps == 1
+
+
+@pytest.mark.parametrize(
+    "schedule,expected",
+    [
+        (mp.OneFOneB(), ["trace", "cut_stages", "stage_vjp", "schedule"]),
+        (mp.ZeroBubbleH1(), ["trace", "cut_stages", "stage_vjp", "split_backward", "schedule"]),
+    ],
+    ids=["1f1b", "zb-h1"],
+)
+def test_lowered_shows_the_ir_after_every_pass(schedule, expected):
+    model, opt, step, batch = _setup(schedule)
+    lowered = step.lower(model, opt, batch)
+    names = [record.name for record in lowered.passes]
+    assert names[: len(expected)] == expected
+    assert names[-2:] == ["insert_frees", "dedupe_programs"]
+    assert lowered.pass_text("insert_frees") == lowered.ir_text()
+    assert lowered.pass_text("dedupe_programs").splitlines() == sorted(lowered.programs)
+    assert "stage 1:" in lowered.pass_text("cut_stages")
+    assert "mesh 0:" in lowered.pass_text("schedule")
+
+
+def test_an_unknown_pass_name_lists_the_passes():
+    model, opt, step, batch = _setup()
+    with pytest.raises(KeyError, match=r"no lowering pass named 'nope'; the passes were: trace"):
+        step.lower(model, opt, batch).pass_text("nope")
+
+
+def test_inference_steps_are_told_apart_by_the_trace_not_by_an_error():
+    model, _, _, batch = _setup()
+    forward = mp.jit(
+        lambda m, x: m(x), mesh=make_mesh(2, 2), schedule=mp.GPipe(), num_microbatches=4
+    )
+    expected = np.asarray(model(batch["x"]))  # before the step places the model
+    lowered = forward.lower(model, batch["x"])
+    assert [r.name for r in lowered.passes][:2] == ["trace", "cut_stages"]
+    np.testing.assert_allclose(np.asarray(forward(model, batch["x"])), expected, rtol=1e-5)
+
+
+def test_stages_called_inside_and_outside_the_region_are_an_error():
+    model, opt, _, batch = _setup()
+
+    def step(model, opt, batch):
+        loss, grads = mp.value_and_grad(mlp_loss)(model, batch)
+        opt.update(model, grads)
+        return loss, model(batch["x"])
+
+    f = mp.jit(step, mesh=make_mesh(2, 2), schedule=mp.GPipe(), num_microbatches=4)
+    with pytest.raises(mp.PartitionError, match=r"Stage 0.*outside mp.value_and_grad"):
+        f.lower(model, opt, batch)
+
+
+def test_compiled_runs_the_step_and_reports_xla_analyses():
+    model, opt, step, batch = _setup()
+    reference_model, reference_opt, reference_step, _ = _setup()
+    compiled = step.lower(model, opt, batch).compile()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    assert {"F0", "B0", "FB1"} <= set(memory) and set(memory) == set(cost)
+    assert memory["F0"].argument_size_in_bytes > 0
+    assert cost["FB1"]["flops"] > 0
+    loss = compiled(model, opt, batch)
+    assert step.num_compiled_steps == 1
+    expected = reference_step(reference_model, reference_opt, batch)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    assert compiled.as_text() == compiled.lowered.as_text()
+
+
+def test_compiled_without_a_function_cannot_run():
+    model, opt, step, batch = _setup()
+    lowered = step.lower(model, opt, batch)
+    bare = mp.Compiled(lowered, {}, None)
+    with pytest.raises(TypeError, match="without a function to run it"):
+        bare(model, opt, batch)
+    assert jnp.isfinite(step(model, opt, batch))
