@@ -130,3 +130,33 @@ def test_imports_go_down_the_floors(path):
         f"{name} (floor {own}, {FLOORS[own][0]}) imports {up} from a higher floor: "
         "the package's layers import one way (see DESIGN.md)"
     )
+
+
+# The compiler is a sequence of small passes: no function body (docstring aside)
+# over this many lines.
+MAX_COMPILER_FUNCTION_LINES = 80
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        first = node.body[0]
+        has_doc = isinstance(first, ast.Expr) and isinstance(
+            getattr(first, "value", None), ast.Constant
+        )
+        start = first.end_lineno + 1 if has_doc and len(node.body) > 1 else node.lineno
+        length = node.end_lineno - start + 1
+        if length > MAX_COMPILER_FUNCTION_LINES:
+            found.append(f"{node.name} ({length} lines, line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "compiler").glob("*.py")), ids=_name)
+def test_compiler_functions_are_small(path):
+    long = _long_functions(path)
+    assert not long, (
+        f"{_name(path)}: {', '.join(long)} over {MAX_COMPILER_FUNCTION_LINES} lines; "
+        "split it into passes or helpers"
+    )
