@@ -11,6 +11,7 @@ values; the compiler transfers them between meshes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -145,31 +146,31 @@ def _check_no_hidden_stages(jaxpr: Any) -> None:
         )
 
 
-def cut_stages(info: RegionInfo) -> StagePlan:
-    """Cuts ``info.body`` at its stage markers.
+@dataclasses.dataclass(frozen=True)
+class _Markers:
+    """What the stage markers of a body say.
 
-    Args:
-      info: the traced region.
-
-    Returns:
-      The `StagePlan`.
-
-    Raises:
-      PartitionError: no stage was called, stages are missing (gaps), stages
-        nest or run out of order, a Stage call is hidden inside a higher-order
-        primitive (jax.checkpoint, jax.jit, scan...), or the loss is not computed
-        by the last stage.
+    ``stage_of[i]``: the stage of equation i if it sits between an ``enter`` and
+    an ``exit`` marker (else None); ``substitute``: marker outputs -> inputs
+    (markers are identities, dropped from the stages' programs); ``remat``:
+    stage -> (remat flag, policy) from its markers.
     """
-    jaxpr = info.body
-    _check_no_hidden_stages(jaxpr)
-    eqns = jaxpr.eqns
-    substitute: dict[Any, Any] = {}
 
-    def resolve(v: Any) -> Any:
-        while not is_literal(v) and v in substitute:
-            v = substitute[v]
+    stage_of: tuple[int | None, ...]
+    is_marker: tuple[bool, ...]
+    substitute: dict[Any, Any]
+    remat: dict[int, tuple[bool, Any]]
+
+    def resolve(self, v: Any) -> Any:
+        """``v`` with marker outputs replaced by the values they mark."""
+        while not is_literal(v) and v in self.substitute:
+            v = self.substitute[v]
         return v
 
+
+def _read_markers(eqns: Sequence[Any]) -> _Markers:
+    """Equations between a stage's ``enter`` and ``exit`` markers belong to that stage."""
+    substitute: dict[Any, Any] = {}
     stage_of: list[int | None] = [None] * len(eqns)
     is_marker = [False] * len(eqns)
     remat: dict[int, tuple[bool, Any]] = {}
@@ -185,7 +186,14 @@ def cut_stages(info: RegionInfo) -> StagePlan:
             current = marker.stage if marker.boundary == "enter" else None
         elif current is not None:
             stage_of[i] = current
-    marked = sorted({eqns[i].params["info"].stage for i in range(len(eqns)) if is_marker[i]})
+    return _Markers(tuple(stage_of), tuple(is_marker), substitute, remat)
+
+
+def _count_stages(eqns: Sequence[Any], markers: _Markers) -> int:
+    """The number of stages; raises if none is called or some are skipped."""
+    marked = sorted(
+        {eqn.params["info"].stage for eqn, m in zip(eqns, markers.is_marker, strict=True) if m}
+    )
     if not marked:
         raise PartitionError(
             "the loss function called no Stage: nothing to pipeline. Wrap the model's layers "
@@ -198,72 +206,127 @@ def cut_stages(info: RegionInfo) -> StagePlan:
             f"stages {missing} are never called, but stage {num_stages - 1} is: stage numbers "
             f"must be 0..{num_stages - 1} without gaps. Renumber the Stage wrappers."
         )
+    return num_stages
 
+
+def _glue_to_producers(
+    eqns: Sequence[Any], markers: _Markers
+) -> tuple[list[int | None], dict[Any, int]]:
+    """Glue that reads a stage's value goes to the latest stage it reads from.
+
+    Returns:
+      ``(stage_of, producer)``: each equation's stage so far, and the stage that
+      produces each value.
+    """
+    stage_of = list(markers.stage_of)
     producer: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
-        if is_marker[i]:
+        if markers.is_marker[i]:
             continue
         if stage_of[i] is None:
-            inputs = [resolve(v) for v in eqn.invars if not is_literal(v)]
+            inputs = [markers.resolve(v) for v in eqn.invars if not is_literal(v)]
             known = [producer[v] for v in inputs if not is_literal(v) and v in producer]
             if known:
                 stage_of[i] = max(known)
         if stage_of[i] is not None:
             for out in eqn.outvars:
-                producer[out] = stage_of[i]
+                producer[out] = stage_of[i]  # type: ignore[assignment]
+    return stage_of, producer
 
+
+def _glue_to_first_users(
+    jaxpr: Any,
+    markers: _Markers,
+    stage_of: list[int | None],
+    producer: dict[Any, int],
+    num_stages: int,
+) -> tuple[list[int | None], dict[Any, int]]:
+    """Glue that reads only region inputs goes to the earliest stage that uses its result.
+
+    Returns:
+      New ``(stage_of, producer)``; equations whose results nothing uses stay
+      without a stage (dead code).
+    """
+    stage_of, producer = list(stage_of), dict(producer)
     first_use: dict[Any, int] = {}
     for out in jaxpr.outvars:
         if not is_literal(out):
-            first_use[resolve(out)] = num_stages - 1
-    for i in reversed(range(len(eqns))):
-        if is_marker[i]:
+            first_use[markers.resolve(out)] = num_stages - 1
+    for i in reversed(range(len(jaxpr.eqns))):
+        if markers.is_marker[i]:
             continue
-        eqn = eqns[i]
+        eqn = jaxpr.eqns[i]
         if stage_of[i] is None:
             uses = [first_use[o] for o in eqn.outvars if o in first_use]
             if not uses:
                 continue  # dead code
             stage_of[i] = min(uses)
             for out in eqn.outvars:
-                producer[out] = stage_of[i]
+                producer[out] = stage_of[i]  # type: ignore[assignment]
         for v in eqn.invars:
-            v = resolve(v)
+            v = markers.resolve(v)
             if not is_literal(v):
-                first_use[v] = min(first_use.get(v, stage_of[i]), stage_of[i])
+                first_use[v] = min(first_use.get(v, stage_of[i]), stage_of[i])  # type: ignore[type-var]
+    return stage_of, producer
 
+
+def _append_once(items: list[Any], item: Any) -> None:
+    if item not in items:
+        items.append(item)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dataflow:
+    """Which stage runs which equations, and who reads what."""
+
+    per_stage: list[list[Any]]  # stage -> its equations, in order
+    consumers: dict[Any, list[int]]  # boundary value -> later stages that read it
+    input_stages: dict[int, list[int]]  # body invar index -> stages that read it
+
+
+def _dataflow(
+    jaxpr: Any,
+    markers: _Markers,
+    stage_of: Sequence[int | None],
+    producer: dict[Any, int],
+    num_stages: int,
+) -> _Dataflow:
+    """Groups equations by stage and records the values that cross stages.
+
+    Raises:
+      PartitionError: a stage reads a value a later stage computes.
+    """
     invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
-    consumers: dict[Any, list[int]] = {}
-    input_stages: dict[int, list[int]] = {}
-    per_stage: list[list[Any]] = [[] for _ in range(num_stages)]
-    for i, eqn in enumerate(eqns):
+    flow = _Dataflow([[] for _ in range(num_stages)], {}, {})
+    for i, eqn in enumerate(jaxpr.eqns):
         stage = stage_of[i]
-        if is_marker[i] or stage is None:
+        if markers.is_marker[i] or stage is None:
             continue
-        per_stage[stage].append(eqn)
-        for v in eqn.invars:
-            v = resolve(v)
+        flow.per_stage[stage].append(eqn)
+        for v in map(markers.resolve, eqn.invars):
             if is_literal(v):
                 continue
             if v in invar_index:
-                users = input_stages.setdefault(invar_index[v], [])
-                if stage not in users:
-                    users.append(stage)
+                _append_once(flow.input_stages.setdefault(invar_index[v], []), stage)
+            elif producer[v] > stage:
+                raise PartitionError(
+                    f"stage {stage} uses a value computed by stage {producer[v]} "
+                    f"({eqn.primitive.name} reads it): data must flow from lower to higher "
+                    "stage numbers. Call the stages in increasing order or renumber them."
+                )
             elif producer[v] != stage:
-                if producer[v] > stage:
-                    raise PartitionError(
-                        f"stage {stage} uses a value computed by stage {producer[v]} "
-                        f"({eqn.primitive.name} reads it): data must flow from lower to higher "
-                        "stage numbers. Call the stages in increasing order or renumber them."
-                    )
-                users = consumers.setdefault(v, [])
-                if stage not in users:
-                    users.append(stage)
+                _append_once(flow.consumers.setdefault(v, []), stage)
+    return flow
 
+
+def _output_sources(
+    jaxpr: Any, markers: _Markers, producer: dict[Any, int], num_stages: int
+) -> tuple[list[OutputSource], dict[int, list[Any]]]:
+    """Where each body output comes from, and the values each stage returns."""
+    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
     outputs: list[OutputSource] = []
     returned: dict[int, list[Any]] = {s: [] for s in range(num_stages)}
-    for out in jaxpr.outvars:
-        out = resolve(out)
+    for out in map(markers.resolve, jaxpr.outvars):
         if is_literal(out):
             outputs.append(OutputSource("literal", value=out.val))
         elif out in invar_index:
@@ -271,8 +334,12 @@ def cut_stages(info: RegionInfo) -> StagePlan:
         else:
             stage = producer[out]
             outputs.append(OutputSource("stage", stage=stage, var=out))
-            if out not in returned[stage]:
-                returned[stage].append(out)
+            _append_once(returned[stage], out)
+    return outputs, returned
+
+
+def _check_loss_stage(info: RegionInfo, outputs: list[OutputSource], num_stages: int) -> None:
+    """Raises unless the loss (training) is computed by the last stage."""
     if info.with_grad and outputs[0].kind == "stage" and outputs[0].stage != num_stages - 1:
         raise PartitionError(
             f"the loss is computed by stage {outputs[0].stage}, but the last stage is "
@@ -282,24 +349,62 @@ def cut_stages(info: RegionInfo) -> StagePlan:
     if info.with_grad and outputs[0].kind != "stage":
         raise PartitionError("the loss does not depend on any Stage; call the model's stages.")
 
-    stages: list[StageSlice] = []
+
+def _stage_slice(
+    jaxpr: Any,
+    stage: int,
+    eqns: list[Any],
+    boundary_out: list[Any],
+    markers: _Markers,
+) -> StageSlice:
+    """Stage ``stage``'s equations as a program of ``[*region inputs, *boundary_in]``."""
+    invar_index = {v: i for i, v in enumerate(jaxpr.invars)}
+    _, free = make_subprogram(eqns, boundary_out, substitute=markers.substitute)
+    region_inputs = [invar_index[v] for v in free if v in invar_index]
+    boundary_in = [v for v in free if v not in invar_index]
+    # Reorder inputs: region inputs first, then boundary values.
+    program, _ = make_subprogram(
+        eqns,
+        boundary_out,
+        fixed_invars=[jaxpr.invars[i] for i in region_inputs] + boundary_in,
+        substitute=markers.substitute,
+    )
+    flag, policy = markers.remat.get(stage, (False, None))
+    return StageSlice(stage, program, region_inputs, boundary_in, boundary_out, flag, policy)
+
+
+def cut_stages(info: RegionInfo) -> StagePlan:
+    """Cuts ``info.body`` at its stage markers.
+
+    Equations between a stage's markers are that stage's; glue code goes to the
+    latest stage it reads from, or else to the earliest stage that uses it.
+
+    Args:
+      info: the traced region.
+
+    Returns:
+      The `StagePlan`.
+
+    Raises:
+      PartitionError: no stage was called, stages are missing (gaps), stages
+        nest or run out of order, a Stage call is hidden inside a higher-order
+        primitive (jax.checkpoint, jax.jit, scan...), or the loss is not computed
+        by the last stage.
+    """
+    jaxpr = info.body
+    _check_no_hidden_stages(jaxpr)
+    markers = _read_markers(jaxpr.eqns)
+    num_stages = _count_stages(jaxpr.eqns, markers)
+    stage_of, producer = _glue_to_producers(jaxpr.eqns, markers)
+    stage_of, producer = _glue_to_first_users(jaxpr, markers, stage_of, producer, num_stages)
+    flow = _dataflow(jaxpr, markers, stage_of, producer, num_stages)
+    outputs, returned = _output_sources(jaxpr, markers, producer, num_stages)
+    _check_loss_stage(info, outputs, num_stages)
+    stages = []
     for stage in range(num_stages):
-        defined = [o for eqn in per_stage[stage] for o in eqn.outvars]
-        boundary_out = [v for v in defined if v in consumers] + [
-            v for v in returned[stage] if v not in consumers
+        defined = [o for eqn in flow.per_stage[stage] for o in eqn.outvars]
+        boundary_out = [v for v in defined if v in flow.consumers] + [
+            v for v in returned[stage] if v not in flow.consumers
         ]
-        program, free = make_subprogram(per_stage[stage], boundary_out, substitute=substitute)
-        region_inputs = [invar_index[v] for v in free if v in invar_index]
-        boundary_in = [v for v in free if v not in invar_index]
-        # Reorder inputs: region inputs first, then boundary values.
-        program, _ = make_subprogram(
-            per_stage[stage],
-            boundary_out,
-            fixed_invars=[jaxpr.invars[i] for i in region_inputs] + boundary_in,
-            substitute=substitute,
-        )
-        flag, policy = remat.get(stage, (False, None))
-        stages.append(
-            StageSlice(stage, program, region_inputs, boundary_in, boundary_out, flag, policy)
-        )
-    return StagePlan(info, stages, producer, consumers, outputs, input_stages)
+        stages.append(_stage_slice(jaxpr, stage, flow.per_stage[stage], boundary_out, markers))
+    return StagePlan(info, stages, producer, flow.consumers, outputs, flow.input_stages)
