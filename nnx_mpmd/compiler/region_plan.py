@@ -1,93 +1,64 @@
-"""Turning a schedule into the region's instruction list.
+"""Turning a schedule into the region's instruction list: the region's passes, composed.
 
-Tasks are dispatched in one global order consistent with every mesh's task
-list (a dry run of the schedule that always advances the first mesh whose next
-task is ready), so JAX's asynchronous dispatch lets submeshes overlap. Values a
-task produces for a stage on another mesh are transferred right after the
-task, gradients accumulate per stage in donated buffers, and a gradient of a
-parameter used by several stages is summed on the parameter's home mesh.
+`build_region_program` runs, in order (each pass a function IR -> IR with
+its own tests, its result kept in `RegionProgram.passes`):
+
+1. `schedule_lowering.lower_schedule`: accumulator ``init`` calls, then one
+   `Call` per task in `schedule_lowering.dispatch_order`, every argument a
+   `RegionValue` on the task's own mesh;
+2. `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
+   the backward directly follows;
+3. `region_transfers.insert_transfers`: activations and cotangents copied to
+   the meshes that read them, right after they are made;
+4. `region_outputs.region_outputs`: loss/aux, gradients summed on their home
+   mesh, state carried home;
+5. `assign_slots`: every `RegionValue` gets a slot number from the step's
+   `SlotTable` (region inputs get the outer step's slots).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
-from nnx_mpmd.compiler.jaxpr_utils import named_jit, var_bytes
+from nnx_mpmd.compiler.jaxpr_utils import named_jit
+from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
+from nnx_mpmd.compiler.region_transfers import insert_transfers
+from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
+from nnx_mpmd.compiler.schedule_lowering import (
+    dispatch_order,
+    fuse_forward_backward,
+    lower_schedule,
+)
 from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan
-from nnx_mpmd.errors import CompileError, ScheduleError
 
-__all__ = ["RegionProgram", "build_region_program", "dispatch_order"]
-
-
-def _producers(plan: StagePlan, stage: int) -> set[int]:
-    return {plan.producer[v] for v in plan.stages[stage].boundary_in}
-
-
-def _dependencies(plan: StagePlan, task: Any, fns: list[StageFunctions]) -> list[tuple]:
-    s, i, kind = task.stage, task.microbatch, task.kind
-    if kind == "F":
-        return [(p, i, "F") for p in _producers(plan, s)]
-    if kind in ("B", "BI"):
-        deps = [(s, i, "F")]
-        for v in fns[s].diff_sends:
-            deps += [(c, i, "B") for c in plan.consumers[v]]
-        return deps
-    if kind == "BW":
-        return [(s, i, "BI")]
-    raise ScheduleError(f"unknown task kind {kind!r} in task {task}")
-
-
-def dispatch_order(plan: StagePlan, tasks: Any, fns: list[StageFunctions]) -> list[tuple[int, Any]]:
-    """A global order of ``(mesh, task)`` consistent with every mesh's list.
-
-    Raises:
-      ScheduleError: if the task lists deadlock (no mesh can advance).
-    """
-    pos = [0] * len(tasks)
-    done: set[tuple] = set()
-    order: list[tuple[int, Any]] = []
-    total = sum(len(t) for t in tasks)
-
-    def key(task: Any) -> tuple:
-        kind = "B" if task.kind == "BI" else task.kind
-        return (task.stage, task.microbatch, kind)
-
-    while len(order) < total:
-        progressed = False
-        for mesh, mesh_tasks in enumerate(tasks):
-            if pos[mesh] >= len(mesh_tasks):
-                continue
-            task = mesh_tasks[pos[mesh]]
-            if all(d in done for d in _dependencies(plan, task, fns)):
-                order.append((mesh, task))
-                done.add(key(task))
-                if task.kind == "BI":
-                    done.add((task.stage, task.microbatch, "BI"))
-                pos[mesh] += 1
-                progressed = True
-        if not progressed:
-            stuck = [str(t[p]) for t, p in zip(tasks, pos) if p < len(t)]
-            raise ScheduleError(
-                f"the schedule deadlocks: no mesh can run its next task ({', '.join(stuck)}). "
-                "Check the task order with mp.schedules.validate."
-            )
-    return order
+__all__ = [
+    "NumberedRegion",
+    "RegionProgram",
+    "assign_slots",
+    "build_region_program",
+    "compile_stage_programs",
+    "dispatch_order",
+]
 
 
 @dataclasses.dataclass
 class RegionProgram:
+    """The region's instructions, where its outputs lie, and how they were made."""
+
     instructions: list[Instruction]
-    output_slots: list[list[tuple[int, int]]]  # per region output: [(mesh, slot)]
+    output_slots: list[list[tuple[Any, Any]]]  # per region output: [(mesh, slot)]
     constants: dict[int, Any]
     compiled: dict[str, Any]  # label -> jitted program, for inspection
+    # (pass name, the region's instructions after it), in order; before
+    # assign_slots, slots are RegionValue keys.
+    passes: list[tuple[str, list[Instruction]]] = dataclasses.field(default_factory=list)
 
 
 class _LazyInit:
@@ -112,16 +83,134 @@ class _LazyInit:
         return self._jitted(params).trace(params)
 
 
-def _sum(*xs: Any) -> Any:
-    total = xs[0]
-    for x in xs[1:]:
-        total = total + x
-    return total
+def compile_stage_programs(
+    fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
+) -> dict[ProgramKey, Callable[..., Any]]:
+    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW and init.
+
+    Accumulators and other per-step buffers are donated (the forward's loss/aux
+    accumulator, the backward's gradient accumulator).
+    """
+    programs: dict[ProgramKey, Callable[..., Any]] = {}
+    for k, f in enumerate(fns):
+        jitted = [
+            ("F", f.forward, {"donate_argnums": (6,)}),
+            ("B", f.backward, {"donate_argnums": (3,)}),
+            ("FB", f.fused, {"donate_argnums": (7, 8)}),
+            ("BI", f.backward_input, {}),
+            ("Fwd", f.forward_only, {}),
+            ("BW", f.backward_weight, {"donate_argnums": (3,)}),
+        ]
+        for kind, fn, kwargs in jitted:
+            programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
+        submesh = submeshes[stage_mesh[k]]
+        programs[ProgramKey("init", k)] = _LazyInit(f.init, submesh, len(f.accumulated), f"init{k}")
+    return programs
 
 
-_sum_jit = jax.jit(_sum)
-_zeros_like_jit = jax.jit(jnp.zeros_like)
-_stack_jit = jax.jit(lambda *xs: jnp.stack(xs))
+@dataclasses.dataclass
+class NumberedRegion:
+    """The result of `assign_slots`: instructions and outputs over slot numbers."""
+
+    instructions: list[Instruction]
+    output_slots: list[list[tuple[Any, Any]]]
+    constants: dict[int, Any]  # slot -> microbatch index constant
+
+
+# Results numbered before a call's arguments, by program kind: sent activations
+# (and a forward-only task's outputs), a zero gradient. That is the order slots
+# have always been numbered in, so the instruction text stays the same.
+_RESULTS_FIRST: dict[str, Callable[[Any], Any]] = {
+    "F": lambda outs: outs[0],
+    "FB": lambda outs: outs[0],
+    "Fwd": lambda outs: outs[:2],
+    "zeros": lambda outs: outs,
+}
+
+
+def _numbering_order(ins: Instruction) -> list[RegionValue]:
+    """The values of ``ins`` in the order their slots are numbered."""
+    if isinstance(ins, Call):
+        first = _RESULTS_FIRST.get(ins.program.kind, lambda outs: ())(ins.outs)
+        return region_values_in((first, ins.args, ins.outs))
+    if isinstance(ins, Transfer):
+        return region_values_in((ins.src, ins.dst))
+    return []
+
+
+def _renamed(tree: Any, numbers: dict[RegionValue, int]) -> Any:
+    if isinstance(tree, RegionValue):
+        return numbers[tree]
+    if isinstance(tree, tuple | list):
+        return type(tree)(_renamed(t, numbers) for t in tree)
+    return tree
+
+
+def _renumbered(ins: Instruction, numbers: dict[RegionValue, int]) -> Instruction:
+    if isinstance(ins, Call):
+        args, outs = _renamed(ins.args, numbers), _renamed(ins.outs, numbers)
+        return dataclasses.replace(ins, args=args, outs=outs)
+    if isinstance(ins, Transfer):
+        return dataclasses.replace(
+            ins, src=_renamed(ins.src, numbers), dst=_renamed(ins.dst, numbers)
+        )
+    return ins
+
+
+def assign_slots(
+    program: Sequence[Instruction],
+    locations: OutputLocations,
+    slots: SlotTable,
+    input_slot: Callable[[int, int], int],
+    submeshes: Sequence[Any],
+) -> NumberedRegion:
+    """Numbers every `RegionValue` of the region: the last of the region's passes.
+
+    Values are numbered in order of first appearance (a forward's sent values,
+    a forward-only task's outputs and a zero gradient before the call's
+    arguments). A region input takes the slot the outer step gives
+    it; a microbatch index becomes a constant on its mesh.
+
+    Args:
+      program: the region's instructions over `RegionValue` keys.
+      locations: per region output, ``[(mesh, value)]`` (or input/literal).
+      slots: the step's slot table (numbers are allocated from it).
+      input_slot: ``(region input index, mesh) -> slot`` from the outer step.
+      submeshes: the jax Mesh of each mesh id (for the constants).
+
+    Returns:
+      The `NumberedRegion`.
+    """
+    numbers: dict[RegionValue, int] = {}
+    constants: dict[int, Any] = {}
+    values = [v for ins in program for v in _numbering_order(ins)]
+    values += [v for locs in locations for _, v in locs if isinstance(v, RegionValue)]
+    for value in values:
+        if value in numbers:
+            continue
+        if value.kind == "input":
+            numbers[value] = input_slot(value.ident[0], value.mesh)  # type: ignore[arg-type]
+            continue
+        numbers[value] = slots(value)
+        if value.kind == "idx":
+            sharding = jax.sharding.NamedSharding(
+                submeshes[value.mesh], jax.sharding.PartitionSpec()
+            )
+            constants[numbers[value]] = jax.device_put(np.int32(value.microbatch), sharding)
+    output_slots = [[(place, _renamed(v, numbers)) for place, v in locs] for locs in locations]
+    instructions = [_renumbered(ins, numbers) for ins in program]
+    return NumberedRegion(instructions, output_slots, constants)
+
+
+def _compiled(
+    programs: dict[ProgramKey, Callable[..., Any]], program: Sequence[Instruction]
+) -> dict[str, Any]:
+    """Name -> callable: the stage programs, then the region-output programs called."""
+    compiled = {str(key): fn for key, fn in programs.items()}
+    for ins in program:
+        if isinstance(ins, Call):
+            compiled.setdefault(str(ins.program), ins.fn)
+    return compiled
 
 
 def build_region_program(
@@ -134,7 +223,7 @@ def build_region_program(
     input_slot: Callable[[int, int], int],
     home_mesh: Callable[[int], int],
 ) -> RegionProgram:
-    """Emits the region's instructions for one schedule.
+    """Emits the region's instructions for one schedule: the region's passes in order.
 
     Args:
       plan: the region cut into stages.
@@ -148,294 +237,25 @@ def build_region_program(
       home_mesh: ``region input index -> mesh`` of a parameter's home copy.
 
     Returns:
-      The `RegionProgram`.
+      The `RegionProgram`, with the instructions after each pass in ``passes``.
     """
-    info = plan.info
-    program: list[Instruction] = []
-    constants: dict[int, Any] = {}
-    compiled: dict[str, Any] = {}
-    fwd, bwd, fused, init, bi, bw, fwd_only = {}, {}, {}, {}, {}, {}, {}
-    for k, f in enumerate(fns):
-        fwd[k] = compiled[f"F{k}"] = named_jit(f.forward, f"F{k}", donate_argnums=(6,))
-        bwd[k] = compiled[f"B{k}"] = named_jit(f.backward, f"B{k}", donate_argnums=(3,))
-        fused[k] = compiled[f"FB{k}"] = named_jit(f.fused, f"FB{k}", donate_argnums=(7, 8))
-        bi[k] = compiled[f"BI{k}"] = named_jit(f.backward_input, f"BI{k}")
-        fwd_only[k] = compiled[f"Fwd{k}"] = named_jit(f.forward_only, f"Fwd{k}")
-        bw[k] = compiled[f"BW{k}"] = named_jit(f.backward_weight, f"BW{k}", donate_argnums=(3,))
-        init[k] = compiled[f"init{k}"] = _LazyInit(
-            f.init, submeshes[stage_mesh[k]], len(f.accumulated), f"init{k}"
-        )
-
-    def idx_slot(i: int, q: int) -> int:
-        key = ("idx", i, q)
-        if key not in slots:
-            sharding = jax.sharding.NamedSharding(submeshes[q], jax.sharding.PartitionSpec())
-            constants[slots(key)] = jax.device_put(np.int32(i), sharding)
-        return slots(key)
-
-    # Accumulators (training only).
-    for k, f in enumerate(fns if info.with_grad else []):
-        q = stage_mesh[k]
-        params = tuple(input_slot(r, q) for r in f.param_inputs)
-        gacc = tuple(slots(("g", k, j)) for j in range(len(f.param_inputs)))
-        racc = tuple(slots(("racc", k, j)) for j in range(len(f.accumulated)))
-        program.append(Call(q, ProgramKey("init", k), init[k], (params,), (gacc, racc), f"init{k}"))
-
-    def state_slot(r: int, i: int, q: int) -> int:
-        # Microbatch i reads the state the forward of microbatch i-1 left.
-        return input_slot(r, q) if i == 0 else slots(("carry", r, i))
-
-    def carried_outs(k: int, i: int) -> tuple:
-        return tuple(slots(("carry", r, i + 1)) for r in fns[k].carries)
-
-    def forward_args(k: int, i: int) -> tuple:
-        f, q = fns[k], stage_mesh[k]
-        return (
-            tuple(input_slot(r, q) for r in f.param_inputs),
-            tuple(
-                state_slot(r, i, q) if r in f.carries else input_slot(r, q) for r in f.rest_inputs
-            ),
-            tuple(input_slot(r, q) for r in f.batch_inputs),
-            idx_slot(i, q),
-            tuple(slots(("y", id(v), i, q)) for v in f.xd),
-            tuple(slots(("y", id(v), i, q)) for v in f.xn),
-        )
-
-    def cts_args(k: int, i: int) -> tuple:
-        f, q = fns[k], stage_mesh[k]
-        return tuple(
-            tuple(slots(("ct", id(v), i, c, q)) for c in plan.consumers[v]) for v in f.diff_sends
-        )
-
-    def after_forward(k: int, i: int) -> None:
-        f, q = fns[k], stage_mesh[k]
-        for v in f.sends:
-            for c in plan.consumers[v]:
-                qc = stage_mesh[c]
-                if qc != q and ("y", id(v), i, qc) not in slots:
-                    program.append(
-                        Transfer(
-                            slots(("y", id(v), i, q)),
-                            slots(("y", id(v), i, qc)),
-                            qc,
-                            f"act s{k}->s{c} mb{i}",
-                            src_mesh=q,
-                            nbytes=var_bytes(v),
-                            per_microbatch=True,
-                        )
-                    )
-
-    def after_backward(k: int, i: int) -> tuple:
-        f, q = fns[k], stage_mesh[k]
-        outs = tuple(slots(("ct", id(v), i, k, q)) for v in f.xd)
-        return outs
-
-    def emit_cotangent_transfers(k: int, i: int) -> None:
-        f, q = fns[k], stage_mesh[k]
-        for v in f.xd:
-            qp = stage_mesh[plan.producer[v]]
-            if qp != q:
-                program.append(
-                    Transfer(
-                        slots(("ct", id(v), i, k, q)),
-                        slots(("ct", id(v), i, k, qp)),
-                        qp,
-                        f"grad s{k}->s{plan.producer[v]} mb{i}",
-                        src_mesh=q,
-                        nbytes=var_bytes(v),
-                        per_microbatch=True,
-                    )
-                )
-
-    if not info.with_grad:  # inference: the schedule's forwards, in its order
-        tasks = tuple(tuple(t for t in mesh_tasks if t.kind == "F") for mesh_tasks in tasks)
-    order = dispatch_order(plan, tasks, fns)
-    skip: set[int] = set()
-    for n, (mesh, task) in enumerate(order):
-        if n in skip:
-            continue
-        k, i = task.stage, task.microbatch
-        if stage_mesh[k] != mesh:
-            raise CompileError(
-                f"task {task} is on mesh {mesh} but stage {k} is placed on mesh "
-                f"{stage_mesh[k]}: the schedule's task lists and its mesh_of disagree."
-            )
-        f = fns[k]
-        gacc = tuple(slots(("g", k, j)) for j in range(len(f.param_inputs)))
-        racc = tuple(slots(("racc", k, j)) for j in range(len(f.accumulated)))
-        sends = tuple(slots(("y", id(v), i, mesh)) for v in f.sends)
-        if task.kind == "F" and not info.with_grad:
-            outs = tuple(slots(("out", k, j, i)) for j in range(len(f.accumulated)))
-            program.append(
-                Call(
-                    mesh,
-                    ProgramKey("Fwd", k),
-                    fwd_only[k],
-                    forward_args(k, i),
-                    (sends, outs, carried_outs(k, i)),
-                    f"F{k}.{i}",
-                    task,
-                )
-            )
-            after_forward(k, i)
-        elif task.kind == "F":
-            nxt = next(
-                (j for j in range(n + 1, len(order)) if order[j][0] == mesh and j not in skip),
-                None,
-            )
-            fusable = (
-                nxt is not None
-                and order[nxt][1].kind == "B"
-                and (order[nxt][1].stage, order[nxt][1].microbatch) == (k, i)
-                and not f.diff_sends
-            )
-            if fusable:
-                skip.add(nxt)
-                program.append(
-                    Call(
-                        mesh,
-                        ProgramKey("FB", k),
-                        fused[k],
-                        (*forward_args(k, i), cts_args(k, i), gacc, racc),
-                        (sends, after_backward(k, i), gacc, racc, carried_outs(k, i)),
-                        f"FB{k}.{i}",
-                        task,
-                    )
-                )
-                after_forward(k, i)
-                emit_cotangent_transfers(k, i)
-                continue
-            program.append(
-                Call(
-                    mesh,
-                    ProgramKey("F", k),
-                    fwd[k],
-                    (*forward_args(k, i), racc),
-                    (sends, slots(("res", k, i)), racc, carried_outs(k, i)),
-                    f"F{k}.{i}",
-                    task,
-                )
-            )
-            after_forward(k, i)
-        elif task.kind == "B":
-            program.append(
-                Call(
-                    mesh,
-                    ProgramKey("B", k),
-                    bwd[k],
-                    (slots(("res", k, i)), forward_args(k, i), cts_args(k, i), gacc),
-                    (after_backward(k, i), gacc),
-                    f"B{k}.{i}",
-                    task,
-                )
-            )
-            emit_cotangent_transfers(k, i)
-        elif task.kind == "BI":
-            program.append(
-                Call(
-                    mesh,
-                    ProgramKey("BI", k),
-                    bi[k],
-                    (slots(("res", k, i)), forward_args(k, i), cts_args(k, i)),
-                    (after_backward(k, i), slots(("extras", k, i))),
-                    f"BI{k}.{i}",
-                    task,
-                )
-            )
-            emit_cotangent_transfers(k, i)
-        elif task.kind == "BW":
-            program.append(
-                Call(
-                    mesh,
-                    ProgramKey("BW", k),
-                    bw[k],
-                    (slots(("res", k, i)), forward_args(k, i), slots(("extras", k, i)), gacc),
-                    gacc,
-                    f"BW{k}.{i}",
-                    task,
-                )
-            )
-        else:
-            raise CompileError(f"unknown task kind {task.kind!r} in task {task}.")
-
-    # Region outputs.
-    output_slots: list[list[tuple[int, int]]] = []
-    n_acc_outputs = 1 + info.n_aux
-    if not info.with_grad:  # stack each output's microbatches: [m, ...]
-        for o_index, source in enumerate(plan.outputs[:n_acc_outputs]):
-            if source.kind != "stage":
-                raise CompileError(
-                    f"output {o_index} of the forward-only step does not come from a stage; "
-                    "return values computed by the model."
-                )
-            k, q = source.stage, stage_mesh[source.stage]
-            j = fns[k].accumulated.index(source.var)
-            parts = tuple(slots(("out", k, j, i)) for i in range(info.num_microbatches))
-            out = slots(("stacked", o_index))
-            key = ProgramKey("stack", index=o_index, mesh=q)
-            compiled[str(key)] = _stack_jit
-            program.append(Call(q, key, _stack_jit, parts, out, f"stack output {o_index}"))
-            output_slots.append([(q, out)])
-    for o_index, source in enumerate(plan.outputs[:n_acc_outputs] if info.with_grad else []):
-        if source.kind != "stage":
-            raise CompileError(
-                f"region output {o_index} (loss/aux) does not come from a stage; compute it "
-                "from the model's outputs."
-            )
-        k = source.stage
-        j = fns[k].accumulated.index(source.var)
-        output_slots.append([(stage_mesh[k], slots(("racc", k, j)))])
-    if info.with_grad:
-        for d in range(info.n_diff):
-            r = info.n_closure + d
-            home = home_mesh(r)
-            contributions = []
-            for k in plan.input_stages.get(r, []):
-                pos = fns[k].param_inputs.index(r)
-                src = slots(("g", k, pos))
-                q = stage_mesh[k]
-                if q != home:
-                    dst = slots(("gx", k, pos, home))
-                    program.append(Transfer(src, dst, home, f"shared grad s{k}", src_mesh=q))
-                    src = dst
-                contributions.append(src)
-            if not contributions:
-                out = slots(("gzero", d))
-                key = ProgramKey("zeros", index=d, mesh=home)
-                compiled[str(key)] = _zeros_like_jit
-                zero_args = (input_slot(r, home),)
-                program.append(Call(home, key, _zeros_like_jit, zero_args, out, f"zero grad {d}"))
-            elif len(contributions) == 1:
-                out = contributions[0]
-            else:
-                out = slots(("gsum", d))
-                key = ProgramKey("sum", index=d, mesh=home)
-                compiled[str(key)] = _sum_jit
-                parts = tuple(contributions)
-                program.append(Call(home, key, _sum_jit, parts, out, f"sum shared grad {d}"))
-            output_slots.append([(home, out)])
-    first_other = info.n_closure + info.n_diff
-    for j, source in enumerate(plan.outputs[n_acc_outputs:]):
-        r = first_other + j
-        if source.kind == "input":
-            output_slots.append([("input", source.input_index)])
-        elif source.kind == "literal":
-            output_slots.append([("literal", source.value)])
-        else:
-            readers = sorted(set(plan.input_stages.get(r, [])) | {source.stage})
-            if len(readers) > 1:
-                raise CompileError(
-                    f"{info.other_paths[j]} is updated by stage {source.stage} and used by "
-                    f"stages {readers}: mutable state other than RNG streams (batch "
-                    "statistics, running counters) must belong to one stage. Give each stage "
-                    "its own state (e.g. one BatchNorm per Stage), or update it in one stage."
-                )
-            k, m = source.stage, info.num_microbatches
-            q, home = stage_mesh[k], home_mesh(r)
-            final = slots(("carry", r, m))
-            if q != home:
-                moved = slots(("carry home", r))
-                program.append(Transfer(final, moved, home, f"state {j}", src_mesh=q))
-                final = moved
-            output_slots.append([(home, final)])
-    return RegionProgram(program, output_slots, constants, compiled)
+    programs = compile_stage_programs(fns, stage_mesh, submeshes)
+    ctx = RegionContext.build(plan, fns, stage_mesh, programs)
+    passes: list[tuple[str, list[Instruction]]] = []
+    ir = lower_schedule(ctx, tasks)
+    passes.append(("lower_schedule", ir))
+    ir = fuse_forward_backward(ir, ctx)
+    passes.append(("fuse_forward_backward", ir))
+    ir = insert_transfers(ir, ctx)
+    passes.append(("insert_transfers", ir))
+    ir, locations = region_outputs(ir, ctx, home_mesh)
+    passes.append(("region_outputs", ir))
+    numbered = assign_slots(ir, locations, slots, input_slot, submeshes)
+    passes.append(("assign_slots", numbered.instructions))
+    return RegionProgram(
+        numbered.instructions,
+        numbered.output_slots,
+        numbered.constants,
+        _compiled(programs, ir),
+        passes,
+    )
