@@ -100,13 +100,6 @@ def test_programs_are_named_by_label_in_their_xla_modules():
     step = mp.jit(_step, mesh=make_mesh(2, 1), schedule=mp.ZeroBubbleH1(), num_microbatches=2)
     lowered = step.lower(model, opt, {"x": jnp.ones((4, WIDTH)), "y": jnp.ones((4, WIDTH))})
     names = {label: fn.__name__ for label, fn in lowered.programs.items()}
-    assert names["F0"] == "F0" and names["BW0"] == "BW0" and names["FB1"] == "FB1"
-    assert names["init0"] == "init0" and names["init1"] == "init1"
+    assert names == {label: label.replace(".", "_") for label in names}
+    assert {"F0", "BW0", "BI1", "init0", "init1"} <= set(names)
     assert any(name.startswith("post_L") for name in names.values()), names
-
-
-@pytest.mark.parametrize(
-    "key", [ProgramKey("F", 0), ProgramKey("init", 3), ProgramKey("post", mesh=2, index=1)]
-)
-def test_program_keys_round_trip(key):
-    assert ProgramKey.parse(str(key)) == key

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, Transfer
+from nnx_mpmd.compiler.jaxpr_utils import named_jit
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue
 from nnx_mpmd.errors import CompileError
 
@@ -48,9 +48,13 @@ def _sum(*xs: Any) -> Any:
     return total
 
 
-_sum_jit = jax.jit(_sum)
-_zeros_like_jit = jax.jit(jnp.zeros_like)
-_stack_jit = jax.jit(lambda *xs: jnp.stack(xs))
+def _stack(*xs: Any) -> Any:
+    return jnp.stack(xs)
+
+
+def _program(fn: Any, key: ProgramKey) -> Any:
+    """``fn`` jitted as program ``key`` (its XLA module named ``jit_<key>``)."""
+    return named_jit(fn, str(key))
 
 
 def _stacked_outputs(ctx: RegionContext) -> tuple[list[Instruction], OutputLocations]:
@@ -67,7 +71,8 @@ def _stacked_outputs(ctx: RegionContext) -> tuple[list[Instruction], OutputLocat
         parts = tuple(ctx.outputs(k, i)[j] for i in range(ctx.num_microbatches))
         out = RegionValue("stacked", (o_index,), None, q)
         key = ProgramKey("stack", index=o_index, mesh=q)
-        program.append(Call(q, key, _stack_jit, parts, out, f"stack output {o_index}"))
+        stack = _program(_stack, key)
+        program.append(Call(q, key, stack, parts, out, f"stack output {o_index}"))
         locations.append([(q, out)])
     return program, locations
 
@@ -142,15 +147,15 @@ def reduce_shared_gradients(
         if not parts:
             out = RegionValue("zero_grad", (d,), None, home)
             key = ProgramKey("zeros", index=d, mesh=home)
-            program.append(
-                Call(home, key, _zeros_like_jit, (ctx.input(r, home),), out, f"zero grad {d}")
-            )
+            zeros = _program(jnp.zeros_like, key)
+            program.append(Call(home, key, zeros, (ctx.input(r, home),), out, f"zero grad {d}"))
         elif len(parts) == 1:
             out = parts[0]
         else:
             out = RegionValue("grad_sum", (d,), None, home)
             key = ProgramKey("sum", index=d, mesh=home)
-            program.append(Call(home, key, _sum_jit, tuple(parts), out, f"sum shared grad {d}"))
+            total = _program(_sum, key)
+            program.append(Call(home, key, total, tuple(parts), out, f"sum shared grad {d}"))
         locations.append([(home, out)])
     return program, locations
 

@@ -117,7 +117,7 @@ def _differentiated_stage_error(info: StageMarkerInfo) -> CompileError:
 
 
 def _marker_jvp(primals, tangents, *, info):
-    if _state.active or _state.outer:
+    if _state.active or _state.outer is not None:
         # A grad transform around Stage calls inside mp.jit's trace: the compiler
         # would see one forward-only program with the backward pass as glue code.
         raise _differentiated_stage_error(info)

@@ -156,7 +156,7 @@ class Compiled:
       >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
       >>> compiled = f.lower(model, opt, jnp.ones((4, 4))).compile()
       >>> sorted(compiled.memory_analysis())[:2]
-      ['F0', 'FB0']
+      ['B0', 'F0']
       >>> float(compiled(model, opt, jnp.ones((4, 4)))) > 0
       True
     """
