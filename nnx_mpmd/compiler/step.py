@@ -127,6 +127,12 @@ def _leaf_meshes(aval: PlacedAval) -> frozenset[int]:
     return frozenset(aval.mesh_ids) or frozenset({HOST})
 
 
+def _path_text(path: Sequence[Any]) -> str:
+    """``0.layers.1.module.kernel`` for a state leaf's key path (node index first)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
 def describe_inputs(
     traced: TracedStep,
     flat: FlatArgs,
@@ -137,9 +143,7 @@ def describe_inputs(
     """Names and meshes of the inputs the traced step reads."""
     n_consts, n_state = len(traced.consts), len(state_avals)
     tree = jax.tree.unflatten(flat.state_tree, list(range(n_state)))
-    state_paths = [
-        ".".join(str(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-    ]
+    state_paths = [_path_text(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     names = [f"constant {i}" for i in range(n_consts)] + state_paths
     names += [f"argument leaf {i}" for i in range(len(other))]
     avals = [placed_aval(c, mesh) for c in traced.consts] + list(state_avals) + list(other)
