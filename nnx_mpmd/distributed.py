@@ -1,10 +1,10 @@
 """Multi-process runs: join a ``jax.distributed`` run and move placed state between processes.
 
-One process per group of submeshes: every process runs the same script, calls
-`initialize` first, builds an `MpmdMesh` over all processes' devices (each
-submesh on one process) and calls the same `nnx_mpmd.jit` steps. A process
-runs only the stages of the submeshes it owns; arrays on other processes'
-submeshes are *remote* (`is_remote`). `gather` brings placed state to every
+JAX's multi-controller model: every process runs the same script, calls
+`initialize` first, builds an `MpmdMesh` over all processes' devices (a
+submesh may span processes) and calls the same `nnx_mpmd.jit` steps. A
+program runs on the processes that hold its submesh's devices; arrays with no
+devices of this process are *remote* (`is_remote`). `gather` brings placed state to every
 process as ordinary arrays; `global_view` gives every Variable one global,
 replicated value for the duration of a ``with`` block (what orbax checkpoints
 need). Both are collectives: every process calls them in the same order with
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pkgutil
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s, transfer_address
 from nnx_mpmd.runtime.multi_process import (
     ENV_COORDINATOR,
     ENV_COORDINATOR_BIND,
@@ -53,9 +56,7 @@ from nnx_mpmd.runtime.multi_process import (
     coordination_state,
     coordinator_bind_address,
     env_int,
-    mesh_owners,
 )
-from nnx_mpmd.runtime.transport import get_transport
 
 __all__ = [
     "DistributedError",
@@ -81,7 +82,11 @@ def initialize(
     process, so one script works everywhere. In a multi-process run,
     recoverable mode is switched on so that a dead peer surfaces as a
     `DistributedError` in the survivors instead of aborting them, and the
-    processes leave in order at exit. Calling it again returns the same answer.
+    processes leave in order at exit. On CPU, JAX's cross-process transfers
+    (``jax.device_put`` between submeshes of different processes) are set to
+    listen on the interface that reaches the coordinator
+    (``NNX_MPMD_TRANSFER_ADDRESS=ip:0`` overrides it); GPUs move arrays over
+    NCCL and need nothing. Calling it again returns the same answer.
 
     Args:
       heartbeat_timeout_s: seconds without heartbeats after which a process
@@ -140,6 +145,8 @@ def initialize(
     elif not cluster_detected():
         return ProcessInfo(0, 1, None)
     jax.config.update("jax_enable_recoverability", True)
+    if _runs_on_cpu():
+        _enable_cpu_transfers(kwargs.get("coordinator_address") or _cluster_coordinator())
     try:
         jax.distributed.initialize(
             **kwargs,
@@ -152,8 +159,59 @@ def initialize(
             "that the coordinator address is reachable, and that the process ids are distinct."
         ) from e
     if jax.process_count() > 1:
-        get_transport()  # its exit hook makes the processes leave in order
+        get_coordination()  # its exit hook makes the processes leave in order
     return ProcessInfo(jax.process_index(), jax.process_count(), coordination_state()[1])
+
+
+def _cluster_coordinator() -> str | None:
+    """The coordinator address jax's cluster detection would use, if the environment says."""
+    return os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+
+
+def _runs_on_cpu() -> bool:
+    """Whether the run's devices will be CPUs (checked before any backend starts).
+
+    ``JAX_PLATFORMS=cpu``, or no platform chosen and no GPU plugin installed.
+    """
+    platforms = jax.config.jax_platforms
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    try:
+        import jax_plugins  # the namespace package of installed PjRt plugins
+    except ImportError:
+        return True
+    names = [m.name for m in pkgutil.iter_modules(getattr(jax_plugins, "__path__", []))]
+    return not any("cuda" in name or "rocm" in name for name in names)
+
+
+def _with_free_port(address: str) -> str:
+    """``address`` with port 0 replaced by a port free right now (JAX needs a real one)."""
+    host, _, port = address.rpartition(":")
+    if port != "0":
+        return address
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
+def _enable_cpu_transfers(coordinator: str | None) -> None:
+    """Lets CPU devices of different processes exchange arrays (``jax.device_put``).
+
+    JAX moves arrays between processes on CPU over a socket it opens when the
+    backend starts, only if ``jax_cross_host_transfer_socket_address`` is set;
+    ``jax_cross_host_transport_addresses`` is set too so that it listens on
+    that interface only (JAX's default is every interface). A value already
+    configured is kept. Must run before the CPU backend starts.
+    """
+    address = transfer_address(coordinator)
+    configured = jax.config.values
+    if not configured.get("jax_cross_host_transfer_socket_address"):
+        jax.config.update("jax_cross_host_transfer_socket_address", _with_free_port(address))
+    if not configured.get("jax_cross_host_transport_addresses"):
+        jax.config.update("jax_cross_host_transport_addresses", address)
+    if configured.get("jax_cross_host_transfer_timeout_seconds") is None:  # a hung peer: bounded
+        jax.config.update("jax_cross_host_transfer_timeout_seconds", int(peer_timeout_s()))
 
 
 def is_remote(x: Any) -> bool:
@@ -218,15 +276,14 @@ def gather(tree: Any, mesh: MpmdMesh | None = None) -> Any:
 
     Args:
       tree: placed models, optimizers, States, Variables or pytrees of arrays.
-      mesh: the `MpmdMesh` the state is placed on (optional): when given, it is
-        checked that each of its submeshes belongs to one process.
+      mesh: the `MpmdMesh` the state is placed on (optional; accepted for
+        compatibility, nothing needs it).
 
     Returns:
       ``tree`` with every array local to this process, on its default device.
 
     Raises:
-      DistributedError: an array is split over processes with none holding all
-        of it, the mesh does not split by process, or a peer died or timed out.
+      DistributedError: a peer died or timed out.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -245,8 +302,6 @@ def gather(tree: Any, mesh: MpmdMesh | None = None) -> Any:
         from nnx_mpmd.placement.partition import gather as gather_here
 
         return gather_here(tree)
-    if mesh is not None:
-        mesh_owners(mesh)
     leaves, treedef = jax.tree.flatten(
         tree, is_leaf=lambda x: isinstance(x, nnx.State | nnx.Pytree | nnx.Variable | MpmdArray)
     )
@@ -330,8 +385,7 @@ def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
       ``tree``.
 
     Raises:
-      DistributedError: a peer died or timed out, or an array is split over
-        processes with none holding all of it.
+      DistributedError: a peer died or timed out.
 
     Example:
       >>> import jax

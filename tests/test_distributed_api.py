@@ -1,28 +1,30 @@
 """`nnx_mpmd.distributed` on one process: the public names, the deprecated old
-path, `initialize`'s checks and coordinator bind address, the launcher's
-environment, and the bounded per-step cache of the multi-process runtime.
+path, `initialize`'s checks, coordinator bind address and CPU transfer socket,
+the launcher's environment, and the pieces of the multi-process runtime that
+need no second process (the shard plan of a transfer, its errors, heartbeats).
 
-The multi-process behaviour itself (remote arrays, the collective gather) is
-tested with real processes in tests/test_multiprocess.py.
+The multi-process behaviour itself (remote arrays, transfers between processes,
+the collective gather) is tested with real processes in tests/test_multiprocess.py.
 """
 
 from __future__ import annotations
 
-import gc
 import io
 import sys
-import weakref
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
 from nnx_mpmd import distributed
 from nnx_mpmd.apps import launch
-from nnx_mpmd.runtime import multi_process
+from nnx_mpmd.runtime import coordination, cross_process, multi_process
 
 MOVED = {
     "initialize_from_env": "initialize",
@@ -31,25 +33,15 @@ MOVED = {
     "is_remote": "is_remote",
 }
 LAUNCH_ENV = ("NNX_MPMD_PROCESS_ID", "NNX_MPMD_NUM_PROCESSES", "NNX_MPMD_COORDINATOR")
+TRANSFER_FLAGS = (
+    "jax_cross_host_transfer_socket_address",
+    "jax_cross_host_transport_addresses",
+    "jax_cross_host_transfer_timeout_seconds",
+)
 
 
 def _mesh(n: int = 2) -> mp.MpmdMesh:
     return mp.MpmdMesh(jax.make_mesh((n,), ("stage",), devices=jax.devices()[:n]), "stage")
-
-
-class Two(mp.PipelinedModel):
-    def __init__(self, rngs: nnx.Rngs) -> None:
-        self.a = mp.Stage(nnx.Linear(8, 8, rngs=rngs), stage=0)
-        self.b = mp.Stage(nnx.Linear(8, 1, rngs=rngs), stage=1)
-
-    def __call__(self, x):
-        return self.b(jnp.tanh(self.a(x)))
-
-
-def _train_step(model, opt, x):
-    loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
-    opt.update(model, grads)
-    return loss
 
 
 # --- the public module ------------------------------------------------------------------
@@ -118,8 +110,8 @@ def test_collect_local_names_an_array_no_process_holds_whole(monkeypatch):
     monkeypatch.setattr(multi_process, "_whole_copies", lambda x, me: (set(), None))
     with pytest.raises(
         mp.DistributedError,
-        match=r"while gathering state: value 1 \(shape \(3,\).*no process holds all of it.*"
-        r"Keep each array on one process",
+        match=r"while gathering state: value 1 \(shape \(3,\).*no process holds all of it, even "
+        r"after replicating it on its own submesh.*please report",
     ):
         multi_process.collect_local(["label", jnp.ones(3)], "gathering state")
 
@@ -133,8 +125,14 @@ def clean_env(monkeypatch):
     for name in (*LAUNCH_ENV, "NNX_MPMD_COORDINATOR_BIND", "NNX_MPMD_DEVICES_PER_PROCESS"):
         monkeypatch.delenv(name, raising=False)
     recoverable = jax.config.jax_enable_recoverability
+    transfers = {name: jax.config.values.get(name) for name in TRANSFER_FLAGS}
+    monkeypatch.delenv("NNX_MPMD_TRANSFER_ADDRESS", raising=False)
+    for name in TRANSFER_FLAGS:
+        jax.config.update(name, None if name.endswith("seconds") else "")
     yield monkeypatch
     jax.config.update("jax_enable_recoverability", recoverable)
+    for name, value in transfers.items():
+        jax.config.update(name, value)
 
 
 @pytest.fixture
@@ -238,48 +236,199 @@ def test_launch_env_has_no_bind_for_a_remote_coordinator():
     assert "NNX_MPMD_COORDINATOR_BIND" not in env
 
 
-# --- the runtime's per-step cache ---------------------------------------------------
+def test_initialize_sets_up_cpu_transfers_on_the_coordinators_interface(
+    clean_env, captured_initialize
+):
+    for name, value in zip(LAUNCH_ENV, ("1", "2", "127.0.0.1:4321")):
+        clean_env.setenv(name, value)
+    clean_env.setenv("NNX_MPMD_PEER_TIMEOUT", "42")
+    with pytest.raises(mp.DistributedError, match=r"failed: fake coordinator"):
+        distributed.initialize()
+    socket_address = jax.config.values["jax_cross_host_transfer_socket_address"]
+    host, port = socket_address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0  # a real port: JAX cannot use port 0
+    assert jax.config.values["jax_cross_host_transport_addresses"] == "127.0.0.1:0"
+    assert jax.config.values["jax_cross_host_transfer_timeout_seconds"] == 42
 
 
-class _Step:
-    """Stands for a CompiledStep: the cache only needs identity and a weak reference."""
+def test_initialize_keeps_a_configured_transfer_socket(clean_env, captured_initialize):
+    for name, value in zip(LAUNCH_ENV, ("1", "2", "127.0.0.1:4321")):
+        clean_env.setenv(name, value)
+    jax.config.update("jax_cross_host_transfer_socket_address", "127.0.0.1:5555")
+    with pytest.raises(mp.DistributedError, match=r"failed: fake coordinator"):
+        distributed.initialize()
+    assert jax.config.values["jax_cross_host_transfer_socket_address"] == "127.0.0.1:5555"
 
 
-@pytest.fixture
-def empty_step_cache(monkeypatch):
-    monkeypatch.setattr(multi_process, "_STEPS", type(multi_process._STEPS)())
-    return multi_process._STEPS
+def test_transfer_address_follows_the_coordinator_or_the_override(monkeypatch):
+    monkeypatch.delenv("NNX_MPMD_TRANSFER_ADDRESS", raising=False)
+    assert coordination.transfer_address("localhost:1") == "127.0.0.1:0"
+    assert coordination.transfer_address("127.0.0.1:9").endswith(":0")
+    monkeypatch.setenv("NNX_MPMD_TRANSFER_ADDRESS", "10.0.0.7:0")
+    assert coordination.transfer_address("10.9.9.9:1") == "10.0.0.7:0"
 
 
-def test_step_cache_is_bounded_least_recently_run_first(empty_step_cache):
-    steps = [_Step() for _ in range(multi_process.MAX_CACHED_STEPS + 8)]
-    states = [multi_process._step_state(s) for s in steps]
-    numbers = [s.number for s in states]
-    assert numbers == sorted(set(numbers))  # unique, in first-run order
-    assert len(empty_step_cache) == multi_process.MAX_CACHED_STEPS
-    assert multi_process._step_state(steps[-1]) is states[-1]  # still cached
-    renewed = multi_process._step_state(steps[0])  # evicted: a fresh number and state
-    assert renewed is not states[0] and renewed.number > numbers[-1]
-    assert len(empty_step_cache) == multi_process.MAX_CACHED_STEPS
+# --- transfers between submeshes (the parts one process can check) -----------------------
 
 
-def test_dropped_steps_and_models_are_released(empty_step_cache):
-    mesh = _mesh()
-    model_refs, step_refs = [], []
-    for seed in range(30):
-        model = Two(nnx.Rngs(seed))
-        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-        # compile_threads=1: lower() only traces; nothing here needs XLA programs.
-        fn = mp.jit(
-            _train_step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2, compile_threads=1
+class FakeDevice(NamedTuple):
+    id: int
+    process_index: int
+
+
+class FakeSharding:
+    """Stands for a sharding in `shard_plan`: which index each device holds."""
+
+    def __init__(self, indices):
+        self.indices = indices
+
+    def devices_indices_map(self, shape):
+        return self.indices
+
+
+ROWS = [(slice(0, 2, None),), (slice(2, 4, None),)]
+
+
+def test_shard_plan_copies_locally_where_it_can_and_moves_the_rest():
+    # Source: rows 0-1 on process 0, rows 2-3 on process 1. Destination: rows 0-1 on
+    # process 0 (local copy), rows 2-3 on process 0 too (from process 1).
+    src = FakeSharding({FakeDevice(0, 0): ROWS[0], FakeDevice(4, 1): ROWS[1]})
+    dst = FakeSharding({FakeDevice(1, 0): ROWS[0], FakeDevice(2, 0): ROWS[1]})
+    local, cross = cross_process.shard_plan(src, dst, (4,), 0)
+    assert local == ((FakeDevice(0, 0), FakeDevice(1, 0)),)
+    assert cross == ((FakeDevice(4, 1), FakeDevice(2, 0)),)
+    local_on_1, cross_on_1 = cross_process.shard_plan(src, dst, (4,), 1)
+    assert local_on_1 == () and cross_on_1 == cross  # every process lists the same moves
+
+
+def test_shard_plan_of_a_stage_spanning_processes_is_all_local():
+    # Stage i holds device i of each process (data axis over the processes).
+    src = FakeSharding({FakeDevice(0, 0): ROWS[0], FakeDevice(4, 1): ROWS[1]})
+    dst = FakeSharding({FakeDevice(1, 0): ROWS[0], FakeDevice(5, 1): ROWS[1]})
+    assert cross_process.shard_plan(src, dst, (4,), 1) == (
+        ((FakeDevice(4, 1), FakeDevice(5, 1)),),
+        (),
+    )
+
+
+def _submeshes(*sizes):
+    start, meshes = 0, []
+    for size in sizes:
+        meshes.append(
+            jax.make_mesh((size,), ("data",), devices=jax.devices()[start : start + size])
         )
-        compiled = fn.lower(model, opt, jnp.ones((4, 8))).compiled
-        multi_process._step_state(compiled)
-        model_refs.append(weakref.ref(model))
-        step_refs.append(weakref.ref(compiled))
-        del model, opt, fn, compiled
-    gc.collect()
-    assert len(empty_step_cache) <= multi_process.MAX_CACHED_STEPS
-    assert not [r for r in step_refs if r() is not None]
-    assert not [r for r in model_refs if r() is not None]
-    assert len(empty_step_cache) == 0  # a dead step's entry goes with it
+        start += size
+    return meshes
+
+
+def test_put_between_meshes_keeps_values_and_takes_the_destination_spec():
+    a, b = _submeshes(2, 2)
+    x = cross_process.put_from_host(np.arange(8.0).reshape(4, 2), NamedSharding(a, P("data")))
+    y = cross_process.put_between_meshes(x, NamedSharding(b, P(None, "data")))
+    assert y.sharding == NamedSharding(b, P(None, "data"))
+    np.testing.assert_array_equal(np.asarray(y), np.arange(8.0).reshape(4, 2))
+    assert cross_process.put(3, NamedSharding(b, P()), from_host=True).dtype == jnp.int32
+
+
+def test_put_between_meshes_of_different_shapes_is_refused():
+    a, b = _submeshes(2, 4)
+    x = cross_process.put_from_host(np.ones(4), NamedSharding(a, P()))
+    with pytest.raises(
+        mp.DistributedError,
+        match=r"from a submesh of shape \{'data': 2\} to one of shape \{'data': 4\}.*same shape",
+    ):
+        cross_process.put_between_meshes(x, NamedSharding(b, P()))
+
+
+def test_put_between_meshes_needs_a_named_source():
+    (b,) = _submeshes(2)
+    x = jax.device_put(np.ones(4), SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(mp.DistributedError, match=r"the source has no NamedSharding"):
+        cross_process.put_between_meshes(x, NamedSharding(b, P()))
+
+
+def test_to_every_process_on_one_process_is_the_value():
+    x = jnp.ones(3)
+    assert cross_process.to_every_process(x) is x
+    assert cross_process.to_every_process("a label") == "a label"
+
+
+# --- heartbeats -------------------------------------------------------------------------
+
+
+class FakeClient:
+    """A coordination client whose key-value store the test fills."""
+
+    def __init__(self):
+        self.store = {}
+        self.gone = False
+
+    def key_value_try_get(self, key):
+        if self.gone:
+            raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+        if key not in self.store:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.store[key]
+
+
+def _watcher(client, clock, monkeypatch, heartbeat_s=3.0):
+    monkeypatch.setattr(coordination.time, "monotonic", lambda: clock[0])
+    return coordination.Coordination(client, 0, 3, heartbeat_s=heartbeat_s, start=False)
+
+
+def test_a_peer_whose_heartbeat_stops_is_dead(monkeypatch):
+    client, clock = FakeClient(), [100.0]
+    client.store = {"nnx_mpmd/alive/1": "5", "nnx_mpmd/alive/2": "7"}
+    watcher = _watcher(client, clock, monkeypatch)
+    assert watcher.dead_peers() == []
+    clock[0] += 2.0
+    client.store["nnx_mpmd/alive/1"] = "6"  # process 1 still beats, process 2 stopped
+    assert watcher.dead_peers() == []
+    clock[0] += 2.0  # 4 s since process 2 last moved
+    assert watcher.dead_peers() == [2]
+    with pytest.raises(
+        mp.DistributedError, match=r"process\(es\) \[2\] died while process 0 was running a step"
+    ):
+        watcher.check_peers("running a step", force=True)
+
+
+def test_a_peer_that_never_beats_is_dead_after_the_timeout(monkeypatch):
+    client, clock = FakeClient(), [0.0]
+    client.store = {"nnx_mpmd/alive/1": "1"}
+    watcher = _watcher(client, clock, monkeypatch)
+    assert watcher.dead_peers() == []
+    clock[0] += 3.5
+    client.store["nnx_mpmd/alive/1"] = "2"
+    assert watcher.dead_peers() == [2]
+
+
+def test_losing_the_coordination_service_is_a_distributed_error(monkeypatch):
+    client, clock = FakeClient(), [0.0]
+    client.gone = True
+    watcher = _watcher(client, clock, monkeypatch)
+    with pytest.raises(mp.DistributedError, match=r"lost the coordination service \(process 0\)"):
+        watcher.dead_peers()
+
+
+def test_blame_peers_names_the_dead_process(monkeypatch):
+    client, clock = FakeClient(), [0.0]
+    client.store = {"nnx_mpmd/alive/1": "1", "nnx_mpmd/alive/2": "1"}
+    watcher = _watcher(client, clock, monkeypatch, heartbeat_s=1.0)
+
+    def sleep(seconds):
+        clock[0] += seconds
+        client.store["nnx_mpmd/alive/1"] = str(int(client.store["nnx_mpmd/alive/1"]) + 1)
+
+    monkeypatch.setattr(coordination.time, "sleep", sleep)
+    with pytest.raises(mp.DistributedError, match=r"\[2\] died while process 0 was moving"):
+        watcher.blame_peers("moving an activation")
+    client.store["nnx_mpmd/alive/2"] = "9"  # both beat again: nothing to blame
+    watcher._seen.clear()
+
+    def both(seconds):
+        clock[0] += seconds
+        for key in client.store:
+            client.store[key] = str(int(client.store[key]) + 1)
+
+    monkeypatch.setattr(coordination.time, "sleep", both)
+    watcher.blame_peers("moving an activation")

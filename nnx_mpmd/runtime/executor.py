@@ -1,26 +1,28 @@
 """The device runtime: how instructions run on real arrays, in one process or many.
 
 `DeviceOperations` is the `nnx_mpmd.runtime.interpreter.Operations` of a real
-run. Which process runs what is data: ``owners[q]`` is the process that owns
-mesh ``q`` (`nnx_mpmd.runtime.multi_process.mesh_owners`), and a process
+run: a `Call` runs its program, a `Transfer` puts its value on the destination
+submesh (``jax.device_put``, keeping the source's PartitionSpec unless the
+transfer names one, reshaping a batch into microbatches on the way), and a
+`Free` drops the values of its slots. `execute` is the single-controller
+runtime, where one process drives every submesh.
 
-* runs the `Call` instructions of the meshes it owns and skips the others;
-* does a `Transfer` between two of its meshes (or from the host) with
-  ``jax.device_put`` onto the destination submesh, keeping the source's
-  PartitionSpec unless the transfer names one, reshaping a batch into
-  microbatches on the way;
-* sends a `Transfer` whose source it owns and whose destination another
-  process owns through a `Channel`, and receives one it is the destination of;
-* drops the values of a `Free` (every process: a slot never filled is None).
+The multi-process runtime
+(`nnx_mpmd.runtime.multi_process.execute_multi_process`) is the same
+operations in every process, JAX's multi-controller model: a program on a
+submesh without this process's devices gives arrays with no local shards, and
+only the move of a transfer differs, given as ``put``
+(`nnx_mpmd.runtime.cross_process.put`).
 
-With no owners given, every mesh is local and no channel is needed: that is
-the single-controller runtime, `execute`, where one process drives every
-submesh. JAX's asynchronous dispatch lets each submesh run as soon as its
-inputs are ready, so meshes overlap as the schedule intends. An optional
-profiler records each task's start and end, and an optional memory recorder
-the bytes of live arrays per mesh after every instruction
-(`nnx_mpmd.runtime.observers`). The multi-process entry is
-`nnx_mpmd.runtime.multi_process.execute_multi_process`.
+``owners`` and ``channel`` are an older mode in which each mesh belongs to one
+process, which runs only its own `Call`s and sends a `Transfer` that crosses
+processes through a `Channel`. No runtime uses it any more (kept for its
+tests in tests/test_interpreter.py until they are retired).
+
+JAX's asynchronous dispatch lets each submesh run as soon as its inputs are
+ready, so meshes overlap as the schedule intends. An optional profiler records
+each task's start and end, and an optional memory recorder the bytes of live
+arrays per mesh after every instruction (`nnx_mpmd.runtime.observers`).
 
 The host work per instruction is kept small: a compiled step is prepared into
 steps once (cached on the step), each a closure with its slot numbers and
@@ -40,7 +42,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -154,6 +156,9 @@ class DeviceOperations:
       process: this process's index.
       channel: sends and receives values that cross processes. Read when a
         step runs, so one prepared list serves every run: set it per run.
+      put: how a transfer moves a value, ``put(value, sharding, from_host)``
+        (default ``jax.device_put``); the multi-process runtime gives
+        `nnx_mpmd.runtime.cross_process.put`.
 
     Example:
       >>> import jax
@@ -168,8 +173,10 @@ class DeviceOperations:
         owners: Sequence[int] | None = None,
         process: int = 0,
         channel: Channel | None = None,
+        put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
     ) -> None:
         self.shardings = shardings
+        self.put = put
         self.owners = None if owners is None else tuple(owners)
         self.process = process
         self.channel = channel
@@ -195,7 +202,24 @@ class DeviceOperations:
             return self._receive(index, ins)
         return None  # between two other processes (or from their host)
 
+    def _put_transfer(self, ins: Transfer) -> Step:
+        """A transfer through ``self.put`` (same reshape and spec as `transfer_value`)."""
+        src, dst, shardings, put = ins.src, ins.dst, self.shardings, self.put
+        from_host, dst_mesh, spec = ins.src_mesh == HOST, ins.dst_mesh, ins.spec
+
+        def transfer(store: list[Any]) -> Any:
+            value = store[src]
+            if ins.reshape_microbatches:
+                value = value.reshape(transferred_shape(ins, value.shape))
+            target = spec if spec is not None else kept_spec(getattr(value, "sharding", None))
+            value = store[dst] = put(value, shardings(dst_mesh, target), from_host)  # type: ignore[misc]
+            return value
+
+        return transfer
+
     def _local_transfer(self, ins: Transfer) -> Step:
+        if self.put is not None:
+            return self._put_transfer(ins)
         src, dst, shardings = ins.src, ins.dst, self.shardings
         if ins.reshape_microbatches:
 

@@ -1,20 +1,20 @@
-"""The multi-controller runtime: one process per group of submeshes under ``jax.distributed``.
+"""The multi-controller runtime: every process runs the same step under ``jax.distributed``.
 
 Every process traces and compiles the same step, so all of them hold the same
-instruction list. Each process runs the `Call` instructions of the submeshes
-it owns and skips the rest; a `Transfer` whose ends live on different processes
-becomes a send (``await_pull``) on the source's process and an asynchronous
-receive (``pull``) on the destination's process, both through
-``jax.experimental.transfer`` (see `nnx_mpmd.runtime.transport`). Neither side
-blocks while dispatching, so the instruction order cannot deadlock.
+instruction list, and every process runs all of it through the one
+interpreter (`nnx_mpmd.runtime.interpreter`), as JAX's multi-controller model
+wants: a program on a submesh runs on the processes that hold its devices (a
+submesh may span several processes, and a process may hold devices of several
+submeshes), and the other processes get a global ``jax.Array`` with no
+addressable shards. Transfers are ``jax.device_put`` calls, made by every
+process alike (`nnx_mpmd.runtime.cross_process`).
 
-Arrays on submeshes of other processes are *remote*: global ``jax.Array``
-objects with no addressable shards (shape, dtype and sharding only). The step's
-user outputs (the loss, metrics) are sent to every process that owns none of
-their copies, so ``float(loss)`` works everywhere. At the end of each step a
-process waits for its own results while polling the liveness of its peers: a
-dead peer raises `DistributedError` within about a second of the coordination
-service noticing (``heartbeat_timeout_seconds``), never a hang.
+Arrays on other processes' devices are *remote*: shape, dtype and sharding
+only. The step's user outputs (the loss, metrics) are made readable on every
+process. At the end of each step a process waits for its own results while
+polling the liveness of its peers: a dead peer raises `DistributedError` naming
+it within about a second of the coordination service noticing
+(``heartbeat_timeout_seconds``), never a hang.
 
 The public entry points (``initialize``, ``gather``, ``global_view``,
 ``is_remote``) live in `nnx_mpmd.distributed`; their old names here still work
@@ -29,36 +29,29 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import itertools
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd import _jax_compat
+from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.partition import MpmdArray
-from nnx_mpmd.runtime import interpreter
-from nnx_mpmd.runtime.executor import DeviceOperations, Shardings
-from nnx_mpmd.runtime.interpreter import prepared_for, value_on
+from nnx_mpmd.runtime import cross_process, interpreter
+from nnx_mpmd.runtime.coordination import Coordination, get_coordination
+from nnx_mpmd.runtime.executor import DeviceOperations, Shardings, outputs_of
+from nnx_mpmd.runtime.interpreter import prepared_for
 from nnx_mpmd.runtime.observers import Profiler
-from nnx_mpmd.runtime.transport import (
-    Transport,
-    aval_of,
-    get_transport,
-    meta_of,
-)
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -67,7 +60,6 @@ __all__ = [
     "ENV_HEARTBEAT",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
-    "MAX_CACHED_STEPS",
     "ProcessInfo",
     "cluster_detected",
     "collect_local",
@@ -75,7 +67,6 @@ __all__ = [
     "coordinator_bind_address",
     "execute_multi_process",
     "launch_env",
-    "mesh_owners",
 ]
 
 ENV_PROCESS_ID = "NNX_MPMD_PROCESS_ID"
@@ -243,96 +234,10 @@ def cluster_detected() -> bool:
     return _jax_compat.cluster_environment_present()
 
 
-def mesh_owners(mesh: MpmdMesh) -> list[int]:
-    """The process that owns each submesh.
-
-    Args:
-      mesh: the `MpmdMesh`.
-
-    Returns:
-      ``owners[q]``: the process index of submesh ``q``'s devices.
-
-    Raises:
-      DistributedError: a submesh spans several processes, or a process owns
-        no submesh.
-
-    Example:
-      >>> import jax
-      >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
-      >>> mesh_owners(mesh)
-      [0, 0, 0, 0]
-    """
-    owners = []
-    for q in range(mesh.num_meshes):
-        processes = sorted(mesh.process_indices(q))
-        if len(processes) != 1:
-            raise DistributedError(
-                f"submesh {q} of {mesh!r} spans processes {processes}; the multi-process runtime "
-                "needs each submesh on one process. Order the devices by process, e.g. "
-                "Mesh(np.array(jax.devices()).reshape(num_meshes, -1), ('stage', 'data'))."
-            )
-        owners.append(processes[0])
-    idle = sorted(set(range(jax.process_count())) - set(owners))
-    if mesh.is_multi_process and idle:
-        raise DistributedError(
-            f"process(es) {idle} own no submesh of {mesh!r}; use a mesh over all "
-            f"{jax.process_count()} processes' devices (jax.devices(), not jax.local_devices())."
-        )
-    return owners
+_ROUNDS = itertools.count(1)
 
 
-class _StepState:
-    """Per compiled step: its number (equal on every process) and value metadata."""
-
-    def __init__(self, number: int) -> None:
-        self.number = number
-        self.meta: dict[int, Any] = {}
-        self.published: set[int] = set()
-
-
-#: How many compiled steps keep their per-step state (least recently run evicted first).
-MAX_CACHED_STEPS = 32
-
-# id(step) -> (weak reference to the step, its state), least recently run first. The
-# weak reference lets a dropped step (and whatever it holds) be freed; its entry goes
-# with it. An evicted step that runs again gets a fresh number and state on every
-# process alike, because every process runs the same steps in the same order.
-_STEPS: collections.OrderedDict[int, tuple[weakref.ref, _StepState]] = collections.OrderedDict()
-_STEP_NUMBERS = itertools.count()
-_ROUND = [0]
-
-
-def _forget_step(key: int, ref: weakref.ref) -> None:
-    entry = _STEPS.get(key)
-    if entry is not None and entry[0] is ref:
-        del _STEPS[key]
-
-
-def _step_state(step: CompiledStep) -> _StepState:
-    key = id(step)
-    entry = _STEPS.get(key)
-    if entry is not None and entry[0]() is step:
-        _STEPS.move_to_end(key)
-        return entry[1]
-    state = _StepState(next(_STEP_NUMBERS))
-    _STEPS[key] = (weakref.ref(step, functools.partial(_forget_step, key)), state)
-    _STEPS.move_to_end(key)
-    while len(_STEPS) > MAX_CACHED_STEPS:
-        _STEPS.popitem(last=False)
-    return state
-
-
-def _next_round() -> int:
-    _ROUND[0] += 1
-    return _ROUND[0]
-
-
-def _uuid(round_: int, index: int, receiver: int) -> int:
-    # Unique per (call, instruction, receiving process) and equal on every process.
-    return (round_ << 32) | (index << 12) | receiver
-
-
-def _wait_ready(values: Sequence[Any], transport: Transport, where: str) -> None:
+def _wait_ready(values: Sequence[Any], coordination: Coordination, where: str) -> None:
     """Blocks until this process's shards of ``values`` are ready; a dead peer raises."""
     arrays = []
     for value in jax.tree.leaves(values):
@@ -341,98 +246,17 @@ def _wait_ready(values: Sequence[Any], transport: Transport, where: str) -> None
             if isinstance(copy, jax.Array):
                 arrays.extend(shard.data for shard in copy.addressable_shards)
     while not all(a.is_ready() for a in arrays):
-        transport.check_peers(where)
+        coordination.check_peers(where)
         time.sleep(0.002)
     try:
         jax.block_until_ready(arrays)
     except Exception as e:
-        transport.check_peers(where, force=True)
+        coordination.blame_peers(where)
         raise DistributedError(
-            f"process {transport.process_id} failed while {where}: {e}. A peer's transfer "
-            "failed (it may have died or timed out); check every process's log."
+            f"process {coordination.process_id} failed while {where}: {e}. A transfer from a "
+            "peer failed (it may have died or timed out); check every process's log."
         ) from None
-    transport.check_peers(where, force=True)
-
-
-class _Run:
-    """One execution of a compiled step on this process: the `Channel` between processes.
-
-    Sends through the transport (``await_pull``) under an id unique to this
-    call, the instruction and the receiver; receives (``pull``) with the layout
-    the sender published once per step.
-    """
-
-    def __init__(
-        self,
-        step: CompiledStep,
-        mesh: MpmdMesh,
-        shardings: Shardings,
-        owners: Sequence[int],
-        process: int,
-    ) -> None:
-        self.step = step
-        self.mesh = mesh
-        self.shardings = shardings
-        self.owners = list(owners)
-        self.me = process
-        self.local = {q for q, p in enumerate(self.owners) if p == self.me}
-        self.transport = get_transport()
-        self.state = _step_state(step)
-        self.round = _next_round()
-
-    def send(
-        self, index: int, value: Any, src_mesh: int, spec: Any, receivers: Sequence[int]
-    ) -> None:
-        if not isinstance(value, jax.Array) or spec is not None:
-            value = jax.device_put(value, self.shardings(src_mesh, spec or PartitionSpec()))
-        if index not in self.state.published:
-            self.transport.publish(f"meta/{self.state.number}/{index}", meta_of(value))
-            self.state.published.add(index)
-        for receiver in receivers:
-            self.transport.send(_uuid(self.round, index, receiver), [value])
-
-    def receive(self, index: int, src_mesh: int, dst_mesh: int) -> jax.Array:
-        meta = self.state.meta.get(index)
-        peer = self.owners[src_mesh]
-        if meta is None:
-            where = f"waiting for the layout of value {index} from mesh {src_mesh}"
-            meta = self.state.meta[index] = self.transport.fetch(
-                f"meta/{self.state.number}/{index}", peer, where
-            )
-        aval = aval_of(meta, self.mesh.submesh(dst_mesh))
-        (value,) = self.transport.receive(_uuid(self.round, index, self.me), peer, [aval])
-        return value
-
-    def user_output(self, j: int, locations: list[tuple[int, int]], store: list[Any]) -> Any:
-        index = len(self.step.instructions) + j
-        src, slot = locations[0]
-        holders = {self.owners[q] for q, _ in locations}
-        receivers = sorted(set(range(jax.process_count())) - holders)
-        if self.owners[src] == self.me and receivers:
-            self.send(index, store[slot], src, None, receivers)
-        mine = {q: store[s] for q, s in locations if q in self.local}
-        if not mine:
-            return self.receive(index, src, min(self.local))
-        if len(mine) == 1:
-            return next(iter(mine.values()))
-        return MpmdArray(mine)
-
-    def state_output(self, locations: list[tuple[int, int]], old: Any, store: list[Any]) -> Any:
-        copies = {}
-        for q, slot in locations:
-            if q in self.local:
-                copies[q] = store[slot]
-            else:
-                placeholder = value_on(old, q)
-                if not isinstance(placeholder, jax.Array) or self.mesh.mesh_id_of(placeholder) != q:
-                    raise DistributedError(
-                        f"state leaf on remote mesh {q} has no placed input ({type(old).__name__}); "
-                        "place the state with mp.place(...) on every process before the step."
-                    )
-                copies[q] = placeholder
-        if len(copies) == 1:
-            return next(iter(copies.values()))
-        return MpmdArray(copies)
+    coordination.check_peers(where, force=True)
 
 
 def execute_multi_process(
@@ -442,50 +266,57 @@ def execute_multi_process(
     shardings: Shardings | None = None,
     profile: list[Any] | None = None,
 ) -> list[Any]:
-    """Runs this process's share of ``step`` (see the module docstring).
+    """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
-    The same interpreter as one process runs (`nnx_mpmd.runtime.interpreter`),
-    with device operations that know which process owns each mesh
-    (`nnx_mpmd.runtime.executor.DeviceOperations`) and this call's `_Run`
-    as their channel between processes.
+    The same interpreter and device operations as one process
+    (`nnx_mpmd.runtime.executor.DeviceOperations`), with transfers made by
+    `nnx_mpmd.runtime.cross_process.put`; every process must call it with the
+    same step and inputs, in the same order.
 
     Args:
       step: the compiled step (identical on every process).
       inputs: one value per input of the step (consts, state leaves, other leaves).
-      mesh: the `MpmdMesh`; each submesh must belong to one process.
+      mesh: the `MpmdMesh` (its submeshes may span processes).
       shardings: a sharding cache to reuse across calls.
-      profile: if a list is given, a `TaskRecord` per local `Call` is appended.
+      profile: if a list is given, a `TaskRecord` per instruction is appended
+        (programs of submeshes without this process's devices take no time here).
 
     Returns:
-      One value per output: user outputs are local arrays on every process;
-      state outputs are local arrays, remote arrays, or `MpmdArray` of both.
+      One value per output: user outputs are arrays this process holds whole
+      (`nnx_mpmd.runtime.cross_process.to_every_process`); state outputs are
+      global arrays (remote on processes without their devices), or `MpmdArray`
+      of them.
 
     Raises:
-      DistributedError: a peer died or timed out, or the mesh does not split by process.
+      DistributedError: a peer died or timed out, or a transfer cannot be made
+        (the message names it).
 
     Example:
       >>> execute_multi_process.__name__  # needs a jax.distributed run; see the guide
       'execute_multi_process'
     """
-    owners, me = mesh_owners(mesh), jax.process_index()
-    shardings = shardings or Shardings(list(mesh.submeshes))
-    operations, prepared = prepared_for(
+    submeshes = list(mesh.submeshes)
+    check_mesh_context(submeshes)
+    shardings = shardings or Shardings(submeshes)
+    _, prepared = prepared_for(
         step,
-        ("processes", shardings, tuple(owners), me),
-        lambda: DeviceOperations(shardings, owners, me),
+        ("processes", shardings),
+        lambda: DeviceOperations(shardings, put=cross_process.put),
     )
-    run = operations.channel = _Run(step, mesh, shardings, owners, me)
-    store = interpreter.load_store(step, inputs, owns=operations.owns)
-    interpreter.run(prepared, store, [] if profile is None else [Profiler(profile)])
-    n_user, n_consts = step.num_user_outputs, len(step.consts)
-    outputs = []
-    for j, locations in enumerate(step.output_slots):
-        if j < n_user:
-            outputs.append(run.user_output(j, locations, store))
-        else:
-            old = inputs[n_consts + j - n_user]
-            outputs.append(run.state_output(locations, old, store))
-    _wait_ready(outputs, run.transport, f"running step {run.state.number} (call {run.round})")
+    coordination = get_coordination()
+    where = f"running a step (call {next(_ROUNDS)})"
+    store = interpreter.load_store(step, inputs)
+    try:
+        interpreter.run(prepared, store, [] if profile is None else [Profiler(profile)])
+    except DistributedError:
+        raise
+    except Exception:  # a transfer or program refused while a peer was dying: say so
+        coordination.blame_peers(where)
+        raise
+    outputs = outputs_of(step, store)
+    n_user = step.num_user_outputs
+    outputs[:n_user] = [cross_process.to_every_process(x) for x in outputs[:n_user]]
+    _wait_ready(outputs, coordination, where)
     return outputs
 
 
@@ -530,8 +361,10 @@ def collect_local(values: Sequence[Any], where: str) -> list[Any]:
     dtypes and shardings). An array (or `MpmdArray`) that this process holds
     whole comes back as that local copy; one it does not hold is sent by the
     lowest process that does, through the coordination service's key-value
-    store, and arrives on this process's first local device. Other values come
-    back unchanged. The keys are deleted once every process has read them.
+    store, and arrives on this process's first local device. An array split
+    over processes (a sharded copy on a submesh that spans them) is first
+    replicated over its own submesh. Other values come back unchanged. The
+    keys are deleted once every process has read them.
 
     Args:
       values: arrays, `MpmdArray` objects and other values.
@@ -541,8 +374,7 @@ def collect_local(values: Sequence[Any], where: str) -> list[Any]:
       A list like ``values`` with only local arrays.
 
     Raises:
-      DistributedError: an array is split over several processes with no
-        process holding all of it, or a peer died or timed out.
+      DistributedError: a peer died or timed out.
 
     Example:
       >>> import jax.numpy as jnp
@@ -555,46 +387,60 @@ def collect_local(values: Sequence[Any], where: str) -> list[Any]:
     results = list(values)
     outgoing: dict[int, jax.Array] = {}
     incoming: list[tuple[int, int, Any]] = []
+    exchanged = False  # from shardings only: the same on every process
     for i, x in enumerate(values):
         if not isinstance(x, jax.Array | MpmdArray):
             continue
         providers, mine = _whole_copies(x, me)
+        if not providers:  # split over processes: replicate it on its own submesh first
+            x = _replicated_on_own_mesh(x)
+            providers, mine = _whole_copies(x, me)
         if not providers:
             copy = x.array(x.mesh_ids[0]) if isinstance(x, MpmdArray) else x
             processes = sorted({d.process_index for d in copy.sharding.device_set})
             raise DistributedError(
                 f"while {where}: value {i} (shape {tuple(x.shape)}, sharding {copy.sharding}) is "
-                f"split over processes {processes} and no process holds all of it. Keep each "
-                "array on one process's devices (each submesh on one process) or replicate it."
+                f"split over processes {processes} and no process holds all of it, even after "
+                "replicating it on its own submesh. This is a bug in nnx_mpmd: please report "
+                "it with the mesh and the array's sharding."
             )
         if mine is None:
             incoming.append((i, min(providers), x))
         else:
             results[i] = mine
-        if me == min(providers) and everyone - providers:
-            outgoing[i] = mine
-    exchanged = any(
-        everyone - _whole_copies(x, me)[0] for x in values if isinstance(x, jax.Array | MpmdArray)
-    )
+        if everyone - providers:
+            exchanged = True
+            if me == min(providers):
+                outgoing[i] = mine
     if not exchanged:  # the same decision on every process: no collective needed
         return results
-    transport = get_transport()
-    round_ = _next_round()
+    coordination = get_coordination()
+    round_ = next(_ROUNDS)
     keys = {i: f"fetch/{round_}/{i}" for i in outgoing}
     for i, array in outgoing.items():
-        transport.publish_array(keys[i], _to_host(array))
+        coordination.publish_array(keys[i], _to_host(array))
     device = jax.local_devices()[0]
     for i, sender, like in incoming:
         shape = jax.eval_shape(jax.random.key_data, like) if _is_key(like) else like
-        host = transport.fetch_array(f"fetch/{round_}/{i}", sender, shape.shape, shape.dtype, where)
+        host = coordination.fetch_array(
+            f"fetch/{round_}/{i}", sender, shape.shape, shape.dtype, where
+        )
         results[i] = _from_host(host, like, device)
     where = f"{where} (call {round_})"
-    _wait_ready(results, transport, where)
+    _wait_ready(results, coordination, where)
     # Every receiver has its copy once all arrived here: the keys can go.
-    transport.barrier(f"fetch/{round_}", where)
+    coordination.barrier(f"fetch/{round_}", where)
     for key in keys.values():
-        transport.delete(key)
+        coordination.delete(key)
     return results
+
+
+def _replicated_on_own_mesh(x: jax.Array | MpmdArray) -> jax.Array | MpmdArray:
+    """``x`` with its first copy replicated over that copy's submesh (a collective)."""
+    copy = x.array(x.mesh_ids[0]) if isinstance(x, MpmdArray) else x
+    if not isinstance(copy.sharding, NamedSharding):
+        return copy
+    return jax.device_put(copy, NamedSharding(copy.sharding.mesh, PartitionSpec()))
 
 
 # Public names that moved to `nnx_mpmd.distributed` (old name -> new name).

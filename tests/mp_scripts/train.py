@@ -1,7 +1,9 @@
 """Trains the test models with several schedules and writes the losses (spawned by tests).
 
 Runs the same way as one process (8 CPU devices) or under
-``nnx-mpmd launch --processes 2 --devices-per-process 4``; every process writes
+``nnx-mpmd launch --processes 2 --devices-per-process 4``. A run is
+``schedule:meshes:stages[:layout[:model]]`` (layout ``span``: every stage spans
+both processes, see `mesh_devices`; model: one of pipeline_models.MODELS). Every process writes
 ``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run
 (after ``mp.distributed.gather``), how many parameters were remote before the
 gather, and (process 0) the address the coordination service listens on.
@@ -40,8 +42,25 @@ from nnx_mpmd import schedules  # noqa: E402
 SCHEDULES = {"1f1b": schedules.OneFOneB, "interleaved": schedules.Interleaved1F1B}
 
 
-def run(name: str, meshes: int, stages: int, steps: int, model_name: str, opt_name: str):
-    devices = np.array(jax.devices()[:8]).reshape(meshes, -1)
+def mesh_devices(meshes: int, layout: str) -> np.ndarray:
+    """The (stage, data) device grid over 2 processes x 4 devices (or 8 on one process).
+
+    ``proc``: devices in process order, so each stage is on one process (2 stages) or a
+    process holds two stages (4); ``span``: stage i gets device i of every process, so
+    every stage spans both processes; ``mixed`` (4 stages of 2): stages on processes
+    {0}, {0, 1}, {1}, {0, 1}, so transfers go between equal, overlapping and disjoint
+    process sets.
+    """
+    devices = np.array(jax.devices()[:8])
+    if layout == "span":
+        return devices.reshape(-1, meshes).T  # column p: process p's devices
+    if layout == "mixed":
+        return devices[[0, 1, 2, 4, 5, 6, 7, 3]].reshape(4, 2)
+    return devices.reshape(meshes, -1)
+
+
+def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
+    devices = mesh_devices(meshes, layout)
     data = devices.shape[1]
     mesh = mp.MpmdMesh(
         Mesh(devices, ("stage", "data"), axis_types=(AxisType.Explicit,) * 2), "stage"
@@ -122,8 +141,10 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for spec in args.runs.split(","):
-        name, meshes, stages = spec.split(":")
-        results[spec] = run(name, int(meshes), int(stages), args.steps, args.model, args.opt)
+        name, meshes, stages, *rest = spec.split(":")
+        layout = rest[0] if rest else "proc"
+        model = rest[1] if len(rest) > 1 else args.model
+        results[spec] = run(name, int(meshes), int(stages), args.steps, model, args.opt, layout)
         print(f"{spec}: {results[spec]['losses']}", flush=True)
     if info.is_main:
         results["coordinator_listens_on"] = coordinator_listen_addresses()

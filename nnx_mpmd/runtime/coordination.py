@@ -1,55 +1,50 @@
-"""Point-to-point array transport between processes of a ``jax.distributed`` run.
+"""The coordination service of a ``jax.distributed`` run: liveness, barriers, small values.
 
-Arrays move with ``jax.experimental.transfer``: every process runs one transfer
-server; the sender offers arrays under a numeric id (``await_pull``, which
-returns at once) and the receiver pulls them onto its own devices with the
-sharding it asks for (``connect(address).pull``, asynchronous too). Because
-neither side blocks when it dispatches, any order of sends and receives is
-deadlock free: the receiver only waits when it reads the result.
+Arrays move between processes with ``jax.device_put`` (see
+`nnx_mpmd.runtime.cross_process`); what is left here uses the key-value store
+and liveness queries of the coordination service that ``jax.distributed``
+starts on process 0:
 
-Small facts (server addresses, the shape/dtype/spec of a value a peer is about
-to send) travel through the key-value store of the ``jax.distributed``
-coordination service. Every wait polls the liveness of the peers, so a dead
-peer turns into a `DistributedError` instead of a hang.
+* `Coordination.check_peers` turns a dead peer into a `DistributedError`
+  naming it (every wait of the runtime polls it, so nothing hangs);
+* `Coordination.barrier`, `publish_array` / `fetch_array` (the collective
+  ``gather`` of small state) and `delete`;
+* an exit hook that makes the processes leave in order (see `Coordination`).
 
 Example:
-    >>> from nnx_mpmd.runtime.transport import encode_spec, decode_spec
-    >>> from jax.sharding import PartitionSpec as P
-    >>> decode_spec(encode_spec(P("data", None, ("a", "b"))))
-    P('data', None, ('a', 'b'))
+    >>> peer_timeout_s() > 0
+    True
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import json
 import os
 import socket
+import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd._jax_compat import coordination_state
 from nnx_mpmd.errors import DistributedError
 
 __all__ = [
-    "Transport",
-    "decode_spec",
+    "Coordination",
     "distributed_client",
-    "encode_spec",
-    "get_transport",
+    "get_coordination",
     "peer_timeout_s",
+    "transfer_address",
 ]
 
 _KEY_PREFIX = "nnx_mpmd"
 ENV_TIMEOUT = "NNX_MPMD_PEER_TIMEOUT"
 ENV_TRANSFER_ADDRESS = "NNX_MPMD_TRANSFER_ADDRESS"
+ENV_HEARTBEAT = "NNX_MPMD_HEARTBEAT_S"
 _POLL_S = 0.02
 _LIVENESS_EVERY_S = 0.5
 
@@ -93,40 +88,24 @@ def distributed_client() -> Any:
     return client
 
 
-def encode_spec(spec: PartitionSpec) -> list[Any]:
-    """A JSON-able form of a PartitionSpec.
+def transfer_address(coordinator: str | None) -> str:
+    """An address of this host that the peers can reach, port 0 (any free port).
+
+    The interface is the one that reaches the coordinator (``127.0.0.1`` for a
+    loopback coordinator); ``NNX_MPMD_TRANSFER_ADDRESS`` overrides it. On CPU,
+    `nnx_mpmd.distributed.initialize` gives it to JAX's cross-host transfers
+    (``jax_cross_host_transfer_socket_address``).
 
     Args:
-      spec: the PartitionSpec.
+      coordinator: ``host:port`` of the coordination service, or None.
 
     Returns:
-      A list with None, axis names, or lists of axis names.
+      ``ip:0``.
 
     Example:
-      >>> encode_spec(PartitionSpec(None, "data"))
-      [None, 'data']
+      >>> transfer_address("127.0.0.1:1234")
+      '127.0.0.1:0'
     """
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def decode_spec(entries: Sequence[Any]) -> PartitionSpec:
-    """The inverse of `encode_spec`.
-
-    Args:
-      entries: the list `encode_spec` returned.
-
-    Returns:
-      The PartitionSpec.
-
-    Example:
-      >>> decode_spec([None, ["a", "b"]])
-      P(None, ('a', 'b'))
-    """
-    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
-
-
-def _local_address(coordinator: str | None) -> str:
-    """An address of this host that the peers can reach (port 0: any free port)."""
     configured = os.environ.get(ENV_TRANSFER_ADDRESS)
     if configured:
         return configured
@@ -145,41 +124,78 @@ def _local_address(coordinator: str | None) -> str:
 _EXIT_WAIT_S = 10.0
 
 
-class Transport:
-    """One process's transfer server, peer connections and liveness checks.
+class Coordination:
+    """This process's view of the coordination service: liveness, barriers, small values.
+
+    Created once per process (`get_coordination`). Liveness is a heartbeat in
+    the key-value store: a daemon thread bumps ``nnx_mpmd/alive/<process>``
+    every ``heartbeat_s / 5`` seconds, and a peer whose counter has not moved
+    for ``heartbeat_s`` counts as dead. (The service's own ``get_live_nodes``
+    is a barrier: every process would have to call it equally often, which
+    processes that wait for different things do not.) Its exit hook makes the
+    processes leave in order: every process waits at a barrier (bounded), then
+    the others disconnect and process 0, which hosts the service, waits until
+    it no longer sees them.
 
     Args:
       client: the ``jax.distributed`` coordination client.
       process_id: this process's index.
       num_processes: how many processes the run has.
-      coordinator: the coordinator address (picks the interface to listen on).
+      coordinator: the coordinator address.
+      heartbeat_s: seconds without a heartbeat after which a peer counts as dead
+        (default ``NNX_MPMD_HEARTBEAT_S`` or 10).
+      start: start the heartbeat thread and the exit hook (False: only read
+        the peers' heartbeats, for tests).
 
     Example:
-      >>> Transport.__name__  # needs a jax.distributed run; see get_transport()
-      'Transport'
+      >>> Coordination.__name__  # needs a jax.distributed run; see get_coordination()
+      'Coordination'
     """
 
     def __init__(
-        self, client: Any, process_id: int, num_processes: int, coordinator: str | None = None
+        self,
+        client: Any,
+        process_id: int,
+        num_processes: int,
+        coordinator: str | None = None,
+        heartbeat_s: float | None = None,
+        *,
+        start: bool = True,
     ) -> None:
-        from jax.experimental import transfer
-
         self.client = client
         self.process_id = process_id
         self.num_processes = num_processes
-        backend = jax.local_devices()[0].client
-        address = _local_address(coordinator)
-        self.server = transfer.start_transfer_server(backend, address, [address])
-        self._connections: dict[int, Any] = {}
+        self.coordinator = coordinator
+        self.heartbeat_s = heartbeat_s or float(os.environ.get(ENV_HEARTBEAT, "10"))
         self._last_liveness = 0.0
-        self.publish(f"transfer_address/{process_id}", self.server.address())
-        atexit.register(self._drain_at_exit)
+        self._seen: dict[int, tuple[Any, float]] = {}  # peer -> (last counter, when it moved)
+        self._stop = threading.Event()
+        if start:
+            self._beat(0)
+            period = max(0.1, self.heartbeat_s / 5)
+            threading.Thread(target=self._beating, args=(period,), daemon=True).start()
+            atexit.register(self._drain_at_exit)
+
+    def _beat(self, count: int) -> None:
+        self.client.key_value_set(
+            f"{_KEY_PREFIX}/alive/{self.process_id}", str(count), allow_overwrite=True
+        )
+
+    def _beating(self, period: float) -> None:
+        count = 0
+        while not self._stop.wait(period):
+            count += 1
+            try:
+                self._beat(count)
+            except Exception:  # the service is gone: the peers will notice
+                return
 
     def _drain_at_exit(self) -> None:
-        # A sender must not leave while a peer still pulls what it offered; a dead
-        # peer makes the barrier fail, which is fine at exit.
+        # Nobody leaves while a peer may still read what it sent (a transfer, a
+        # gathered value); a dead peer makes the barrier fail, which is fine at exit.
         with contextlib.suppress(Exception):
             self.barrier("exit", "exiting", timeout_s=min(peer_timeout_s(), 60.0))
+        self._stop.set()
         # With recoverability on, jax skips its shutdown barrier: if process 0 (which
         # hosts the coordination service) left first, the others would abort while
         # disconnecting. So the others disconnect now, and process 0 waits (bounded)
@@ -191,28 +207,42 @@ class Transport:
         deadline = time.monotonic() + _EXIT_WAIT_S
         with contextlib.suppress(Exception):
             while time.monotonic() < deadline:
-                if len(self.dead_peers()) == self.num_processes - 1:
+                live = self.client.get_live_nodes(list(range(self.num_processes)))
+                if len(live) <= 1:
                     break
                 time.sleep(0.05)
 
     # ------------------------------------------------------------------ liveness
 
     def dead_peers(self) -> list[int]:
-        """The processes the coordination service no longer sees alive.
+        """The peers whose heartbeat has not moved for ``heartbeat_s`` seconds.
 
         Returns:
-          Sorted process indices (empty when every process is alive).
+          Sorted process indices (empty when every peer is alive).
+
+        Raises:
+          DistributedError: the coordination service itself is gone (process 0 died).
         """
-        try:
-            live = self.client.get_live_nodes(list(range(self.num_processes)))
-        except Exception as e:  # the coordinator itself is gone
-            if self.process_id == 0:
-                raise
-            raise DistributedError(
-                f"process {self.process_id} lost the coordination service (process 0): {e}. "
-                "Process 0 probably died; see its log, then restart the job."
-            ) from None
-        return sorted(set(range(self.num_processes)) - set(int(p) for p in live))
+        now = time.monotonic()
+        dead = []
+        for peer in range(self.num_processes):
+            if peer == self.process_id:
+                continue
+            try:
+                count = self.client.key_value_try_get(f"{_KEY_PREFIX}/alive/{peer}")
+            except Exception as e:
+                if "NOT_FOUND" not in str(e).upper():  # the coordinator itself is gone
+                    raise DistributedError(
+                        f"process {self.process_id} lost the coordination service (process 0): "
+                        f"{e}. Process 0 probably died; see its log, then restart the job."
+                    ) from None
+                count = None
+            seen = self._seen.get(peer)
+            if seen is None or seen[0] != count:
+                self._seen[peer] = (count, now)
+            elif now - seen[1] > self.heartbeat_s:
+                dead.append(peer)
+        return dead
 
     def check_peers(self, where: str, *, force: bool = False) -> None:
         """Raises `DistributedError` if a peer died (rate-limited unless ``force``).
@@ -232,6 +262,23 @@ class Transport:
                 "cannot continue. Check the dead process's log, then restart every process "
                 "(resume from the last checkpoint)."
             )
+
+    def blame_peers(self, where: str) -> None:
+        """After a failure that a dying peer may explain: raises naming it if one died.
+
+        Waits (at most ``heartbeat_s`` plus a second) until a peer's heartbeat is
+        stale, so the error names the dead process rather than the failed
+        transfer; returns when every peer still beats.
+
+        Args:
+          where: what this process was doing, for the message.
+        """
+        deadline = time.monotonic() + self.heartbeat_s + 1.0
+        while True:
+            self.check_peers(where, force=True)
+            if time.monotonic() > deadline:
+                return
+            time.sleep(_LIVENESS_EVERY_S / 2)
 
     # ------------------------------------------------------------------ key-value
 
@@ -315,100 +362,31 @@ class Transport:
         data = self._wait_for_key(key, peer, where, get)
         return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
 
-    # ------------------------------------------------------------------ arrays
 
-    def connection(self, peer: int) -> Any:
-        """The (cached) connection to ``peer``'s transfer server."""
-        conn = self._connections.get(peer)
-        if conn is None:
-            address = self.fetch(f"transfer_address/{peer}", peer, "connecting")
-            conn = self._connections[peer] = self.server.connect(address)
-        return conn
-
-    def send(self, uuid: int, arrays: Sequence[jax.Array]) -> None:
-        """Offers ``arrays`` to whichever peer pulls ``uuid`` (returns at once)."""
-        self.server.await_pull(uuid, list(arrays))
-
-    def receive(
-        self, uuid: int, peer: int, avals: Sequence[jax.ShapeDtypeStruct]
-    ) -> list[jax.Array]:
-        """Pulls the arrays ``peer`` offered under ``uuid`` (asynchronous).
-
-        Args:
-          uuid: the id the sender used.
-          peer: the sending process.
-          avals: shape, dtype and local sharding of each array.
-
-        Returns:
-          The arrays (ready once the bytes arrived; an error when the peer died).
-        """
-        timeout = datetime.datetime.now() + datetime.timedelta(seconds=peer_timeout_s())
-        return list(self.connection(peer).pull(uuid, list(avals), timeout=timeout))
+_COORDINATION: Coordination | None = None
 
 
-def aval_of(meta: Sequence[Any], sharding_mesh: Any) -> jax.ShapeDtypeStruct:
-    """The ShapeDtypeStruct for a ``[shape, dtype, spec]`` record on ``sharding_mesh``.
-
-    Args:
-      meta: ``[shape, dtype name, encoded spec]``.
-      sharding_mesh: the jax Mesh the array goes to.
+def get_coordination() -> Coordination:
+    """This process's `Coordination`, created on first use (with its exit hook).
 
     Returns:
-      A ShapeDtypeStruct with a NamedSharding.
-
-    Example:
-      >>> import jax
-      >>> aval_of([[2], "float32", []], jax.make_mesh((1,), ("x",))).shape
-      (2,)
-    """
-    shape, dtype, spec = meta
-    sharding = NamedSharding(sharding_mesh, decode_spec(spec))
-    return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding)
-
-
-def meta_of(x: jax.Array) -> list[Any]:
-    """``[shape, dtype name, encoded spec]`` of an array (see `aval_of`).
-
-    Args:
-      x: a jax.Array with a NamedSharding (or any sharding: its spec is then P()).
-
-    Returns:
-      A JSON-able record.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> meta_of(jnp.ones((2, 3)))
-      [[2, 3], 'float32', []]
-    """
-    sharding = getattr(x, "sharding", None)
-    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-    return [list(x.shape), np.dtype(x.dtype).name, encode_spec(spec)]
-
-
-_TRANSPORT: Transport | None = None
-
-
-def get_transport() -> Transport:
-    """This process's `Transport`, started on first use.
-
-    Returns:
-      The transport.
+      The coordination object.
 
     Raises:
       DistributedError: ``jax.distributed`` is not initialized.
 
     Example:
       >>> try:
-      ...     get_transport()
+      ...     get_coordination()
       ... except DistributedError:
       ...     print("single process")
       single process
     """
-    global _TRANSPORT
-    if _TRANSPORT is None:
+    global _COORDINATION
+    if _COORDINATION is None:
         client = distributed_client()
         _, coordinator_address = coordination_state()
-        _TRANSPORT = Transport(
+        _COORDINATION = Coordination(
             client, jax.process_index(), jax.process_count(), coordinator_address
         )
-    return _TRANSPORT
+    return _COORDINATION

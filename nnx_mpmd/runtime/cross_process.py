@@ -1,0 +1,352 @@
+"""Moving arrays between submeshes of a multi-process run with ``jax.device_put``.
+
+Under ``jax.distributed`` every process runs the same instruction list: a
+``jax.jit`` program on a submesh runs on the processes that hold its devices,
+and the others get a global array with no addressable shards. A transfer is
+the same call on every process, `put_between_meshes`, which picks one of:
+
+* the destination sharding is the source's: nothing moves;
+* the shard layouts differ (another PartitionSpec): reshard on the source
+  submesh first, so both sides cut the array the same way;
+* the two submeshes live on disjoint sets of processes: ``jax.device_put``
+  itself, which JAX runs as a cross-process transfer (NCCL inside PjRt on GPU;
+  on CPU over the socket `nnx_mpmd.distributed.initialize` sets up);
+* the sets of processes overlap (a stage spanning processes 0 and 1 to
+  another one): shard by shard, since JAX moves a whole array between
+  processes only when every shard crosses. A shard whose process holds it in
+  the source is copied there; the others move as one-device arrays, batched
+  into one ``jax.device_put``.
+
+Values from the host (the batch, Python scalars) go through `put_from_host`:
+every process holds the same host value, and each builds only its own shards.
+
+`to_every_process` makes a step's user output (the loss, metrics) readable on
+every process: a copy this process holds is kept, and one it does not hold is
+sent, replicated, to the processes that lack it.
+
+Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> meshes = [jax.make_mesh((2,), ("data",), devices=jax.devices()[i:i + 2]) for i in (0, 2)]
+    >>> x = put_from_host(np.arange(4.0), NamedSharding(meshes[0], P("data")))
+    >>> y = put_between_meshes(x, NamedSharding(meshes[1], P()))
+    >>> y.sharding.spec, y.tolist()
+    (P(), [0.0, 1.0, 2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_mpmd.errors import DistributedError
+from nnx_mpmd.placement.mpmd_array import MpmdArray
+
+__all__ = ["put", "put_between_meshes", "put_from_host", "shard_plan", "to_every_process"]
+
+
+def _processes(sharding: Any) -> frozenset[int]:
+    return frozenset(int(d.process_index) for d in sharding.device_set)
+
+
+def _canonical_host(value: Any) -> Any:
+    """``value`` as an array with JAX's dtype (what ``jax.device_put`` would make of it)."""
+    if isinstance(value, jax.Array):
+        return value
+    host = np.asarray(value)
+    return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+
+
+def put_from_host(value: Any, sharding: NamedSharding) -> jax.Array:
+    """A host value (the same on every process) placed with ``sharding``.
+
+    Each process builds only the shards on its own devices, so the sharding
+    may span processes or hold none of this process's devices.
+
+    Args:
+      value: a NumPy array, Python scalar, or an array on this process's devices.
+      sharding: where it goes.
+
+    Returns:
+      The global array.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> put_from_host([1.0, 2.0], NamedSharding(mesh, PartitionSpec("data"))).tolist()
+      [1.0, 2.0]
+    """
+    host = _canonical_host(value)
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _reshard_program(target: NamedSharding) -> Any:
+    return jax.jit(lambda x: x, out_shardings=target)
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_device_sharding(device: Any) -> NamedSharding:
+    return NamedSharding(Mesh(np.array([device]), ("shard",)), PartitionSpec())
+
+
+@functools.lru_cache(maxsize=1024)
+def shard_plan(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[tuple, tuple]:
+    """Which source device gives each destination device its shard (shardings only).
+
+    A destination device takes its shard from a device of its own process when
+    one holds it (a local copy), else from the first device that holds it (a
+    move between processes).
+
+    Args:
+      src: the source sharding (anything with ``devices_indices_map``).
+      dst: the destination sharding.
+      shape: the array's shape.
+      me: this process's index.
+
+    Returns:
+      ``(local, cross)``: ``(source, destination)`` device pairs this process
+      copies itself, and the pairs that cross processes (the same on every
+      process, in destination order).
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> a, b = (jax.make_mesh((2,), ("d",), devices=jax.devices()[i:i + 2]) for i in (0, 2))
+      >>> local, cross = shard_plan(NamedSharding(a, P("d")), NamedSharding(b, P("d")), (4,), 0)
+      >>> [(s.id, d.id) for s, d in local], cross
+      ([(0, 2), (1, 3)], ())
+    """
+    holders: dict[tuple[Any, ...], list[Any]] = {}
+    for device, index in src.devices_indices_map(shape).items():
+        holders.setdefault(_index_key(index), []).append(device)
+    local, cross = [], []
+    for device, index in dst.devices_indices_map(shape).items():
+        candidates = holders[_index_key(index)]
+        same = [c for c in candidates if c.process_index == device.process_index]
+        if same:
+            if device.process_index == me:
+                local.append((same[0], device))
+        else:
+            cross.append((candidates[0], device))
+    return tuple(local), tuple(cross)
+
+
+def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``value`` moved shard by shard: local copies, and one-device cross-process moves.
+
+    JAX moves a whole array between processes only when every shard crosses
+    (disjoint process sets); this covers the rest (a stage spanning processes 0
+    and 1 to another one, overlapping process sets).
+    """
+    me = jax.process_index()
+    local, cross = shard_plan(value.sharding, sharding, tuple(value.shape), me)
+    shards = {shard.device: shard.data for shard in value.addressable_shards}
+    arrays = list(jax.device_put([shards[src] for src, _ in local], [dst for _, dst in local]))
+    if cross:
+        shard_shape = value.sharding.shard_shape(value.shape)
+        pieces = [
+            jax.make_array_from_single_device_arrays(
+                shard_shape,
+                _one_device_sharding(src),
+                [shards[src]] if src in shards else [],
+                dtype=value.dtype,
+            )
+            for src, _ in cross
+        ]
+        moved = jax.device_put(pieces, [_one_device_sharding(dst) for _, dst in cross])
+        arrays.extend(
+            piece.addressable_shards[0].data
+            for piece, (_, dst) in zip(moved, cross)
+            if dst.process_index == me
+        )
+    return jax.make_array_from_single_device_arrays(
+        value.shape, sharding, arrays, dtype=value.dtype
+    )
+
+
+def _mesh_shape(mesh: Mesh) -> tuple[tuple[str, int], ...]:
+    return tuple(mesh.shape.items())
+
+
+def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``value`` (on one submesh) moved to ``sharding`` (on another); see the module docstring.
+
+    A collective of the processes of both submeshes: every process calls it
+    with the same arguments, in the same order.
+
+    Args:
+      value: a global array with a NamedSharding.
+      sharding: the destination.
+
+    Returns:
+      The moved array (no addressable shards on a process without devices in
+      ``sharding``).
+
+    Raises:
+      DistributedError: the source has no NamedSharding, or the submeshes
+        differ in shape.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
+      >>> x = put_from_host(np.ones(2), NamedSharding(meshes[0], PartitionSpec()))
+      >>> put_between_meshes(x, NamedSharding(meshes[1], PartitionSpec())).devices() == {
+      ...     jax.devices()[1]}
+      True
+    """
+    src = value.sharding
+    if src == sharding:
+        return value
+    if not isinstance(src, NamedSharding):
+        raise DistributedError(
+            f"cannot move an array of shape {tuple(value.shape)} with sharding {src} to "
+            f"{sharding} between processes: the source has no NamedSharding (no submesh to "
+            "reshard on). Stage programs return NamedSharding outputs; please report this."
+        )
+    if _mesh_shape(src.mesh) != _mesh_shape(sharding.mesh):
+        raise DistributedError(
+            f"cannot move an array of shape {tuple(value.shape)} from a submesh of shape "
+            f"{dict(src.mesh.shape)} to one of shape {dict(sharding.mesh.shape)} across "
+            "processes: cross-process transfers need submeshes of the same shape (every "
+            "submesh of an MpmdMesh has it)."
+        )
+    if value.is_fully_addressable and sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    ndim = value.ndim
+    aligned = NamedSharding(src.mesh, sharding.spec, memory_kind=sharding.memory_kind)
+    if not src.is_equivalent_to(aligned, ndim):
+        value = _reshard_program(aligned)(value)  # cut it the destination's way, on its mesh
+    if value.sharding == sharding:
+        return value
+    if _processes(value.sharding).isdisjoint(_processes(sharding)):
+        return jax.device_put(value, sharding)  # every shard crosses: JAX moves it whole
+    return _move_shards(value, sharding)
+
+
+def put(value: Any, sharding: NamedSharding, from_host: bool) -> jax.Array:
+    """A transfer's move: `put_from_host` for host values, else `put_between_meshes`.
+
+    Args:
+      value: the source value.
+      sharding: the destination.
+      from_host: whether the value comes from the host (the same on every process).
+
+    Returns:
+      The placed array.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> put(2.0, NamedSharding(mesh, PartitionSpec()), from_host=True).dtype
+      dtype('float32')
+    """
+    if from_host or not isinstance(value, jax.Array):
+        return put_from_host(value, sharding)
+    return put_between_meshes(value, sharding)
+
+
+def _receiver_meshes(size: int, missing: list[int]) -> list[Mesh]:
+    """Meshes of ``size`` devices that together touch every process in ``missing``.
+
+    Processes are taken ``size`` at a time (round robin over their devices), so
+    each mesh has as many devices as the source (what a cross-process
+    ``jax.device_put`` needs).
+    """
+    by_process: dict[int, list[Any]] = {}
+    for device in jax.devices():
+        by_process.setdefault(int(device.process_index), []).append(device)
+    meshes = []
+    for start in range(0, len(missing), size):
+        group = [by_process[p] for p in missing[start : start + size]]
+        picked: list[Any] = []
+        for depth in range(max(len(devices) for devices in group)):
+            picked.extend(devices[depth] for devices in group if depth < len(devices))
+        if len(picked) < size:
+            raise DistributedError(
+                f"cannot send a step output from a submesh of {size} devices to processes "
+                f"{missing[start : start + size]}: they have only {len(picked)} devices in all. "
+                "Use submeshes of at most as many devices as each process has."
+            )
+        meshes.append(Mesh(np.array(picked[:size]), ("receivers",)))
+    return meshes
+
+
+def _local_value(copy: jax.Array) -> jax.Array:
+    """This process's whole copy: the array itself, or one replicated shard of it."""
+    if copy.is_fully_addressable:
+        return copy
+    return copy.addressable_shards[0].data
+
+
+def _whole_on(copy: jax.Array) -> frozenset[int]:
+    """The processes that hold all of ``copy`` (from its sharding: the same everywhere)."""
+    processes = _processes(copy.sharding)
+    if len(processes) == 1 or copy.sharding.is_fully_replicated:
+        return processes
+    return frozenset()
+
+
+def to_every_process(x: Any) -> Any:
+    """A step's user output as an array this process holds whole (a collective).
+
+    Every process calls it with the same output. A copy this process holds
+    whole is returned (a replicated copy that spans processes as this process's
+    shard of it); when some process holds no whole copy, one copy (replicated
+    on its own submesh first if it is split over processes) is sent to every
+    such process. The decisions depend on shardings only, so every process
+    makes the same ones.
+
+    Args:
+      x: a global jax.Array, an `MpmdArray` of them, or any other value
+        (returned unchanged).
+
+    Returns:
+      A fully addressable array (on one process: ``x`` itself).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> to_every_process(jnp.ones(2)).tolist()  # one process: nothing moves
+      [1.0, 1.0]
+    """
+    copies = list(x.arrays.values()) if isinstance(x, MpmdArray) else [x]
+    if not all(isinstance(c, jax.Array) for c in copies):
+        return x
+    if jax.process_count() == 1:
+        return x
+    me = jax.process_index()
+    holders = [_whole_on(c) for c in copies]
+    mine = next((_local_value(c) for c, h in zip(copies, holders) if me in h), None)
+    missing = sorted(set(range(jax.process_count())).difference(*holders))
+    if not missing:
+        return mine
+    source = next((c for c, h in zip(copies, holders) if h), copies[0])
+    if not _whole_on(source):
+        sharding = source.sharding
+        if not isinstance(sharding, NamedSharding):
+            raise DistributedError(
+                f"a step output of shape {tuple(x.shape)} is split over processes with sharding "
+                f"{sharding}, which names no submesh to replicate it on; please report this."
+            )
+        source = _reshard_program(NamedSharding(sharding.mesh, PartitionSpec()))(source)
+        if me in _processes(source.sharding):
+            mine = _local_value(source)
+        missing = sorted(set(missing) - _processes(source.sharding))
+    size = len(source.sharding.device_set)
+    for mesh in _receiver_meshes(size, missing):
+        moved = jax.device_put(source, NamedSharding(mesh, PartitionSpec()))
+        if moved.addressable_shards:
+            mine = _local_value(moved)
+    return mine
