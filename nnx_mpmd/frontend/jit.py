@@ -1,4 +1,4 @@
-"""The public entry points: `jit`, `value_and_grad`, and `Lowered` inspection."""
+"""The public entry points: `jit` (a `PipelinedFunction`) and `value_and_grad`."""
 
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class PipelinedFunction:
 
     Calling it runs the step (``profile=True`` records per-task timings in
     ``last_profile``; ``memory=True`` records per-mesh live bytes in
-    ``last_memory``); ``lower(*args)`` compiles without running.
+    ``last_memory``); ``lower(*args)`` lowers it without running or moving state, and
+    ``lower(*args).compile()`` compiles it ahead of time.
 
     Example:
       >>> import jax, optax
