@@ -4,7 +4,8 @@
 then the script trains one step and saves to ``--save DIR``. Each process
 writes ``OUT/ckpt_{process_id}.json`` with parameter sums after the restore and
 the loss of the step. Runs as one process (8 CPU devices) or under
-``nnx-mpmd launch --processes 2 --devices-per-process 4``.
+``nnx-mpmd launch --processes 2 --devices-per-process 4``; ``--layout span``
+puts each of the 2 stages on devices of both processes.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def main() -> None:
     parser.add_argument("--restore", default=None)
     parser.add_argument("--save", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", default="proc", choices=("proc", "span"))
     args = parser.parse_args()
     devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    if args.layout == "span":  # both stages on both processes: devices 0, 2 and 1, 3 of each
+        devices = np.array(jax.devices()[:8]).reshape(4, 2).T
     mesh = mp.MpmdMesh(
         Mesh(devices, ("stage", "data"), axis_types=(AxisType.Explicit,) * 2), "stage"
     )
