@@ -292,11 +292,8 @@ def _pipelined(settings: BenchSettings, preset: str, name: str, batches: list) -
 
 
 def _compiled_and_inputs(variant: _Variant) -> tuple[Any, list[Any]]:
-    from nnx_mpmd.compiler.trace_step import flatten_args
-
-    step = variant.step
-    flat = flatten_args((*variant.args, variant.batches[0]))
-    compiled = step._cache[step._key(flat)]
+    # The step already ran on these arguments: this finds its cached lowering.
+    flat, compiled = variant.step._prepare((*variant.args, variant.batches[0]))
     return compiled, [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
 
 
