@@ -161,3 +161,22 @@ def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
 
     program.__name__ = program.__qualname__ = re.sub(r"\W", "_", label)
     return jax.jit(program, **jit_kwargs)
+
+
+def put_scalar(value: Any, sharding: Any) -> jax.Array:
+    """A NumPy scalar replicated with ``sharding``, built shard by shard on each process.
+
+    ``jax.device_put`` of a host value onto devices of several processes checks
+    that every process passes the same value (a collective that times out when
+    processes compile at different speeds); building it from a callback needs no
+    other process.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      >>> int(put_scalar(np.int32(3), sharding))
+      3
+    """
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda _: host, dtype=host.dtype)

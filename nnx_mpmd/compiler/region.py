@@ -35,6 +35,7 @@ from nnx_mpmd.compiler.captured import (
     captured_variables,
     outer_trace_error,
 )
+from nnx_mpmd.compiler.jaxpr_utils import put_scalar
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.frontend import markers
 
@@ -271,7 +272,7 @@ def _concrete_count(count: int) -> Any:
     submesh = _region_state.submesh
     if submesh is None or not submesh.axis_names:
         return value
-    return jax.device_put(value, NamedSharding(submesh, PartitionSpec()))
+    return put_scalar(value, NamedSharding(submesh, PartitionSpec()))
 
 
 def _count_positions(state: Any, first: int = 0) -> list[int]:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
-from nnx_mpmd.compiler.jaxpr_utils import named_jit
+from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
@@ -196,7 +196,7 @@ def assign_slots(
             sharding = jax.sharding.NamedSharding(
                 submeshes[value.mesh], jax.sharding.PartitionSpec()
             )
-            constants[numbers[value]] = jax.device_put(np.int32(value.microbatch), sharding)
+            constants[numbers[value]] = put_scalar(np.int32(value.microbatch), sharding)
     output_slots = [[(place, _renamed(v, numbers)) for place, v in locs] for locs in locations]
     instructions = [_renumbered(ins, numbers) for ins in program]
     return NumberedRegion(instructions, output_slots, constants)
