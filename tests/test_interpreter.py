@@ -2,15 +2,12 @@
 
 Two submeshes of two devices each, trivial jitted programs: the loop runs calls,
 transfers (microbatch reshape, explicit and kept PartitionSpecs) and frees;
-observers see every step; the multi-process operations run only the meshes a
-process owns (ownership as data, two processes simulated by two threads);
-precompile compiles exactly the programs the run then uses.
+observers see every step; a multi-process run's ``put`` hook moves every
+transfer; precompile compiles exactly the programs the run then uses.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from types import SimpleNamespace
 
 import jax
@@ -23,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.instructions import (
     Call,
-    Free,
     ProgramKey,
     Transfer,
     format_instructions,
@@ -218,71 +214,26 @@ def test_a_program_returning_too_few_values_is_a_compiler_bug():
         interpreter.call_step(call)([1, None, None])
 
 
-# ------------------------------------------------------------------ ownership as data
+# ------------------------------------------------------------------ how transfers move
 
 
-class _Mailboxes:
-    """An in-memory `Channel` between simulated processes (one per process)."""
-
-    def __init__(self, shardings, process, boxes):
-        self.shardings, self.process, self.boxes = shardings, process, boxes
-        self.sent, self.received = [], []
-
-    def send(self, index, value, src_mesh, spec, receivers):
-        self.sent.append(index)
-        for receiver in receivers:
-            self.boxes[index, receiver].put((value, spec))
-
-    def receive(self, index, src_mesh, dst_mesh):
-        self.received.append(index)
-        value, spec = self.boxes[index, self.process].get(timeout=60)
-        return jax.device_put(value, self.shardings(dst_mesh, spec or P()))
-
-
-def test_each_process_runs_only_the_meshes_it_owns(meshes):
+def test_every_transfer_goes_through_the_put_hook_of_a_multi_process_run(meshes):
+    """Multi-process runs give ``put`` (cross-process moves); the loop is the same."""
     step = _step(_programs())
-    shardings = Shardings(meshes)
-    boxes = {(i, p): queue.Queue() for i in range(len(step.instructions)) for p in (0, 1)}
-    stores, channels, prepared = {}, {}, {}
-    for process in (0, 1):
-        ops = DeviceOperations(shardings, owners=[0, 1], process=process)
-        ops.channel = channels[process] = _Mailboxes(shardings, process, boxes)
-        prepared[process] = interpreter.prepare(step.instructions, ops)
-        stores[process] = interpreter.load_store(step, [BATCH], owns=ops.owns)
-    calls = {
-        p: [e.instruction.label for e in prepared[p].entries if isinstance(e.instruction, Call)]
-        for p in (0, 1)
-    }
-    assert calls == {0: ["F0.0", "B0.0"], 1: ["F1.0"]}
-    # Process 0 waits for process 1's total and process 1 for process 0's activation:
-    # each in its own thread, like two processes dispatching the same list.
-    threads = [
-        threading.Thread(target=interpreter.run, args=(prepared[p], stores[p])) for p in (0, 1)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert channels[0].sent == [4] and channels[0].received == [7]
-    assert channels[1].sent == [7] and channels[1].received == [4]
+    moves = []
+
+    def put(value, sharding, from_host):
+        moves.append((from_host, sharding.mesh is meshes[0]))
+        return jax.device_put(np.asarray(value) if from_host else value, sharding)
+
+    ops = DeviceOperations(Shardings(meshes), put=put)
+    store = interpreter.load_store(step, [BATCH])
+    interpreter.run(interpreter.prepare(step.instructions, ops), store)
+    transfers = [i for i in step.instructions if isinstance(i, Transfer)]
+    assert len(moves) == len(transfers) and moves[0][0]  # the batch comes from the host
     plus_one, product = _expected()
-    np.testing.assert_allclose(stores[1][4], plus_one)
-    np.testing.assert_allclose(stores[0][7], product)
-    assert stores[0][4] is None and stores[1][7] is None  # never on the other process
-
-
-def test_a_process_owning_no_mesh_only_frees(meshes):
-    ops = DeviceOperations(Shardings(meshes), owners=[0, 1], process=2)
-    prepared = interpreter.prepare(_step(_programs()).instructions, ops)
-    assert {type(entry.instruction) for entry in prepared.entries} == {Free}
-    assert ops.owns(-1) and not ops.owns(0)
-
-
-def test_a_transfer_across_processes_needs_a_channel(meshes):
-    ops = DeviceOperations(Shardings(meshes), owners=[0, 1], process=0)
-    prepared = interpreter.prepare([Transfer(0, 1, 1, "act", src_mesh=0)], ops)
-    with pytest.raises(mp.DistributedError, match=r"transfer 'act' goes from mesh 0 to mesh 1"):
-        interpreter.run(prepared, [jnp.ones(2), None])
+    np.testing.assert_allclose(store[4], plus_one)
+    np.testing.assert_allclose(store[7], product)
 
 
 # ------------------------------------------------------------------ ahead of time

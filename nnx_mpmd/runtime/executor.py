@@ -14,11 +14,6 @@ submesh without this process's devices gives arrays with no local shards, and
 only the move of a transfer differs, given as ``put``
 (`nnx_mpmd.runtime.cross_process.put`).
 
-``owners`` and ``channel`` are an older mode in which each mesh belongs to one
-process, which runs only its own `Call`s and sends a `Transfer` that crosses
-processes through a `Channel`. No runtime uses it any more (kept for its
-tests in tests/test_interpreter.py until they are retired).
-
 JAX's asynchronous dispatch lets each submesh run as soon as its inputs are
 ready, so meshes overlap as the schedule intends. An optional profiler records
 each task's start and end, and an optional memory recorder the bytes of live
@@ -32,18 +27,21 @@ Example:
   >>> import jax
   >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey, Transfer
   >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
-  >>> ops = DeviceOperations(Shardings(meshes), owners=[0, 1], process=1)
+  >>> ops = DeviceOperations(Shardings(meshes))
   >>> first = Call(0, ProgramKey("F", stage=0), abs, (0,), 1, "F0.0")
-  >>> ops.call(0, first) is None  # mesh 0 belongs to process 0
-  True
-  >>> ops.transfer(1, Transfer(1, 2, 1, "x", src_mesh=1)) is not None
+  >>> store = [-2.0, None, None]
+  >>> ops.call(0, first)(store)
+  2.0
+  >>> store[1]
+  2.0
+  >>> ops.transfer(1, Transfer(1, 2, 1, "x", src_mesh=0)) is not None
   True
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -54,14 +52,12 @@ from nnx_mpmd.compiler.instructions import Call, Free, Transfer
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
 
 __all__ = [
-    "Channel",
     "DeviceOperations",
     "MemoryRecorder",
     "Shardings",
@@ -135,27 +131,14 @@ def transfer_value(ins: Transfer, value: Any, shardings: Shardings) -> jax.Array
     return jax.device_put(value, shardings(ins.dst_mesh, spec))
 
 
-class Channel(Protocol):
-    """Where values that cross processes go (one per run; see `DeviceOperations`)."""
-
-    def send(
-        self, index: int, value: jax.Array, src_mesh: int, spec: Any, receivers: Sequence[int]
-    ) -> None:
-        """Offers ``value`` (on ``src_mesh``, as ``spec``) of instruction ``index`` to ``receivers``."""
-
-    def receive(self, index: int, src_mesh: int, dst_mesh: int) -> jax.Array:
-        """The value instruction ``index`` sends from ``src_mesh``, on ``dst_mesh``."""
-
-
 class DeviceOperations:
-    """Runs instructions on devices: this process's share of them (see the module docstring).
+    """Runs instructions on devices (see the module docstring).
+
+    Every process runs every instruction: a program on a submesh without this
+    process's devices gives arrays with no local shards.
 
     Args:
       shardings: the sharding cache of the step's submeshes.
-      owners: the process owning each mesh (None: this process owns every mesh).
-      process: this process's index.
-      channel: sends and receives values that cross processes. Read when a
-        step runs, so one prepared list serves every run: set it per run.
       put: how a transfer moves a value, ``put(value, sharding, from_host)``
         (default ``jax.device_put``); the multi-process runtime gives
         `nnx_mpmd.runtime.cross_process.put`.
@@ -163,44 +146,28 @@ class DeviceOperations:
     Example:
       >>> import jax
       >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
-      >>> DeviceOperations(Shardings(meshes)).owns(1)
+      >>> DeviceOperations(Shardings(meshes)).put is None  # jax.device_put
       True
     """
 
     def __init__(
         self,
         shardings: Shardings,
-        owners: Sequence[int] | None = None,
-        process: int = 0,
-        channel: Channel | None = None,
         put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
     ) -> None:
         self.shardings = shardings
         self.put = put
-        self.owners = None if owners is None else tuple(owners)
-        self.process = process
-        self.channel = channel
-        self.local = None if owners is None else {q for q, p in enumerate(owners) if p == process}
-
-    def owns(self, mesh: int) -> bool:
-        """Whether this process holds mesh ``mesh``'s values (the host counts as local)."""
-        return mesh == HOST or self.local is None or mesh in self.local
 
     def call(self, index: int, ins: Call) -> Step | None:
-        return call_step(ins) if self.owns(ins.mesh) else None
+        return call_step(ins)
 
     def free(self, index: int, ins: Free) -> Step | None:
         return free_step(ins)
 
     def transfer(self, index: int, ins: Transfer) -> Step | None:
-        src_here, dst_here = self.owns(ins.src_mesh), self.owns(ins.dst_mesh)
-        if src_here and dst_here:
-            return self._local_transfer(ins)
-        if src_here and ins.src_mesh != HOST:
-            return self._send(index, ins)
-        if dst_here:
-            return self._receive(index, ins)
-        return None  # between two other processes (or from their host)
+        if self.put is not None:
+            return self._put_transfer(ins)
+        return self._local_transfer(ins)
 
     def _put_transfer(self, ins: Transfer) -> Step:
         """A transfer through ``self.put`` (same reshape and spec as `transfer_value`)."""
@@ -218,8 +185,6 @@ class DeviceOperations:
         return transfer
 
     def _local_transfer(self, ins: Transfer) -> Step:
-        if self.put is not None:
-            return self._put_transfer(ins)
         src, dst, shardings = ins.src, ins.dst, self.shardings
         if ins.reshape_microbatches:
 
@@ -257,39 +222,6 @@ class DeviceOperations:
             return value
 
         return keep_spec
-
-    def _channel(self, ins: Transfer) -> Channel:
-        if self.channel is None:
-            raise DistributedError(
-                f"transfer {ins.label!r} goes from mesh {ins.src_mesh} to mesh {ins.dst_mesh}, "
-                f"which belong to different processes (owners {list(self.owners or ())}), but "
-                "this run has no channel between processes: set DeviceOperations.channel, or run "
-                "the step with nnx_mpmd.runtime.multi_process.execute_multi_process."
-            )
-        return self.channel
-
-    def _send(self, index: int, ins: Transfer) -> Step:
-        src, receiver = ins.src, self.owners[ins.dst_mesh]  # type: ignore[index]
-
-        def send(store: list[Any]) -> None:
-            value = store[src]
-            if ins.reshape_microbatches:
-                value = value.reshape(transferred_shape(ins, value.shape))
-            spec = ins.spec
-            if spec is None and isinstance(getattr(value, "sharding", None), NamedSharding):
-                spec = value.sharding.spec
-            self._channel(ins).send(index, value, ins.src_mesh, spec, [receiver])
-
-        return send
-
-    def _receive(self, index: int, ins: Transfer) -> Step:
-        dst = ins.dst
-
-        def receive(store: list[Any]) -> Any:
-            value = store[dst] = self._channel(ins).receive(index, ins.src_mesh, ins.dst_mesh)
-            return value
-
-        return receive
 
 
 def _single_process_shardings(step: CompiledStep, submeshes: Sequence[Any]) -> Shardings:

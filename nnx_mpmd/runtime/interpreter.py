@@ -8,11 +8,10 @@ has two phases:
    what it produced. Which closure is made is decided by an `Operations`
    object, once per instruction: the device operations
    (`nnx_mpmd.runtime.executor.DeviceOperations`) run programs and
-   ``jax.device_put`` transfers, skip the work of meshes another process owns
-   and send or receive what crosses processes; the abstract operations of
+   ``jax.device_put`` transfers (in every process of a multi-process run, JAX's
+   multi-controller model); the abstract operations of
    `nnx_mpmd.runtime.precompile` compile programs ahead of time. An operation
-   may return None: the instruction has nothing to do here (another process's
-   program) and leaves no step.
+   may return None: the instruction has nothing to do here and leaves no step.
 2. `run` calls the steps in order. With no observer that is the whole loop;
    `Observer` objects (the profiler, the memory recorder of
    `nnx_mpmd.runtime.observers`) wrap every step with their hooks instead of
@@ -221,7 +220,7 @@ def prepared_for(
     """``step``'s instructions prepared by ``make_operations()``, cached on the step by ``key``.
 
     Preparing is done once per step and key (the operations' sharding cache,
-    owners, process), so a run pays only for the loop.
+    the kind of run), so a run pays only for the loop.
 
     Args:
       step: the compiled step (its ``instructions``; the cache is an attribute of it,
@@ -274,7 +273,6 @@ def load_store(
     step: Any,
     inputs: Sequence[Any],
     *,
-    owns: Callable[[int], bool] | None = None,
     convert: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
     """The slot list of a compiled step before its first instruction.
@@ -282,8 +280,6 @@ def load_store(
     Args:
       step: the compiled step (``num_slots``, ``constants``, ``input_slots``).
       inputs: one value per input (consts, state leaves, other leaves).
-      owns: whether this process holds mesh ``q``'s inputs (default: every mesh;
-        host values are always loaded).
       convert: applied to every loaded value (precompile makes them abstract).
 
     Returns:
@@ -292,17 +288,16 @@ def load_store(
     Example:
       >>> from types import SimpleNamespace
       >>> step = SimpleNamespace(num_slots=3, constants={2: 7.0}, input_slots=[{0: 0, 1: 1}])
-      >>> load_store(step, [5], owns=lambda q: q == 0)
-      [5, None, 7.0]
+      >>> load_store(step, [5])
+      [5, 5, 7.0]
     """
     store: list[Any] = [None] * step.num_slots
     for slot, value in step.constants.items():
         store[slot] = value if convert is None else convert(value)
     for value, slots_of in zip(inputs, step.input_slots, strict=False):
         for q, slot in slots_of.items():
-            if q == HOST or owns is None or owns(q):
-                loaded = value_on(value, q)
-                store[slot] = loaded if convert is None else convert(loaded)
+            loaded = value_on(value, q)
+            store[slot] = loaded if convert is None else convert(loaded)
     return store
 
 
