@@ -24,11 +24,11 @@ step (`prepared_for`) live here too.
 Example:
   >>> import jax.numpy as jnp
   >>> from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey
-  >>> class Plain:  # runs every Call; this list has no transfers
+  >>> class Plain:  # runs every Call; a transfer has nothing to do (no step)
   ...     def call(self, index, ins):
   ...         return call_step(ins)
   ...     def transfer(self, index, ins):
-  ...         raise NotImplementedError
+  ...         return None
   ...     def free(self, index, ins):
   ...         return free_step(ins)
   >>> double = Call(0, ProgramKey("F", stage=0), lambda x: 2 * x, (0,), 1, "F0.0")
