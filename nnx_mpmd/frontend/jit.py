@@ -187,8 +187,6 @@ class PipelinedFunction:
         self._cache: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         # XLA executables of each cached step compiled ahead of time, by id of the step.
         self._executables: dict[int, dict[str, list[Any]]] = {}
-        # Signatures whose state was found placed where it belongs (no planning needed).
-        self._placed_signatures: set[Any] = set()
         self._shardings = _Shardings(list(mesh.submeshes))
         self.last_profile: list[TaskRecord] | None = None
         self.last_memory: dict[str, Any] | None = None
@@ -210,9 +208,8 @@ class PipelinedFunction:
     ) -> CompiledStep:
         """The step lowered for these avals: from the cache, or lowered now."""
         key = self._signature(flat, state_avals, other_avals)
-        compiled = self._cache.get(key)
+        compiled = self._cached(key)
         if compiled is not None:
-            self._cache.move_to_end(key)
             return compiled
         compiled = compile_step(
             self.fn,
@@ -229,6 +226,12 @@ class PipelinedFunction:
         while len(self._cache) > MAX_COMPILED_STEPS:
             evicted = self._cache.popitem(last=False)[1]
             self._executables.pop(id(evicted), None)
+        return compiled
+
+    def _cached(self, key: Any) -> CompiledStep | None:
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
         return compiled
 
     def _planned(self, flat: FlatArgs) -> list[PlacedAval]:
@@ -263,20 +266,17 @@ class PipelinedFunction:
         check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
         flat = flatten_step_args(self.fn, args)
         state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
-        placed_key = (flat.graphdef, flat.state_tree, tuple(a.key() for a in state_avals))
-        if placed_key not in self._placed_signatures:
+        other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
+        # Every cached lowering is for state placed where `place` puts it: a hit
+        # means the state is placed; a miss places it (a no-op for placed leaves).
+        compiled = self._cached(self._signature(flat, state_avals, other_avals))
+        if compiled is None:
             planned = self._planned(flat)
-            if [a.key() for a in planned] != list(placed_key[2]):
-                # Not placed (or placed for another layout): place, then read again.
+            if [a.key() for a in planned] != [a.key() for a in state_avals]:
                 place(flat.nodes, self.mesh, self.schedule)
                 flat = flatten_step_args(self.fn, args)
                 state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
-            if len(self._placed_signatures) > 4 * MAX_COMPILED_STEPS:
-                self._placed_signatures.clear()
-            keys = tuple(a.key() for a in state_avals)
-            self._placed_signatures.add((flat.graphdef, flat.state_tree, keys))
-        other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
-        compiled = self._lowered(flat, state_avals, other_avals)
+            compiled = self._lowered(flat, state_avals, other_avals)
         if self.compile_threads != 1 and not self.mesh.is_multi_process:
             inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
             self._compile_programs(compiled, inputs)
