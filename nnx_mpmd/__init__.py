@@ -33,7 +33,7 @@ from nnx_mpmd.frontend.jit import value_and_grad as value_and_grad
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
-from nnx_mpmd.placement.partition import place as place
+from nnx_mpmd.placement.place import place as place
 from nnx_mpmd.schedules import Custom as Custom
 from nnx_mpmd.schedules import DualPipeV as DualPipeV
 from nnx_mpmd.schedules import GPipe as GPipe

@@ -299,7 +299,7 @@ def gather(tree: Any, mesh: MpmdMesh | None = None) -> Any:
       True
     """
     if jax.process_count() == 1:
-        from nnx_mpmd.placement.partition import gather as gather_here
+        from nnx_mpmd.placement.place import gather as gather_here
 
         return gather_here(tree)
     leaves, treedef = jax.tree.flatten(

@@ -2,7 +2,7 @@
 
 Used by tests/test_checkpoint*.py and by the subprocess script
 tests/checkpoint_worker.py. Placement here is by hand (``jax.device_put`` onto
-submeshes) so that the tests do not depend on how `nnx_mpmd.placement.partition.place`
+submeshes) so that the tests do not depend on how `nnx_mpmd.placement.place.place`
 chooses shardings; the `place`-based tests live in the test files.
 """
 

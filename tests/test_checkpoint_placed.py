@@ -1,4 +1,4 @@
-"""Checkpoints of state placed with `nnx_mpmd.placement.partition.place` (MpmdArray leaves)."""
+"""Checkpoints of state placed with `nnx_mpmd.placement.place.place` (MpmdArray leaves)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
 from nnx_mpmd.frontend.annotate import Stage
-from nnx_mpmd.placement.partition import MpmdArray, gather, place
+from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.placement.place import gather, place
 
 STAGES_4 = (0, 1, 2, 3)
 STAGES_2 = (0, 0, 1, 1)

@@ -15,14 +15,13 @@ from nnx_mpmd.frontend.annotate import PipelinedModel, Stage, assign_stages, var
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.placement.partition import (
-    gather,
     leaf_mesh_ids,
     leaf_sharding,
     merge_partitions,
     partition,
-    place,
     placement_of,
 )
+from nnx_mpmd.placement.place import gather, place
 
 VOCAB, DIM = 16, 8
 

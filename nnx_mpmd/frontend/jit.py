@@ -18,7 +18,7 @@ from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.frontend.stages import Lowered as Lowered
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.placement.partition import place
+from nnx_mpmd.placement.place import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.precompile import precompile
 

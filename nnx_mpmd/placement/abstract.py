@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nnx_mpmd.errors import PlacementError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
-from nnx_mpmd.placement.partition import placement_decisions
+from nnx_mpmd.placement.place import placement_decisions
 
 __all__ = ["PlacedAval", "placed_aval", "planned_avals"]
 
