@@ -110,13 +110,20 @@ def kept_spec(sharding: Any) -> Any:
     return sharding.spec if isinstance(sharding, NamedSharding) else P()
 
 
-def transfer_value(ins: Transfer, value: Any, shardings: Shardings) -> jax.Array:
+def transfer_value(
+    ins: Transfer,
+    value: Any,
+    shardings: Shardings,
+    put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
+) -> jax.Array:
     """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec).
 
     Args:
       ins: the transfer.
       value: the source value (a jax.Array, or a host value).
       shardings: the sharding cache.
+      put: how the value moves, ``put(value, sharding, from_host)`` (default
+        ``jax.device_put`` of the value, host values as NumPy arrays).
 
     Returns:
       The array on the destination submesh.
@@ -126,9 +133,12 @@ def transfer_value(ins: Transfer, value: Any, shardings: Shardings) -> jax.Array
     spec = ins.spec
     if spec is None:
         spec = kept_spec(getattr(value, "sharding", None))
+    target = shardings(ins.dst_mesh, spec)
+    if put is not None:
+        return put(value, target, ins.src_mesh == HOST)
     if not isinstance(value, jax.Array):
         value = np.asarray(value)
-    return jax.device_put(value, shardings(ins.dst_mesh, spec))
+    return jax.device_put(value, target)
 
 
 class DeviceOperations:
@@ -170,16 +180,11 @@ class DeviceOperations:
         return self._local_transfer(ins)
 
     def _put_transfer(self, ins: Transfer) -> Step:
-        """A transfer through ``self.put`` (same reshape and spec as `transfer_value`)."""
+        """A transfer through ``self.put`` (`transfer_value` with that move)."""
         src, dst, shardings, put = ins.src, ins.dst, self.shardings, self.put
-        from_host, dst_mesh, spec = ins.src_mesh == HOST, ins.dst_mesh, ins.spec
 
         def transfer(store: list[Any]) -> Any:
-            value = store[src]
-            if ins.reshape_microbatches:
-                value = value.reshape(transferred_shape(ins, value.shape))
-            target = spec if spec is not None else kept_spec(getattr(value, "sharding", None))
-            value = store[dst] = put(value, shardings(dst_mesh, target), from_host)  # type: ignore[misc]
+            value = store[dst] = transfer_value(ins, store[src], shardings, put)
             return value
 
         return transfer
