@@ -12,79 +12,15 @@ overlapping and disjoint process sets, with weights tied across stages).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from mp_launch import check as _check
+from mp_launch import launch as _launch
+from mp_launch import read_json as _read
+from mp_launch import run_single as _single
 
 pytestmark = pytest.mark.multiprocess
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
-    env.update(extra)
-    return env
-
-
-# A safety net from before the exit-race fix (docs/guides/multi-process.md): a run
-# that hits the time limit is tried again, at most ATTEMPTS times in all; any other
-# failure, or a hang on every attempt, fails the test. Set
-# NNX_MPMD_TEST_LAUNCH_ATTEMPTS=1 to soak-test without retries.
-ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
-TIMED_OUT = (124, 137)
-
-
-def _launch(script: str, *args: str, timeout: int = 120, fresh=(), **env: str):
-    """Runs ``script`` on 2 processes.
-
-    ``fresh``: ``(path, is_output_folder)`` pairs removed before a retry (output
-    folders are recreated empty).
-    """
-    for attempt in range(ATTEMPTS):
-        if attempt:
-            for path, keep_dir in fresh:
-                shutil.rmtree(path, ignore_errors=True)
-                if keep_dir:  # an output folder the script expects to exist
-                    Path(path).mkdir(parents=True)
-        done, elapsed = _launch_once(script, *args, timeout=timeout, **env)
-        if done.returncode not in TIMED_OUT:
-            break
-    return done, elapsed
-
-
-def _launch_once(script: str, *args: str, timeout: int = 120, **env: str):
-    command = [
-        "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
-        "--processes", "2", "--devices-per-process", "4", "--grace", "30", "--",
-        sys.executable, str(SCRIPTS / script), *args,
-    ]  # fmt: skip
-    start = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, env=_env(**env), capture_output=True, text=True)
-    return done, time.monotonic() - start
-
-
-def _single(script: str, *args: str, timeout: int = 120):
-    command = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPTS / script), *args]
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
-
-
-def _check(done: subprocess.CompletedProcess) -> None:
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-
-
-def _read(directory: Path, name: str) -> dict:
-    return json.loads((directory / name).read_text())
-
 
 RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4", "1f1b:4:4:span:mlp", "1f1b:4:4:mixed:lm_tied"]
 

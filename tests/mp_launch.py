@@ -1,0 +1,104 @@
+"""Launching test scripts as several local processes, bounded and retried.
+
+Shared by the multi-process tests. Every launch runs under ``timeout -k 5 N``
+(JAX catches SIGTERM) and ``nnx-mpmd launch`` listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
+
+# A safety net from before the exit-race fix (docs/guides/multi-process.md): a run
+# that hits the time limit is tried again, at most ATTEMPTS times in all; any other
+# failure, or a hang on every attempt, fails the test. Set
+# NNX_MPMD_TEST_LAUNCH_ATTEMPTS=1 to soak-test without retries.
+ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
+TIMED_OUT = (124, 137)
+
+
+def env_for_launch(**extra: str) -> dict[str, str]:
+    """The environment of a launched run: CPU, short heartbeats, no inherited settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
+    env.update(extra)
+    return env
+
+
+def launch(
+    script: str,
+    *args: str,
+    processes: int = 2,
+    devices_per_process: int = 4,
+    timeout: int = 120,
+    fresh=(),
+    **env: str,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs ``script`` on ``processes`` local processes; returns (result, seconds).
+
+    ``fresh``: ``(path, is_output_folder)`` pairs removed before a retry (output
+    folders are recreated empty).
+    """
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            for path, keep_dir in fresh:
+                shutil.rmtree(path, ignore_errors=True)
+                if keep_dir:  # an output folder the script expects to exist
+                    Path(path).mkdir(parents=True)
+        done, elapsed = launch_once(
+            script,
+            *args,
+            processes=processes,
+            devices_per_process=devices_per_process,
+            timeout=timeout,
+            **env,
+        )
+        if done.returncode not in TIMED_OUT:
+            break
+    return done, elapsed
+
+
+def launch_once(
+    script: str,
+    *args: str,
+    processes: int = 2,
+    devices_per_process: int = 4,
+    timeout: int = 120,
+    **env: str,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """One bounded ``nnx-mpmd launch`` of ``script``, without retries."""
+    command = [
+        "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
+        "--processes", str(processes), "--devices-per-process", str(devices_per_process),
+        "--grace", "30", "--", sys.executable, str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(
+        command, cwd=ROOT, env=env_for_launch(**env), capture_output=True, text=True
+    )
+    return done, time.monotonic() - start
+
+
+def run_single(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Runs ``script`` as one process (8 CPU devices unless the script says otherwise)."""
+    command = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPTS / script), *args]
+    return subprocess.run(command, cwd=ROOT, env=env_for_launch(), capture_output=True, text=True)
+
+
+def check(done: subprocess.CompletedProcess) -> None:
+    """Asserts that a run succeeded, showing the end of its output otherwise."""
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+
+
+def read_json(directory: Path, name: str) -> dict:
+    """One JSON result file a script wrote."""
+    return json.loads((directory / name).read_text())
