@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nnx_mpmd.checkpoint.global_arrays import fingerprints
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -77,15 +78,36 @@ def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _restore_arg(entry: Entry) -> tuple[Any, Any]:
-    """(placeholder, orbax restore args) reading ``entry`` onto its target placement."""
-    if entry.kind == NUMPY:
-        return 0, ocp.RestoreArgs(restore_type=np.ndarray)
+def _target(entry: Entry) -> tuple[jax.sharding.Sharding, Any]:
+    """(sharding, abstract stored array) that ``entry`` is read onto."""
     target = primary_copy(entry.value)
     sharding = getattr(target, "sharding", None) or _default_sharding()
     abstract = jax.eval_shape(jax.random.key_data, target) if entry.kind == KEY else target
+    return sharding, abstract
+
+
+def _restore_arg(entry: Entry, sharding: jax.sharding.Sharding | None = None) -> tuple[Any, Any]:
+    """(placeholder, orbax restore args) reading ``entry`` onto its target placement."""
+    if entry.kind == NUMPY:
+        return 0, ocp.RestoreArgs(restore_type=np.ndarray)
+    target_sharding, abstract = _target(entry)
     return 0, ocp.ArrayRestoreArgs(
-        sharding=sharding, global_shape=tuple(abstract.shape), dtype=abstract.dtype
+        sharding=sharding or target_sharding,
+        global_shape=tuple(abstract.shape),
+        dtype=abstract.dtype,
+    )
+
+
+def _read_here(entry: Entry) -> bool:
+    """Whether this process holds a shard of ``entry``'s target (numpy: always)."""
+    return entry.kind == NUMPY or bool(_target(entry)[0].addressable_devices)
+
+
+def _without_shards(entry: Entry) -> jax.Array:
+    """``entry``'s target array on a process that holds none of its shards."""
+    sharding, abstract = _target(entry)
+    return jax.make_array_from_single_device_arrays(
+        tuple(abstract.shape), sharding, [], dtype=abstract.dtype
     )
 
 
@@ -109,20 +131,44 @@ def _lookup(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
 def _read_arrays(
     reader: ArrayReader, entries: list[Entry], partial: bool, where: str
 ) -> dict[str, Any]:
+    """Reads ``entries`` onto their targets; the arrays as a nested dict by path.
+
+    In a multi-process run orbax reads, on each process, the shards of that
+    process's devices. It cannot build an array with no shards here (orbax
+    0.12.8 omits the dtype), so such targets are not passed to it: they are
+    made here, empty. Every process still calls orbax once (its restore is a
+    collective); one that holds no target at all reads the first entry onto a
+    local device and drops it.
+    """
     if not entries:
         return {}
-    item = _nest(entries, lambda e: _restore_arg(e)[0])
-    restore_args = _nest(entries, lambda e: _restore_arg(e)[1])
+    here = [e for e in entries if _read_here(e)]
+    elsewhere = [e for e in entries if not _read_here(e)]
+    read = here or entries[:1]
+    local = None if here else jax.local_devices()[0]
+    sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
+    item = _nest(read, lambda e: _restore_arg(e, sharding)[0])
+    restore_args = _nest(read, lambda e: _restore_arg(e, sharding)[1])
     try:
-        return reader(item, restore_args, partial)
+        arrays = reader(item, restore_args, partial or len(read) < len(entries))
     except Exception as error:  # orbax/tensorstore raise many types for damaged files
-        first_bad = _first_unreadable(reader, entries)
+        # Searching reads entries one by one, a collective that processes whose reads
+        # succeeded do not join: only on one process.
+        first_bad = None if jax.process_count() > 1 else _first_unreadable(reader, entries)
         at = f" at {first_bad!r}" if first_bad else ""
         raise CheckpointError(
             f"checkpoint {where} cannot be read{at} (truncated or corrupted files: "
             f"{type(error).__name__}: {str(error)[:300]}); restore an earlier checkpoint "
             "(CheckpointManager.all_steps() lists them) or re-save."
         ) from error
+    if not here:
+        arrays = {}
+    for entry in elsewhere:
+        node = arrays
+        for key in entry.path[:-1]:
+            node = node.setdefault(key, {})
+        node[entry.path[-1]] = _without_shards(entry)
+    return arrays
 
 
 def _first_unreadable(reader: ArrayReader, entries: list[Entry]) -> str | None:
@@ -136,11 +182,10 @@ def _first_unreadable(reader: ArrayReader, entries: list[Entry]) -> str | None:
 
 
 def _verify(records: dict[str, Any], entries: list[Entry], arrays: dict, where: str) -> None:
-    pending = [(entry, fingerprint(_lookup(arrays, entry.path))) for entry in entries]
-    fetched = jax.device_get([fp for _, fp in pending])
-    for (entry, _), fp in zip(pending, fetched):
+    rows = fingerprints([fingerprint(_lookup(arrays, entry.path)) for entry in entries])
+    for entry, fp in zip(entries, rows):
         expected = records[entry.name].get("fingerprint")
-        if [int(v) for v in np.asarray(fp)] != expected:
+        if fp != expected:
             raise CheckpointError(
                 f"checkpoint {where} is corrupted at {entry.name!r}: its contents do not match "
                 "the fingerprint recorded when it was saved; restore an earlier checkpoint "

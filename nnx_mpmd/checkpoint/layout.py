@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_mpmd.checkpoint.global_arrays import move_to
 from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.frontend.annotate import logical_paths
 from nnx_mpmd.placement.partition import MpmdArray
@@ -332,7 +333,7 @@ def rebuild_like(target: Any, restored: Any, convert: Callable[[Any], Any]) -> A
         for mesh_id in target.mesh_ids:
             copy = restored
             if mesh_id != lowest:
-                copy = jax.device_put(restored, target.array(mesh_id).sharding)
+                copy = move_to(restored, target.array(mesh_id).sharding)
             arrays[mesh_id] = convert(copy)
         return MpmdArray(arrays)
     return convert(restored)

@@ -9,7 +9,10 @@ manifest before reading any array, so a mismatch names the first differing path.
 The fingerprint is two wrapping uint32 sums over the array's raw bits (plain and
 position-weighted). It is computed on the devices that hold the array, so it
 works for sharded and multi-process global arrays, and it is independent of the
-sharding; restore recomputes it to detect corrupted files.
+sharding; restore recomputes it to detect corrupted files. In a multi-process
+run the fingerprints are brought to every process
+(`nnx_mpmd.checkpoint.global_arrays.fingerprints`), so every process builds the
+same manifest.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, savable
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -136,7 +140,9 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
 
     Returns:
       ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
-      logical path components, of the arrays to hand to orbax.
+      logical path components, of the arrays to hand to orbax (in a
+      multi-process run, an array on one process's devices is made to span
+      two processes first, see `nnx_mpmd.checkpoint.global_arrays.savable`).
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect
@@ -164,11 +170,10 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
             node = arrays
             for key in entry.path[:-1]:
                 node = node.setdefault(key, {})
-            node[entry.path[-1]] = stored
+            node[entry.path[-1]] = savable(stored)
         records[entry.name] = record
-    fetched = jax.device_get([fp for _, fp in pending])
-    for (record, _), fp in zip(pending, fetched):
-        record["fingerprint"] = [int(v) for v in np.asarray(fp)]
+    for (record, _), fp in zip(pending, fingerprints([fp for _, fp in pending])):
+        record["fingerprint"] = fp
     manifest = {"format": FORMAT, "version": VERSION, "entries": records}
     return manifest, arrays
 
