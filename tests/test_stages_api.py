@@ -66,8 +66,14 @@ def test_lowered_shows_the_ir_after_every_pass(schedule, expected):
     lowered = step.lower(model, opt, batch)
     names = [record.name for record in lowered.passes]
     assert names[: len(expected)] == expected
-    assert names[-2:] == ["insert_frees", "dedupe_programs"]
-    assert lowered.pass_text("insert_frees") == lowered.ir_text()
+    assert names[-5:] == [
+        "insert_frees",
+        "schedule_ticks",
+        "batch_transfers",
+        "merge_frees",
+        "dedupe_programs",
+    ]
+    assert lowered.pass_text("merge_frees") == lowered.ir_text()
     assert lowered.pass_text("dedupe_programs").splitlines() == sorted(lowered.programs)
     assert "stage 1:" in lowered.pass_text("cut_stages")
     assert "mesh 0:" in lowered.pass_text("schedule")

@@ -3,7 +3,8 @@
 A compiled step is a flat list of instructions over numbered *slots* (a slot
 holds one array, or a residual pytree). `Call` runs a compiled program on one
 mesh, `Transfer` copies a value to another submesh keeping its PartitionSpec,
-`Free` drops values after their last use. The runtime executes the list.
+`TransferBatch` makes several independent transfers in one move, `Free` drops
+values after their last use. The runtime executes the list.
 
 Instructions are frozen dataclasses with a text form, one line each, that
 round-trips: ``parse_instructions(format_instructions(program), programs)``
@@ -32,6 +33,7 @@ __all__ = [
     "ProgramKey",
     "SlotTable",
     "Transfer",
+    "TransferBatch",
     "format_instruction",
     "format_instructions",
     "insert_frees",
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 
+_SLOT_AT = re.compile(r"^\d+@-?\d+ ->$")
 _KEY_TEXT = re.compile(r"^([A-Za-z_]+?)(\d+)?(?:\.L(\d+))?(?:\.mesh(\d+))?$")
 
 
@@ -139,6 +142,39 @@ class Transfer:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferBatch:
+    """Several `Transfer`s made in one move (one ``jax.device_put`` of a list).
+
+    No member reads what another writes, so they may move together in any
+    order; the `batch_transfers` pass of `nnx_mpmd.compiler.transfer_batching`
+    makes them from consecutive transfers.
+
+    Example:
+      >>> batch = TransferBatch((Transfer(1, 2, 1, "a", src_mesh=0), Transfer(3, 4, 0, "b", src_mesh=1)))
+      >>> batch.reads(), batch.writes(), batch.label
+      ([1, 3], [2, 4], 'a; b')
+    """
+
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def label(self) -> str:
+        """The members' labels, joined by ``; ``."""
+        return "; ".join(t.label for t in self.transfers)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the members move, in all."""
+        return sum(t.nbytes for t in self.transfers)
+
+    def reads(self) -> list[int]:
+        return [t.src for t in self.transfers]
+
+    def writes(self) -> list[int]:
+        return [t.dst for t in self.transfers]
+
+
+@dataclasses.dataclass(frozen=True)
 class Free:
     """Drops the values in ``slots``."""
 
@@ -151,7 +187,7 @@ class Free:
         return []
 
 
-Instruction = Call | Transfer | Free
+Instruction = Call | Transfer | TransferBatch | Free
 
 
 def slots_in(tree: Any) -> Iterator[int]:
@@ -214,11 +250,15 @@ def format_instruction(ins: Instruction) -> str:
       ins: the instruction.
 
     Returns:
-      The line, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0 task=F1.0``.
+      The line, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0 task=F1.0``;
+      a `TransferBatch` is ``transfers`` and its members' transfer text
+      (without the word ``transfer``) separated by `` ; ``.
 
     Example:
       >>> format_instruction(Free((3, 4)))
       'free 3 4'
+      >>> format_instruction(TransferBatch((Transfer(1, 2, 1, "a"), Transfer(3, 4, 0, "b"))))
+      'transfers 1@-1 -> 2@1 label=a bytes=0 ; 3@-1 -> 4@0 label=b bytes=0'
     """
     if isinstance(ins, Free):
         return " ".join(["free", *map(str, ins.slots)])
@@ -227,7 +267,13 @@ def format_instruction(ins: Instruction) -> str:
         line = f"call {ins.mesh} {ins.program} args={args} outs={outs}"
         line += f" label={shlex.quote(ins.label)}"
         return line + (f" task={ins.task}" if ins.task is not None else "")
-    line = f"transfer {ins.src}@{ins.src_mesh} -> {ins.dst}@{ins.dst_mesh}"
+    if isinstance(ins, TransferBatch):
+        return "transfers " + " ; ".join(_transfer_text(t) for t in ins.transfers)
+    return "transfer " + _transfer_text(ins)
+
+
+def _transfer_text(ins: Transfer) -> str:
+    line = f"{ins.src}@{ins.src_mesh} -> {ins.dst}@{ins.dst_mesh}"
     line += f" label={shlex.quote(ins.label)} bytes={ins.nbytes}"
     if ins.reshape_microbatches is not None:
         line += f" reshape={ins.reshape_microbatches}"
@@ -324,24 +370,52 @@ def _parse_line(line: str, line_no: int, programs: Mapping[str, Any]) -> Instruc
         outs = _literal(fields["outs"], "outs", line_no)
         key = ProgramKey.parse(name)
         return Call(mesh, key, programs[name], args, outs, fields["label"], task)
-    if op == "transfer" and len(tokens) >= 4 and tokens[2] == "->":
-        (src, src_mesh), (dst, dst_mesh) = (map(int, t.split("@")) for t in (tokens[1], tokens[3]))
-        fields = _fields(tokens[4:], line_no, line)
-        spec = fields.get("spec")
-        return Transfer(
-            src,
-            dst,
-            dst_mesh,
-            fields["label"],
-            src_mesh=src_mesh,
-            nbytes=int(fields.get("bytes", 0)),
-            reshape_microbatches=int(fields["reshape"]) if "reshape" in fields else None,
-            spec=_parse_spec(spec, line_no) if spec is not None else None,
-            per_microbatch="per_microbatch" in fields,
-        )
+    if op == "transfer":
+        transfer = _parse_transfer(tokens[1:], line_no, line)
+        if transfer is not None:
+            return transfer
+    if op == "transfers":
+        # A ";" token followed by "SRC@MESH ->" starts the next member (a label that is
+        # ";" itself is followed by bytes=..., never by a slot).
+        members: list[list[str]] = [[]]
+        rest = tokens[1:]
+        for n, token in enumerate(rest):
+            if token == ";" and _SLOT_AT.match(" ".join(rest[n + 1 : n + 3])):
+                members.append([])
+            else:
+                members[-1].append(token)
+        batch = [_parse_transfer(m, line_no, line) for m in members]
+        if all(t is not None for t in batch):
+            return TransferBatch(tuple(batch))  # type: ignore[arg-type]
     raise CompileError(
         f"instruction line {line_no} ({line!r}) is not an instruction: lines start with "
-        "'call', 'transfer SRC@MESH -> DST@MESH' or 'free'."
+        "'call', 'transfer SRC@MESH -> DST@MESH', 'transfers SRC@MESH -> DST@MESH ... ; ...' "
+        "or 'free'."
+    )
+
+
+def _parse_transfer(tokens: list[str], line_no: int, line: str) -> Transfer | None:
+    """A transfer from ``SRC@MESH -> DST@MESH field=value...`` tokens (None: not one)."""
+    if len(tokens) < 3 or tokens[1] != "->":
+        return None
+    try:
+        (src, src_mesh), (dst, dst_mesh) = (map(int, t.split("@")) for t in (tokens[0], tokens[2]))
+    except ValueError:
+        return None
+    fields = _fields(tokens[3:], line_no, line)
+    if "label" not in fields:
+        raise CompileError(f"instruction line {line_no} ({line!r}): a transfer needs label=...")
+    spec = fields.get("spec")
+    return Transfer(
+        src,
+        dst,
+        dst_mesh,
+        fields["label"],
+        src_mesh=src_mesh,
+        nbytes=int(fields.get("bytes", 0)),
+        reshape_microbatches=int(fields["reshape"]) if "reshape" in fields else None,
+        spec=_parse_spec(spec, line_no) if spec is not None else None,
+        per_microbatch="per_microbatch" in fields,
     )
 
 

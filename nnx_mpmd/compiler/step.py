@@ -18,7 +18,10 @@ after it, which ``Lowered.passes`` shows):
 7. the mesh-inference passes (`mesh_inference`): the code outside the region
    placed on the meshes that use its results, with its transfers.
 8. ``insert_frees``: every slot freed after its last read.
-9. ``dedupe_programs``: the programs the instruction list calls, one per name.
+9. ``schedule_ticks``, ``batch_transfers`` and ``merge_frees``
+   (`transfer_batching`): the list reordered tick by tick, each tick's
+   transfers made as one batched move and its frees as one.
+10. ``dedupe_programs``: the programs the instruction list calls, one per name.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from nnx_mpmd.compiler.trace_step import (
     flatten_step_args,
     trace_step,
 )
+from nnx_mpmd.compiler.transfer_batching import batch_transfers, merge_frees, schedule_ticks
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -378,8 +382,14 @@ def compile_step(
     for name, ir in getattr(outer, "passes", []):
         record(name, lambda ir=ir: _ir_text(ir))
     keep = {slot for locs in outer.output_slots for _, slot in locs}
-    instructions = insert_frees(outer.instructions, keep)
-    record("insert_frees", lambda: format_instructions(instructions))
+    freed = insert_frees(outer.instructions, keep)
+    record("insert_frees", lambda: format_instructions(freed))
+    in_ticks = schedule_ticks(freed)
+    record("schedule_ticks", lambda: format_instructions(in_ticks))
+    batched = batch_transfers(in_ticks)
+    record("batch_transfers", lambda: format_instructions(batched))
+    instructions = merge_frees(batched)
+    record("merge_frees", lambda: format_instructions(instructions))
     programs = dedupe_programs(instructions)
     record("dedupe_programs", lambda: "\n".join(programs))
     input_slots: list[dict[int, int]] = [{} for _ in range(inputs.num_inputs)]

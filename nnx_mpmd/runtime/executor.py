@@ -2,9 +2,10 @@
 
 `DeviceOperations` is the `nnx_mpmd.runtime.interpreter.Operations` of a real
 run: a `Call` runs its program, a `Transfer` puts its value on the destination
-submesh (``jax.device_put``, keeping the source's PartitionSpec unless the
-transfer names one, reshaping a batch into microbatches on the way), and a
-`Free` drops the values of its slots. `execute` is the single-controller
+submesh (keeping the source's PartitionSpec unless the transfer names one,
+reshaping a batch into microbatches on the way), a `TransferBatch` moves all its
+values in one batched copy (`nnx_mpmd.runtime.batched_copy`; a single transfer
+uses the same path), and a `Free` drops the values of its slots. `execute` is the single-controller
 runtime, where one process drives every submesh.
 
 The multi-process runtime
@@ -48,12 +49,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.instructions import Call, Free, Transfer
+from nnx_mpmd.compiler.instructions import Call, Free, Transfer, TransferBatch
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime.batched_copy import BatchedCopier
 from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
 
@@ -152,6 +154,9 @@ class DeviceOperations:
       put: how a transfer moves a value, ``put(value, sharding, from_host)``
         (default ``jax.device_put``); the multi-process runtime gives
         `nnx_mpmd.runtime.cross_process.put`.
+      put_many: with ``put``, how a `TransferBatch` moves its values in one call,
+        ``put_many(values, shardings, from_host_flags) -> arrays`` (default: one
+        ``put`` per member).
 
     Example:
       >>> import jax
@@ -164,9 +169,12 @@ class DeviceOperations:
         self,
         shardings: Shardings,
         put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
+        put_many: Callable[[list[Any], list[NamedSharding], list[bool]], list[Any]] | None = None,
     ) -> None:
         self.shardings = shardings
         self.put = put
+        self.put_many = put_many
+        self.copier = BatchedCopier()
 
     def call(self, index: int, ins: Call) -> Step | None:
         return call_step(ins)
@@ -177,7 +185,43 @@ class DeviceOperations:
     def transfer(self, index: int, ins: Transfer) -> Step | None:
         if self.put is not None:
             return self._put_transfer(ins)
-        return self._local_transfer(ins)
+        if ins.reshape_microbatches:
+            return self._reshaping_transfer(ins)
+        return self._batch_step((ins,), single=True)
+
+    def transfer_batch(self, index: int, ins: TransferBatch) -> Step | None:
+        reshaping = any(t.reshape_microbatches for t in ins.transfers)
+        if self.put is None and not reshaping:
+            return self._batch_step(ins.transfers, single=False)
+        if self.put is not None and self.put_many is not None and not reshaping:
+            return self._put_many_step(ins.transfers)
+        # One move per member (the put hook moves one value at a time).
+        steps = [self.transfer(index, t) for t in ins.transfers]
+
+        def each(store: list[Any]) -> Any:
+            return tuple(step(store) for step in steps)  # type: ignore[misc]
+
+        return each
+
+    def _put_many_step(self, transfers: Sequence[Transfer]) -> Step:
+        """A batch through ``self.put_many``: one call with every value and destination."""
+        put_many, shardings = self.put_many, self.shardings
+        srcs, dsts = [t.src for t in transfers], [t.dst for t in transfers]
+        kept = [_KeptSpec(shardings, t.dst_mesh) for t in transfers]
+        fixed = [None if t.spec is None else shardings(t.dst_mesh, t.spec) for t in transfers]
+        from_host = [t.src_mesh == HOST for t in transfers]
+
+        def step(store: list[Any]) -> Any:
+            values = [store[s] for s in srcs]
+            targets = [
+                f if f is not None else _target_lookup(k, v) for f, k, v in zip(fixed, kept, values)
+            ]
+            moved = put_many(values, targets, from_host)  # type: ignore[misc]
+            for d, y in zip(dsts, moved, strict=True):
+                store[d] = y
+            return moved
+
+        return step
 
     def _put_transfer(self, ins: Transfer) -> Step:
         """A transfer through ``self.put`` (`transfer_value` with that move)."""
@@ -189,44 +233,59 @@ class DeviceOperations:
 
         return transfer
 
-    def _local_transfer(self, ins: Transfer) -> Step:
+    def _reshaping_transfer(self, ins: Transfer) -> Step:
         src, dst, shardings = ins.src, ins.dst, self.shardings
-        if ins.reshape_microbatches:
 
-            def transfer(store: list[Any]) -> Any:
-                value = store[dst] = transfer_value(ins, store[src], shardings)
-                return value
-
-            return transfer
-        device_put, array = jax.device_put, jax.Array
-        if ins.spec is not None:  # the destination sharding is known now
-            sharding = shardings(ins.dst_mesh, ins.spec)
-
-            def move(store: list[Any]) -> Any:
-                value = store[src]
-                if not isinstance(value, array):
-                    value = np.asarray(value)
-                value = store[dst] = device_put(value, sharding)
-                return value
-
-            return move
-        # The source's spec is kept: the destination sharding of each source
-        # sharding is looked up once (same result as `transfer_value`).
-        targets: dict[Any, NamedSharding] = {}
-        dst_mesh = ins.dst_mesh
-
-        def keep_spec(store: list[Any]) -> Any:
-            value = store[src]
-            if not isinstance(value, array):
-                value = np.asarray(value)
-            source = value.sharding if isinstance(value, array) else None
-            target = targets.get(source)
-            if target is None:
-                target = targets[source] = shardings(dst_mesh, kept_spec(source))
-            value = store[dst] = device_put(value, target)
+        def transfer(store: list[Any]) -> Any:
+            value = store[dst] = transfer_value(ins, store[src], shardings)
             return value
 
-        return keep_spec
+        return transfer
+
+    def _batch_step(self, transfers: Sequence[Transfer], single: bool) -> Step:
+        """Transfers (no reshape) made by one call of the batched copier.
+
+        Each member's destination sharding is fixed by its spec, or looked up
+        once per source sharding (the source's spec kept, as `transfer_value`).
+        The step is generated source over the slot numbers: no loop, no
+        branch per member.
+        """
+        copier, shardings = self.copier, self.shardings
+        namespace: dict[str, Any] = {"copy": copier, "target_of": _target_lookup}
+        values, targets = [], []
+        for n, t in enumerate(transfers):
+            values.append(f"s[{t.src}]")
+            if t.spec is not None:
+                namespace[f"t{n}"] = shardings(t.dst_mesh, t.spec)
+                targets.append(f"t{n}")
+            else:
+                namespace[f"k{n}"] = _KeptSpec(shardings, t.dst_mesh)
+                targets.append(f"target_of(k{n}, s[{t.src}])")
+        dsts = "".join(f"s[{t.dst}], " for t in transfers)
+        lines = [
+            "def step(s):",
+            f"    r = copy([{', '.join(values)}], [{', '.join(targets)}])",
+            f"    {dsts} = r",
+            "    return r[0]" if single else "    return r",
+        ]
+        exec("\n".join(lines), namespace)  # the source holds slot numbers only
+        return namespace["step"]
+
+
+class _KeptSpec(dict):
+    """Destination shardings of a transfer that keeps its source's spec, by source sharding."""
+
+    def __init__(self, shardings: Shardings, dst_mesh: int) -> None:
+        super().__init__()
+        self.shardings, self.dst_mesh = shardings, dst_mesh
+
+    def __missing__(self, source: Any) -> NamedSharding:
+        target = self[source] = self.shardings(self.dst_mesh, kept_spec(source))
+        return target
+
+
+def _target_lookup(kept: _KeptSpec, value: Any) -> NamedSharding:
+    return kept[getattr(value, "sharding", None)]
 
 
 def _single_process_shardings(step: CompiledStep, submeshes: Sequence[Any]) -> Shardings:

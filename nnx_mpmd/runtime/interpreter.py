@@ -1,4 +1,4 @@
-"""The one interpreter of the instruction list (`Call`, `Transfer`, `Free`).
+"""The one interpreter of the instruction list (`Call`, `Transfer`, `TransferBatch`, `Free`).
 
 A compiled step is a flat list of instructions over numbered slots. Running it
 has two phases:
@@ -12,6 +12,8 @@ has two phases:
    multi-controller model); the abstract operations of
    `nnx_mpmd.runtime.precompile` compile programs ahead of time. An operation
    may return None: the instruction has nothing to do here and leaves no step.
+   A `TransferBatch` runs through ``operations.transfer_batch`` where the
+   operations have it, else as its members' transfer steps one after another.
 2. `run` calls the steps in order. With no observer that is the whole loop;
    `Observer` objects (the profiler, the memory recorder of
    `nnx_mpmd.runtime.observers`) wrap every step with their hooks instead of
@@ -44,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer
+from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer, TransferBatch
 from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.placement.abstract import PlacedAval
@@ -84,6 +86,9 @@ class Operations(Protocol):
     def transfer(self, index: int, ins: Transfer) -> Step | None: ...
 
     def free(self, index: int, ins: Free) -> Step | None: ...
+
+    # Optional: ``transfer_batch(index, ins: TransferBatch) -> Step | None`` makes a
+    # batch in one move; without it, a batch runs as its members' `transfer` steps.
 
 
 class Observer:
@@ -152,15 +157,34 @@ def prepare(instructions: Sequence[Instruction], operations: Operations) -> Prep
             step = operations.transfer(index, ins)
         elif isinstance(ins, Free):
             step = operations.free(index, ins)
+        elif isinstance(ins, TransferBatch):
+            step = _batch_step(index, ins, operations)
         else:
             raise CompileError(
                 f"instruction {index} ({ins!r}) is a {type(ins).__name__}, which the runtime "
-                "cannot run: it runs Call, Transfer and Free. Lower the step to those (a compiler "
-                "pass that adds an instruction kind must also teach nnx_mpmd.runtime.interpreter)."
+                "cannot run: it runs Call, Transfer, TransferBatch and Free. Lower the step to "
+                "those (a compiler pass that adds an instruction kind must also teach "
+                "nnx_mpmd.runtime.interpreter)."
             )
         if step is not None:
             entries.append(PreparedStep(index, ins, step))
     return Prepared(tuple(entries), tuple(entry.run for entry in entries))
+
+
+def _batch_step(index: int, ins: TransferBatch, operations: Operations) -> Step | None:
+    """``operations.transfer_batch``'s step, else the members' transfer steps in turn."""
+    batch = getattr(operations, "transfer_batch", None)
+    if batch is not None:
+        return batch(index, ins)
+    steps = [operations.transfer(index, t) for t in ins.transfers]
+    members = tuple(step for step in steps if step is not None)
+    if not members:
+        return None
+
+    def each(store: list[Any]) -> Any:
+        return tuple(step(store) for step in members)
+
+    return each
 
 
 def run(prepared: Prepared, store: list[Any], observers: Sequence[Observer] = ()) -> None:

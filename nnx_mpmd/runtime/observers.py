@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer
+from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer, TransferBatch
 from nnx_mpmd.runtime.interpreter import Observer
 
 __all__ = ["MemoryRecorder", "Profiler", "TaskRecord"]
@@ -160,7 +160,7 @@ class MemoryRecorder(Observer):
         self.record(-1, "start", store)
 
     def after(self, index: int, ins: Instruction, result: Any, store: list[Any]) -> None:
-        if isinstance(ins, Call | Transfer):
+        if isinstance(ins, Call | Transfer | TransferBatch):
             jax.block_until_ready(result)
         if isinstance(ins, Call):
             self.record_outputs(ins, result)
