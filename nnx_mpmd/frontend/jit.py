@@ -98,6 +98,36 @@ def _write_back(flat: FlatArgs, new_leaves: list[Any]) -> None:
         variable.set_raw_value(value)
 
 
+class _Signature:
+    """A step's cache key, hashed once, its graphdef's hash given.
+
+    A dict look-up and its LRU move would hash a tuple key twice, and a Flax
+    graphdef recomputes its hash over every node each time.
+    """
+
+    __slots__ = ("_hash", "graphdef", "rest")
+
+    def __init__(self, graphdef: Any, graphdef_hash: int, rest: tuple[Any, ...]) -> None:
+        self.graphdef, self.rest = graphdef, rest
+        self._hash = hash((graphdef_hash, rest))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getitem__(self, index: Any) -> Any:
+        """Reads like the tuple ``(graphdef, state_tree, args_tree, state keys, other keys)``."""
+        return (self.graphdef, *self.rest)[index]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Signature):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and (self.graphdef is other.graphdef or self.graphdef == other.graphdef)
+            and self.rest == other.rest
+        )
+
+
 class _DefaultBatchAxis(str):
     """The default ``batch_axis``: ``"data"`` when the submeshes have it, else None."""
 
@@ -188,20 +218,32 @@ class PipelinedFunction:
         # XLA executables of each cached step compiled ahead of time, by id of the step.
         self._executables: dict[int, dict[str, list[Any]]] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
+        self._last_graphdef: tuple[Any, int] = (None, 0)  # (graphdef, its hash): _signature
         self.last_profile: list[TaskRecord] | None = None
         self.last_memory: dict[str, Any] | None = None
 
     def _signature(
         self, flat: FlatArgs, state_avals: list[PlacedAval], other_avals: list[PlacedAval]
     ) -> Any:
-        """The cache key: structure, shapes, dtypes and placements of the arguments."""
-        return (
-            flat.graphdef,
+        """The cache key: structure, shapes, dtypes and placements of the arguments.
+
+        Hashed once (`_Signature`); a graphdef equal to the last one seen is
+        replaced by that object, so comparing keys finds it by identity.
+        """
+        graphdef = flat.graphdef
+        last, last_hash = self._last_graphdef
+        if last is not None and (last is graphdef or last == graphdef):
+            graphdef, graphdef_hash = last, last_hash
+        else:
+            graphdef_hash = hash(graphdef)
+            self._last_graphdef = (graphdef, graphdef_hash)
+        rest = (
             flat.state_tree,
             flat.args_tree,
             tuple(a.key() for a in state_avals),
             tuple(a.key() for a in other_avals),
         )
+        return _Signature(graphdef, graphdef_hash, rest)
 
     def _lowered(
         self, flat: FlatArgs, state_avals: list[PlacedAval], other_avals: list[PlacedAval]

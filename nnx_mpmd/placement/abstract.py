@@ -66,14 +66,22 @@ class PlacedAval:
         return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
 
     def key(self) -> tuple[Any, ...]:
-        """A hashable signature (P() and P(None) count as the same layout)."""
-        return (
-            "placed",
-            self.shape,
-            str(self.dtype),
-            self.weak_type,
-            tuple((q, _sharding_key(s)) for q, s in self.shardings),
-        )
+        """A hashable signature (P() and P(None) count as the same layout).
+
+        Computed once per object (the object is frozen); `placed_aval` hands out
+        one object per placement, so a step's signature reuses them.
+        """
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = (
+                "placed",
+                self.shape,
+                str(self.dtype),
+                self.weak_type,
+                tuple((q, _sharding_key(s)) for q, s in self.shardings),
+            )
+            self.__dict__["_key"] = key  # a cache, not a field: equality ignores it
+        return key
 
 
 def _sharding_key(sharding: Any) -> Any:
@@ -102,12 +110,46 @@ def placed_aval(x: Any, mesh: MpmdMesh) -> PlacedAval:
         pairs = tuple((q, x.array(q).sharding) for q in x.mesh_ids)
         return PlacedAval(tuple(x.shape), x.dtype, pairs)
     if isinstance(x, jax.Array):
+        try:
+            sharding = x.sharding
+        except Exception:  # a deleted or abstract array: no cache, as before
+            sharding = None
         weak = bool(getattr(x, "weak_type", False))
-        q = mesh.mesh_id_of(x)
-        pairs = () if q is None else ((q, x.sharding),)
-        return PlacedAval(tuple(x.shape), x.dtype, pairs, weak)
+        if sharding is None:
+            q = mesh.mesh_id_of(x)
+            return PlacedAval(
+                tuple(x.shape), x.dtype, () if q is None else ((q, x.sharding),), weak
+            )
+        cache = _avals_on(mesh)
+        key = (x.shape, x.dtype, sharding, weak)
+        aval = cache.get(key)
+        if aval is None:
+            if len(cache) >= _MAX_CACHED_AVALS:
+                cache.clear()
+            q = mesh.mesh_id_of(x)
+            pairs = () if q is None else ((q, sharding),)
+            aval = cache[key] = PlacedAval(tuple(x.shape), x.dtype, pairs, weak)
+        return aval
     # The runtime passes host values through np.asarray: never weakly typed.
     return PlacedAval(tuple(np.shape(x)), jnp.result_type(x))
+
+
+# The PlacedAval of a jax.Array depends on its shape, dtype, sharding and weak type
+# and on the MpmdMesh (which submesh the sharding's devices are): one object per
+# placement, per mesh object. A mesh is held strongly while cached (its id cannot be
+# reused by another mesh meanwhile); at most a few meshes and avals are kept.
+_AVALS_BY_MESH: dict[int, tuple[MpmdMesh, dict[Any, PlacedAval]]] = {}
+_MAX_MESHES = 8
+_MAX_CACHED_AVALS = 4096
+
+
+def _avals_on(mesh: MpmdMesh) -> dict[Any, PlacedAval]:
+    entry = _AVALS_BY_MESH.get(id(mesh))
+    if entry is None or entry[0] is not mesh:
+        if len(_AVALS_BY_MESH) >= _MAX_MESHES:
+            del _AVALS_BY_MESH[next(iter(_AVALS_BY_MESH))]
+        entry = _AVALS_BY_MESH[id(mesh)] = (mesh, {})
+    return entry[1]
 
 
 def planned_avals(
