@@ -23,45 +23,58 @@ from nnx_mpmd.checkpoint.manifest import fingerprint
 
 
 @pytest.fixture
-def other_device(monkeypatch):
-    """Device 7 plays the device of another process."""
-    device = jax.devices()[7]
-    monkeypatch.setattr(global_arrays, "_device_of_another_process", lambda processes: device)
-    return device
+def four_processes(monkeypatch):
+    """Pretend the 8 devices belong to 4 processes: devices 2p and 2p + 1 to process p."""
+    monkeypatch.setattr(global_arrays, "_process_of", lambda device: device.id // 2)
 
 
-def test_a_one_process_run_has_no_other_process_to_span():
-    with pytest.raises(CheckpointError, match=r"held by processes \[0\] only: no other process"):
+def _ids(sharding) -> list[int]:
+    return [d.id for d in sharding.mesh.devices.flat]
+
+
+def test_a_one_process_run_has_nothing_to_span():
+    with pytest.raises(CheckpointError, match="a one-process run has no processes to spread"):
         global_arrays.spanning_sharding(SingleDeviceSharding(jax.devices()[0]))
 
 
-def test_only_named_or_one_device_shardings_can_be_extended():
+def test_only_named_or_one_device_shardings_can_be_extended(four_processes):
     two_devices = SimpleNamespace(device_set=set(jax.devices()[:2]))
     with pytest.raises(CheckpointError, match="has no NamedSharding to extend"):
         global_arrays.spanning_sharding(two_devices)
 
 
-def test_spanning_sharding_swaps_the_last_device(other_device):
-    mesh = Mesh(
-        np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2
-    )
-    spanning = global_arrays.spanning_sharding(NamedSharding(mesh, P("a")))
+def _mesh(ids, shape=(2, 2)):
+    devices = np.array([jax.devices()[i] for i in ids]).reshape(shape)
+    return Mesh(devices, ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def test_a_sharding_on_every_process_is_kept(four_processes):
+    sharding = NamedSharding(_mesh([0, 2, 4, 6]), P("a"))
+    assert global_arrays.spanning_sharding(sharding) is sharding
+
+
+@pytest.mark.parametrize("turn, expected", [(0, [0, 6, 2, 4]), (1, [0, 7, 2, 5])])
+def test_each_missing_process_swaps_in_one_device(four_processes, turn, expected):
+    mesh = _mesh([0, 1, 2, 3])  # processes 0, 0, 1, 1: processes 2 and 3 hold nothing
+    spanning = global_arrays.spanning_sharding(NamedSharding(mesh, P("a")), turn)
+    assert _ids(spanning) == expected  # from the end, a device of a process that has two
     assert spanning.spec == P("a")
     assert spanning.mesh.axis_names == ("a", "b")
     assert spanning.mesh.axis_types == mesh.axis_types
-    assert [d.id for d in spanning.mesh.devices.flat] == [0, 1, 2, other_device.id]
 
 
-def test_a_one_device_array_is_replicated_on_a_pair(other_device):
-    spanning = global_arrays.spanning_sharding(SingleDeviceSharding(jax.devices()[0]))
+def test_fewer_devices_than_processes_replicate_on_one_device_each(four_processes):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    spanning = global_arrays.spanning_sharding(NamedSharding(mesh, P("data")))
+    assert _ids(spanning) == [0, 2, 4, 6]
     assert spanning.spec == P()
-    assert [d.id for d in spanning.mesh.devices.flat] == [0, other_device.id]
+    one_device = global_arrays.spanning_sharding(SingleDeviceSharding(jax.devices()[3]), turn=1)
+    assert _ids(one_device) == [1, 3, 5, 7]
 
 
 @pytest.mark.parametrize("spec", [P("a"), P(), P(None, "b")])
-def test_moving_shards_keeps_the_values(other_device, spec):
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
-    x = jax.device_put(jnp.arange(24.0).reshape(4, 6), NamedSharding(mesh, spec))
+def test_moving_shards_keeps_the_values(four_processes, spec):
+    x = jax.device_put(jnp.arange(24.0).reshape(4, 6), NamedSharding(_mesh([0, 1, 2, 3]), spec))
     target = global_arrays.spanning_sharding(x.sharding)
     moved = global_arrays._move_shards(x, target)
     assert moved.sharding == target

@@ -42,6 +42,7 @@ from nnx_mpmd.checkpoint.manifest import (
     key_impl_name,
 )
 from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.placement.mpmd_array import MpmdArray
 
 __all__ = ["ArrayReader", "restore", "restore_layout", "save", "save_args"]
 
@@ -78,19 +79,27 @@ def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _target(entry: Entry) -> tuple[jax.sharding.Sharding, Any]:
-    """(sharding, abstract stored array) that ``entry`` is read onto."""
+def _target(entry: Entry, copy: int = 0) -> tuple[jax.sharding.Sharding, Any]:
+    """(sharding, abstract stored array) that copy ``copy`` of ``entry`` is read onto.
+
+    Copy 0 is the primary copy (the lowest mesh's for an `MpmdArray`); copy
+    ``i`` is the ``i``-th lowest mesh's copy of an `MpmdArray`.
+    """
     target = primary_copy(entry.value)
+    if copy:
+        target = entry.value.array(sorted(entry.value.mesh_ids)[copy])
     sharding = getattr(target, "sharding", None) or _default_sharding()
     abstract = jax.eval_shape(jax.random.key_data, target) if entry.kind == KEY else target
     return sharding, abstract
 
 
-def _restore_arg(entry: Entry, sharding: jax.sharding.Sharding | None = None) -> tuple[Any, Any]:
+def _restore_arg(
+    entry: Entry, sharding: jax.sharding.Sharding | None = None, copy: int = 0
+) -> tuple[Any, Any]:
     """(placeholder, orbax restore args) reading ``entry`` onto its target placement."""
     if entry.kind == NUMPY:
         return 0, ocp.RestoreArgs(restore_type=np.ndarray)
-    target_sharding, abstract = _target(entry)
+    target_sharding, abstract = _target(entry, copy)
     return 0, ocp.ArrayRestoreArgs(
         sharding=sharding or target_sharding,
         global_shape=tuple(abstract.shape),
@@ -98,14 +107,14 @@ def _restore_arg(entry: Entry, sharding: jax.sharding.Sharding | None = None) ->
     )
 
 
-def _read_here(entry: Entry) -> bool:
+def _read_here(entry: Entry, copy: int = 0) -> bool:
     """Whether this process holds a shard of ``entry``'s target (numpy: always)."""
-    return entry.kind == NUMPY or bool(_target(entry)[0].addressable_devices)
+    return entry.kind == NUMPY or bool(_target(entry, copy)[0].addressable_devices)
 
 
-def _without_shards(entry: Entry) -> jax.Array:
+def _without_shards(entry: Entry, copy: int = 0) -> jax.Array:
     """``entry``'s target array on a process that holds none of its shards."""
-    sharding, abstract = _target(entry)
+    sharding, abstract = _target(entry, copy)
     return jax.make_array_from_single_device_arrays(
         tuple(abstract.shape), sharding, [], dtype=abstract.dtype
     )
@@ -129,7 +138,7 @@ def _lookup(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def _read_arrays(
-    reader: ArrayReader, entries: list[Entry], partial: bool, where: str
+    reader: ArrayReader, entries: list[Entry], partial: bool, where: str, copy: int = 0
 ) -> dict[str, Any]:
     """Reads ``entries`` onto their targets; the arrays as a nested dict by path.
 
@@ -142,13 +151,13 @@ def _read_arrays(
     """
     if not entries:
         return {}
-    here = [e for e in entries if _read_here(e)]
-    elsewhere = [e for e in entries if not _read_here(e)]
+    here = [e for e in entries if _read_here(e, copy)]
+    elsewhere = [e for e in entries if not _read_here(e, copy)]
     read = here or entries[:1]
     local = None if here else jax.local_devices()[0]
     sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
-    item = _nest(read, lambda e: _restore_arg(e, sharding)[0])
-    restore_args = _nest(read, lambda e: _restore_arg(e, sharding)[1])
+    item = _nest(read, lambda e: _restore_arg(e, sharding, copy)[0])
+    restore_args = _nest(read, lambda e: _restore_arg(e, sharding, copy)[1])
     try:
         arrays = reader(item, restore_args, partial or len(read) < len(entries))
     except Exception as error:  # orbax/tensorstore raise many types for damaged files
@@ -167,8 +176,35 @@ def _read_arrays(
         node = arrays
         for key in entry.path[:-1]:
             node = node.setdefault(key, {})
-        node[entry.path[-1]] = _without_shards(entry)
+        node[entry.path[-1]] = _without_shards(entry, copy)
     return arrays
+
+
+def _read_other_copies(
+    reader: ArrayReader, entries: list[Entry], where: str
+) -> dict[str, dict[int, Any]]:
+    """The other meshes' copies of `MpmdArray` targets, read from the checkpoint too.
+
+    Reading each copy onto its own mesh needs no transfer between meshes (or
+    processes); round ``i`` reads the ``i``-th lowest mesh's copy of every
+    `MpmdArray` that has one, in one orbax call.
+
+    Returns:
+      ``{entry name: {mesh id: array}}``.
+    """
+    copies: dict[str, dict[int, Any]] = {}
+    rounds = max(
+        (len(e.value.mesh_ids) for e in entries if isinstance(e.value, MpmdArray)), default=1
+    )
+    for copy in range(1, rounds):
+        wanted = [
+            e for e in entries if isinstance(e.value, MpmdArray) and len(e.value.mesh_ids) > copy
+        ]
+        arrays = _read_arrays(reader, wanted, True, where, copy)
+        for entry in wanted:
+            mesh_id = sorted(entry.value.mesh_ids)[copy]
+            copies.setdefault(entry.name, {})[mesh_id] = _lookup(arrays, entry.path)
+    return copies
 
 
 def _first_unreadable(reader: ArrayReader, entries: list[Entry]) -> str | None:
@@ -193,7 +229,9 @@ def _verify(records: dict[str, Any], entries: list[Entry], arrays: dict, where: 
             )
 
 
-def _restored_value(entry: Entry, record: dict[str, Any], arrays: dict) -> Any:
+def _restored_value(
+    entry: Entry, record: dict[str, Any], arrays: dict, copies: dict[str, dict[int, Any]]
+) -> Any:
     if entry.kind == VALUE:
         return record["value"]
     raw = _lookup(arrays, entry.path)
@@ -201,8 +239,13 @@ def _restored_value(entry: Entry, record: dict[str, Any], arrays: dict) -> Any:
         return np.asarray(raw)
     if entry.kind == KEY:
         impl = key_impl_name(primary_copy(entry.value))
-        return rebuild_like(entry.value, raw, lambda d: jax.random.wrap_key_data(d, impl=impl))
-    return rebuild_like(entry.value, raw, lambda a: a)
+        return rebuild_like(
+            entry.value,
+            raw,
+            lambda d: jax.random.wrap_key_data(d, impl=impl),
+            copies.get(entry.name),
+        )
+    return rebuild_like(entry.value, raw, lambda a: a, copies.get(entry.name))
 
 
 def restore_layout(
@@ -241,9 +284,10 @@ def restore_layout(
     arrays = _read_arrays(reader, stored, len(stored) < len(saved_arrays), where)
     if verify:
         _verify(records, stored, arrays, where)
+    copies = _read_other_copies(reader, stored, where)
     new_leaves: dict[int, Any] = {}
     for entry in layout.entries:
-        value = _restored_value(entry, records[entry.name], arrays)
+        value = _restored_value(entry, records[entry.name], arrays, copies)
         if entry.variable is not None:
             entry.variable.set_value(value)
         else:

@@ -1,39 +1,40 @@
-"""Checkpoints of multi-process runs: the global arrays as they are, with one exception.
+"""Checkpoints of multi-process runs: global arrays, completed so that orbax takes them.
 
 Under ``jax.distributed`` every process calls `nnx_mpmd.checkpoint.save` (and
 ``restore``) with the same tree of placed state: the same logical paths,
 shapes, dtypes and shardings. Orbax writes a global ``jax.Array`` from every
 process at once: each process writes the replica-0 shards it holds into its own
 OCDBT database, and the primary process merges them when the save commits.
-Parameters of a stage whose submesh spans processes are saved exactly as they
-are placed: nothing is copied between devices or processes.
 
-The exception is an array whose devices all belong to ONE process (a stage
-that lives on one host). Orbax 0.12.8 refuses to serialize an array that is
-fully addressable in a multi-process run (``ArrayHandler.serialize``: "Cannot
-serialize host local jax.Array ... in multi-host setting"), because it cannot
-tell it from a per-process (``pmap``-style) array. `savable` gives such an
-array a sharding that spans two processes, moving as little as possible:
+Orbax 0.12.8 takes an array in a multi-process save only when every process
+holds a shard of it: it refuses an array that is fully addressable on the
+calling process ("Cannot serialize host local jax.Array ... in multi-host
+setting", ``ArrayHandler.serialize``), and fails on one with no shard there
+(``replica_slices.get_replica_slices`` reads ``addressable_shards[0]``). An
+array of a stage whose submesh spans every process is saved exactly as it is
+placed. Any other array (a stage on one host, or on some hosts) first gets a
+sharding with a device on every process, moving as little as possible
+(`savable`, `spanning_sharding`):
 
-* on a submesh of several devices, the same mesh and PartitionSpec with the
-  mesh's last device replaced by a device of another process: one shard moves
-  (the whole array when the spec replicates it, 1/n of it when it is split n
-  ways), every other shard stays where it is;
-* on one device, replicated on that device and a device of another process:
-  the whole array moves.
+* when its submesh has at least as many devices as there are processes, the
+  same mesh shape and PartitionSpec with, for each process that holds none of
+  it, one device of a process holding several replaced by a device of that
+  process: one shard moves per such process (``size / n`` bytes for an array
+  split ``n`` ways over its stage, ``size`` for a replicated one), every other
+  shard stays where it is;
+* otherwise, replicated on one device per process: ``size`` moves to each
+  process that holds none of it.
 
-Orbax writes replica 0 of every shard, so the moved copy of a replicated array
-is not written again; it only makes the array span processes, and it is freed
-when the save returns.
-
-The replicate-everything alternative (`nnx_mpmd.distributed.global_view`)
-copies every array to every device of every process: for P processes it moves
-``(P - 1) * size`` bytes between processes per array and needs the whole state
-in every device's memory.
+Orbax writes replica 0 of every shard, so a moved replica of a replicated array
+is not written again: it only lets that process take part. The moved shards
+live until the save has copied the arrays to the host, spread over the
+receiving processes' devices. The replicate-everything alternative
+(`nnx_mpmd.distributed.global_view`) moves ``(P - 1) * size`` bytes between P
+processes per array and holds every array on every device.
 
 Fingerprints (see `nnx_mpmd.checkpoint.manifest`) are computed where each array
-lives and brought to every process (`fingerprints`), batched per sharding, so
-that every process writes the same manifest and every process sees the same
+lives and brought to every process (`fingerprints`, one ``process_allgather``
+of a small table), so that every process writes the same manifest and every process sees the same
 verification result (an error raised on one process only would leave the others
 waiting in a collective).
 
@@ -52,14 +53,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CheckpointError
-from nnx_mpmd.runtime.cross_process import put_between_meshes, shard_plan
+from nnx_mpmd.runtime.cross_process import put_between_meshes
 
-__all__ = ["fingerprints", "move_to", "savable", "spanning_sharding"]
+__all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding"]
 
 
 def multi_process() -> bool:
@@ -67,20 +68,15 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
-def _processes(sharding: jax.sharding.Sharding) -> frozenset[int]:
-    return frozenset(int(d.process_index) for d in sharding.device_set)
+def _process_of(device: Any) -> int:
+    return int(device.process_index)
 
 
-def _device_of_another_process(processes: frozenset[int]) -> Any:
-    """The first device (in ``jax.devices()`` order) of a process not in ``processes``."""
+def _devices_by_process() -> dict[int, list[Any]]:
+    found: dict[int, list[Any]] = {}
     for device in jax.devices():
-        if int(device.process_index) not in processes:
-            return device
-    raise CheckpointError(
-        f"cannot save an array held by processes {sorted(processes)} only: no other process "
-        "has devices. Orbax needs arrays that span processes in a multi-process run; start "
-        "every process with at least one device."
-    )
+        found.setdefault(_process_of(device), []).append(device)
+    return found
 
 
 def _as_named(sharding: jax.sharding.Sharding) -> NamedSharding:
@@ -90,45 +86,80 @@ def _as_named(sharding: jax.sharding.Sharding) -> NamedSharding:
     if len(devices) == 1:
         return NamedSharding(Mesh(np.array(devices), ("device",)), PartitionSpec())
     raise CheckpointError(
-        f"cannot save an array with sharding {sharding} in a multi-process run: it lives on "
-        "one process and has no NamedSharding to extend to another process. Place it with a "
-        "NamedSharding (nnx_mpmd.place does) before saving."
+        f"cannot save an array with sharding {sharding} in a multi-process run: it does not "
+        "span every process and has no NamedSharding to extend to the others. Place it with "
+        "a NamedSharding (nnx_mpmd.place does) before saving."
     )
 
 
-def spanning_sharding(sharding: jax.sharding.Sharding) -> NamedSharding:
-    """A sharding like ``sharding`` (on one process) that also uses a device of another process.
+def spanning_sharding(sharding: jax.sharding.Sharding, turn: int = 0) -> NamedSharding:
+    """A sharding like ``sharding`` with at least one device on every process.
 
     Args:
-      sharding: the array's sharding; all its devices belong to one process.
+      sharding: the array's sharding.
+      turn: spreads the added shards over each receiving process's devices
+        (its ``turn % count``-th device receives), so that a save does not pile
+        them all on one device.
 
     Returns:
-      The same mesh shape and PartitionSpec with the mesh's last device
-      replaced by a device of another process (every shard keeps its
-      shape); for a one-device sharding, that device and a device of another
-      process, replicated.
+      ``sharding`` itself when it has devices on every process. Otherwise, when
+      its mesh has at least as many devices as there are processes, the same
+      mesh shape and PartitionSpec with one device swapped in from each
+      process that has none (each replacing, from the end of the mesh, a
+      device of a process that has several), so every shard keeps its shape
+      and one shard moves per such process. With fewer devices than processes,
+      a one-axis mesh with one device per process (those of ``sharding``
+      where it has them), replicated.
 
     Raises:
-      CheckpointError: no other process has devices (a one-process run).
+      CheckpointError: a one-process run (nothing to span), or a sharding that
+        is neither a NamedSharding nor on one device.
 
     Example:
       >>> import jax
       >>> try:  # one process: there is no other process to span
       ...     spanning_sharding(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
       ... except CheckpointError as error:
-      ...     print(str(error)[:45])
-      cannot save an array held by processes [0] on
+      ...     print(str(error)[:38])
+      a one-process run has no processes to
     """
+    by_process = _devices_by_process()
+    if len(by_process) < 2:
+        raise CheckpointError(
+            "a one-process run has no processes to spread an array over; checkpoints of one "
+            "process save arrays as they are (nothing to do)."
+        )
     named = _as_named(sharding)
-    other = _device_of_another_process(_processes(named))
     mesh = named.mesh
-    if mesh.devices.size > 1:
-        devices = np.array(mesh.devices).reshape(-1).copy()
-        devices[-1] = other
-        swapped = Mesh(devices.reshape(mesh.devices.shape), mesh.axis_names, mesh.axis_types)
-        return NamedSharding(swapped, named.spec, memory_kind=named.memory_kind)
-    pair = Mesh(np.array([mesh.devices.reshape(-1)[0], other]), ("ckpt",))
-    return NamedSharding(pair, PartitionSpec(), memory_kind=named.memory_kind)
+    devices = list(mesh.devices.flat)
+    present = {_process_of(d) for d in devices}
+    missing = [p for p in sorted(by_process) if p not in present]
+    if not missing:
+        return named
+    receivers = {p: by_process[p][turn % len(by_process[p])] for p in missing}
+    if len(devices) < len(by_process):
+        first_here = {}
+        for device in devices:
+            first_here.setdefault(_process_of(device), device)
+        row = [first_here.get(p) or receivers[p] for p in sorted(by_process)]
+        return NamedSharding(
+            Mesh(np.array(row), ("ckpt",)), PartitionSpec(), memory_kind=named.memory_kind
+        )
+    counts: dict[int, int] = {}
+    for device in devices:
+        counts[_process_of(device)] = counts.get(_process_of(device), 0) + 1
+    swapped = set()
+    for process in missing:  # pigeonhole: some process still has two or more
+        position = next(
+            i
+            for i in reversed(range(len(devices)))
+            if i not in swapped and counts[_process_of(devices[i])] > 1
+        )
+        counts[_process_of(devices[position])] -= 1
+        devices[position] = receivers[process]
+        swapped.add(position)
+    new_mesh = Mesh(np.array(devices).reshape(mesh.devices.shape), mesh.axis_names, mesh.axis_types)
+    return NamedSharding(new_mesh, named.spec, memory_kind=named.memory_kind)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -136,20 +167,22 @@ def _one_device(device: Any) -> NamedSharding:
     return NamedSharding(Mesh(np.array([device]), ("shard",)), PartitionSpec())
 
 
-def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
+def _move_shards(value: jax.Array, sharding: NamedSharding, kept: list | None = None) -> jax.Array:
     """``value`` onto ``sharding``, whose shards are cut like the source's.
 
     A shard held in the destination device's process is copied there; the
-    others move between processes as one-device arrays in one batched
-    ``jax.device_put``. A collective: every process calls it with the same
+    others move between processes as one-device arrays, one
+    ``jax.device_put`` each. A collective: every process calls it with the same
     arguments (`nnx_mpmd.runtime.cross_process` moves stage outputs the same way).
+    The one-device arrays are appended to ``kept``: a sender must keep them
+    until the receivers have them (`settle_moves`).
     """
     me = jax.process_index()
-    local, cross = shard_plan(value.sharding, sharding, tuple(value.shape), me)
+    local, cross = _shard_moves(value.sharding, sharding, tuple(value.shape), me)
     shards = {shard.device: shard.data for shard in value.addressable_shards}
     arrays = list(jax.device_put([shards[src] for src, _ in local], [dst for _, dst in local]))
-    if cross:
-        shard_shape = sharding.shard_shape(value.shape)
+    shard_shape = sharding.shard_shape(value.shape)
+    for batch in _batches_with_distinct_sources(cross):
         pieces = [
             jax.make_array_from_single_device_arrays(
                 shard_shape,
@@ -157,12 +190,15 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
                 [shards[src]] if src in shards else [],
                 dtype=value.dtype,
             )
-            for src, _ in cross
+            for src, _ in batch
         ]
-        moved = jax.device_put(pieces, [_one_device(dst) for _, dst in cross])
+        moved = jax.device_put(pieces, [_one_device(dst) for _, dst in batch])
+        if kept is not None:
+            kept.extend(pieces)
+            kept.extend(moved)
         arrays.extend(
             piece.addressable_shards[0].data
-            for piece, (_, dst) in zip(moved, cross)
+            for piece, (_, dst) in zip(moved, batch)
             if dst.process_index == me
         )
     return jax.make_array_from_single_device_arrays(
@@ -170,35 +206,105 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     )
 
 
-def savable(array: Any) -> Any:
-    """``array`` as orbax saves it in this run: as it is, unless it lives on one process.
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[list, list]:
+    """``(local, cross)`` (source, destination) device pairs moving ``src`` to ``dst``.
+
+    ``local``: this process's copies (a device that already holds its shard
+    keeps it). ``cross``: every move between processes (the same list on every
+    process), each taking the shard from the holder used least so far, so that
+    the sources differ where they can.
+    """
+    holders: dict[Any, list[Any]] = {}
+    for device, index in src.devices_indices_map(shape).items():
+        holders.setdefault(_index_key(index), []).append(device)
+    local, cross = [], []
+    uses: dict[Any, int] = {}
+    for device, index in dst.devices_indices_map(shape).items():
+        candidates = holders[_index_key(index)]
+        same = [c for c in candidates if c.process_index == device.process_index]
+        if same:
+            if device.process_index == me:
+                local.append((device if device in same else same[0], device))
+            continue
+        source = min(candidates, key=lambda c: (uses.get(c, 0), c.id))
+        uses[source] = uses.get(source, 0) + 1
+        cross.append((source, device))
+    return local, cross
+
+
+def _batches_with_distinct_sources(cross: list) -> list[list]:
+    """``cross`` cut into batches of one move each.
+
+    JAX 0.10.2 on CPU lost moves batched into one ``jax.device_put`` when one
+    buffer went to two devices, or one process sent to two processes: the
+    receiver waited forever. One move per call is slower but always arrives.
+    """
+    return [[pair] for pair in cross]
+
+
+def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
+    """``array`` as orbax can save it in this run: as it is, unless some process holds none of it.
 
     A collective in a multi-process run (every process calls it with the same
     array). See the module docstring for what moves.
 
     Args:
       array: a global ``jax.Array`` (or any other leaf, returned unchanged).
+      turn: which device of a receiving process takes the moved shard (see
+        `spanning_sharding`); pass a running count.
+      kept: collects what the move must keep alive; call `settle_moves` with
+        it once every array is savable.
 
     Returns:
-      ``array``, or a copy whose sharding spans two processes.
+      ``array``, or a copy with a shard on every process.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> savable(jnp.zeros(3)).shape
+      >>> savable(jnp.zeros(3)).shape  # one process: nothing to do
       (3,)
     """
     if not multi_process() or not isinstance(array, jax.Array):
         return array
-    if len(_processes(array.sharding)) > 1:
+    target = spanning_sharding(array.sharding, turn)
+    if target is array.sharding:
         return array
-    target = spanning_sharding(array.sharding)
     source = array
     if not isinstance(array.sharding, NamedSharding):
         shards = [s.data for s in array.addressable_shards]
         source = jax.make_array_from_single_device_arrays(
             array.shape, _as_named(array.sharding), shards, dtype=array.dtype
         )
-    return _move_shards(source, target)
+    fewer_devices_than_processes = target.mesh.devices.shape != source.sharding.mesh.devices.shape
+    if fewer_devices_than_processes and not source.sharding.is_fully_replicated:
+        source = _replicate_program(source.sharding)(source)  # replicated first, on its mesh
+    return _move_shards(source, target, kept)
+
+
+def settle_moves(kept: list) -> None:
+    """Waits until every shard moved by `savable` has arrived, on every process.
+
+    A collective: a sender keeps its one-device arrays (in ``kept``) until
+    every process has what it receives (a CPU cross-process transfer whose
+    source is freed first never arrives), then ``kept`` is emptied.
+
+    Args:
+      kept: the list passed to `savable`.
+
+    Example:
+      >>> settle_moves([])  # nothing moved
+    """
+    if not kept or not multi_process():
+        kept.clear()
+        return
+    for array in kept:
+        for shard in array.addressable_shards:
+            shard.data.block_until_ready()
+    multihost_utils.sync_global_devices("nnx_mpmd.checkpoint: shards moved for saving")
+    kept.clear()
 
 
 def move_to(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -218,51 +324,31 @@ def move_to(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def _stack_program(sharding: jax.sharding.Sharding) -> Any:
-    """Stacks fingerprint rows, replicated on the devices that hold them."""
-    if isinstance(sharding, NamedSharding):
-        sharding = NamedSharding(sharding.mesh, PartitionSpec())
-    return jax.jit(lambda *rows: jnp.stack(rows), out_shardings=sharding)
+def _replicate_program(sharding: NamedSharding) -> Any:
+    return jax.jit(lambda row: row, out_shardings=NamedSharding(sharding.mesh, PartitionSpec()))
 
 
-def _on_every_process(stacked: jax.Array) -> np.ndarray:
-    """A small replicated array, as numpy on every process (a collective).
-
-    Processes that hold it read their own copy; each other process gets one
-    copy from the array's first device, as a one-device array.
-    """
-    me = jax.process_index()
-    holders = _processes(stacked.sharding)
-    missing = [p for p in range(jax.process_count()) if p not in holders]
-    if missing:
-        source = min(stacked.sharding.device_set, key=lambda d: d.id)
-        held = [s.data for s in stacked.addressable_shards if s.device == source]
-        piece = jax.make_array_from_single_device_arrays(
-            stacked.shape, _one_device(source), held, dtype=stacked.dtype
-        )
-        first = {}
-        for device in jax.devices():
-            first.setdefault(int(device.process_index), device)
-        for process in missing:  # one call per receiver: one buffer sent twice in one
-            moved = jax.device_put(piece, _one_device(first[process]))  # call arrived once
-            if process == me:
-                mine = np.asarray(moved.addressable_shards[0].data)
-        if me in missing:
-            return mine
-    return np.asarray(stacked.addressable_shards[0].data)
+def _known_here(row: jax.Array) -> np.ndarray | None:
+    """The row's values if this process holds a copy of it, else None."""
+    if not row.sharding.is_fully_replicated and isinstance(row.sharding, NamedSharding):
+        row = _replicate_program(row.sharding)(row)  # on the devices that hold it
+    if not row.addressable_shards:
+        return None
+    return np.asarray(row.addressable_shards[0].data)
 
 
 def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
     """Fingerprint rows, computed on the arrays' devices, as host ints on every process.
 
-    In a multi-process run the rows of arrays that live on other processes are
-    fetched: the rows with the same sharding are stacked on their devices and
-    sent together, so the number of transfers is the number of distinct
-    shardings times the processes that lack them, not the number of arrays. A
-    collective: every process calls it with rows of the same shardings.
+    In a multi-process run each process fills a table with the rows of the
+    arrays it holds (and a flag saying so), and one
+    ``multihost_utils.process_allgather`` of that small ``uint32`` table gives
+    every process every row. A collective: every process calls it with rows of
+    the same shapes and shardings.
 
     Args:
-      rows: one small device array per checkpoint entry, or a host list of ints.
+      rows: one small device array per checkpoint entry (two ``uint32``), or a
+        host list of ints.
 
     Returns:
       Every row as a list of ints, the same on every process.
@@ -272,19 +358,32 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
       >>> fingerprints([jnp.array([1, 2], jnp.uint32), [3, 4]])
       [[1, 2], [3, 4]]
     """
-    out: list[list[int]] = [[] for _ in rows]
-    groups: dict[Any, list[int]] = {}
-    for i, row in enumerate(rows):
-        if isinstance(row, jax.Array):
-            groups.setdefault(row.sharding if multi_process() else None, []).append(i)
-        else:
-            out[i] = [int(v) for v in row]
-    for key, members in groups.items():
-        if key is None:
-            fetched = jax.device_get([rows[i] for i in members])
-        else:
-            stacked = _stack_program(key)(*[rows[i] for i in members])
-            fetched = _on_every_process(stacked)
-        for i, values in zip(members, fetched):
+    out: list[list[int]] = [
+        [int(v) for v in row] if not isinstance(row, jax.Array) else [] for row in rows
+    ]
+    on_devices = [i for i, row in enumerate(rows) if isinstance(row, jax.Array)]
+    if not on_devices:
+        return out
+    if not multi_process():
+        for i, values in zip(on_devices, jax.device_get([rows[i] for i in on_devices])):
             out[i] = [int(v) for v in np.asarray(values)]
+        return out
+    width = max(int(np.prod(rows[i].shape)) for i in on_devices)
+    table = np.zeros((len(on_devices), width + 1), np.uint32)  # last column: known here
+    for k, i in enumerate(on_devices):
+        values = _known_here(rows[i])
+        if values is not None:
+            table[k, : values.size] = values.reshape(-1)
+            table[k, width] = 1
+    gathered = np.asarray(multihost_utils.process_allgather(table))  # (processes, rows, width+1)
+    for k, i in enumerate(on_devices):
+        holders = np.flatnonzero(gathered[:, k, width])
+        if holders.size == 0:
+            raise CheckpointError(
+                f"no process holds fingerprint row {k} (shape {rows[i].shape}, sharding "
+                f"{rows[i].sharding}); every array must live on some device of the run. "
+                "This is a bug in nnx_mpmd: please report it with the mesh."
+            )
+        size = int(np.prod(rows[i].shape))
+        out[i] = [int(v) for v in gathered[holders[0], k, :size]]
     return out

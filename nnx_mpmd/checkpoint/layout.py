@@ -315,12 +315,19 @@ def primary_copy(value: Any) -> Any:
     return value
 
 
-def rebuild_like(target: Any, restored: Any, convert: Callable[[Any], Any]) -> Any:
+def rebuild_like(
+    target: Any,
+    restored: Any,
+    convert: Callable[[Any], Any],
+    other_copies: dict[int, Any] | None = None,
+) -> Any:
     """Places ``restored`` (already on the primary copy's sharding) like ``target``.
 
-    For an `MpmdArray` target the restored array is copied to every other mesh
-    with that copy's own sharding and the MpmdArray is rebuilt; ``convert`` is
-    applied to every copy (e.g. wrapping key data into typed keys).
+    For an `MpmdArray` target the other meshes' copies come from
+    ``other_copies`` (``{mesh_id: array}``, read from the checkpoint onto each
+    copy's sharding) or, when missing, are copied from ``restored`` with that
+    copy's own sharding; ``convert`` is applied to every copy (e.g. wrapping
+    key data into typed keys).
 
     Example:
       >>> import jax.numpy as jnp
@@ -329,11 +336,14 @@ def rebuild_like(target: Any, restored: Any, convert: Callable[[Any], Any]) -> A
     """
     if isinstance(target, MpmdArray):
         lowest = min(target.mesh_ids)
+        others = other_copies or {}
         arrays = {}
         for mesh_id in target.mesh_ids:
             copy = restored
             if mesh_id != lowest:
-                copy = move_to(restored, target.array(mesh_id).sharding)
+                copy = others.get(mesh_id)
+                if copy is None:
+                    copy = move_to(restored, target.array(mesh_id).sharding)
             arrays[mesh_id] = convert(copy)
         return MpmdArray(arrays)
     return convert(restored)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nnx_mpmd.checkpoint.global_arrays import fingerprints, savable
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, savable, settle_moves
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -141,8 +141,8 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns:
       ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
       logical path components, of the arrays to hand to orbax (in a
-      multi-process run, an array on one process's devices is made to span
-      two processes first, see `nnx_mpmd.checkpoint.global_arrays.savable`).
+      multi-process run, an array that some process holds no shard of gets one
+      there first, see `nnx_mpmd.checkpoint.global_arrays.savable`).
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect
@@ -153,6 +153,7 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
     arrays: dict[str, Any] = {}
     records: dict[str, dict[str, Any]] = {}
     pending: list[tuple[dict[str, Any], Any]] = []
+    moved: list[Any] = []  # kept alive until every moved shard has arrived
     for entry in layout.entries:
         record: dict[str, Any] = {"kind": entry.kind}
         if entry.kind == VALUE:
@@ -170,8 +171,9 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
             node = arrays
             for key in entry.path[:-1]:
                 node = node.setdefault(key, {})
-            node[entry.path[-1]] = savable(stored)
+            node[entry.path[-1]] = savable(stored, turn=len(pending), kept=moved)
         records[entry.name] = record
+    settle_moves(moved)
     for (record, _), fp in zip(pending, fingerprints([fp for _, fp in pending])):
         record["fingerprint"] = fp
     manifest = {"format": FORMAT, "version": VERSION, "entries": records}
