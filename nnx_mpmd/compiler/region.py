@@ -76,6 +76,10 @@ class RegionInfo:
     diff_paths: tuple[str, ...]
     other_paths: tuple[str, ...]
     out_avals: tuple[Any, ...]
+    # The Explicit submesh axis (of size > 1) the microbatches are sharded over:
+    # gradients accumulate unreduced over it and are reduced once per step
+    # (`grad_reduction`). None: reduced in every backward, as JAX places it.
+    unreduced_axis: str | None = None
 
     def __hash__(self) -> int:
         return id(self)
@@ -168,6 +172,17 @@ def _microbatch_aval(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct
     if spec is None or types.get(axis) != AxisType.Explicit:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(submesh.abstract_mesh, spec))
+
+
+def _unreduced_axis(with_grad: bool) -> str | None:
+    """The batch axis, when gradients can accumulate unreduced over it (see `RegionInfo`)."""
+    submesh, axis = _region_state.submesh, _region_state.batch_axis
+    if not with_grad or submesh is None or axis not in submesh.axis_names:
+        return None
+    types = dict(zip(submesh.axis_names, submesh.axis_types))
+    if types[axis] != AxisType.Explicit or dict(submesh.shape)[axis] < 2:
+        return None
+    return axis
 
 
 def active_microbatches() -> int | None:
@@ -571,6 +586,7 @@ def trace_region(
         diff_paths=tuple(_paths(diff_state)),
         other_paths=tuple(other_paths),
         out_avals=_region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad),
+        unreduced_axis=_unreduced_axis(with_grad),
     )
     _region_state.regions.append(info)
     inputs = [*consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves]

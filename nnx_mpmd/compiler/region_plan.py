@@ -8,6 +8,8 @@ its own tests, its result kept in `RegionProgram.passes`):
    `RegionValue` on the task's own mesh;
 2. `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
    the backward directly follows;
+   `grad_reduction.reduce_gradients_once` (data-parallel stages on an Explicit
+   data axis only): one ``reduce`` call per stage after its last backward;
 3. `region_transfers.insert_transfers`: activations and cotangents copied to
    the meshes that read them, right after they are made;
 4. `region_outputs.region_outputs`: loss/aux, gradients summed on their home
@@ -23,8 +25,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from nnx_mpmd.compiler.grad_reduction import reduce_gradients_once
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
@@ -62,16 +66,31 @@ class RegionProgram:
 
 
 class _LazyInit:
-    """Zero accumulators, compiled on first use with the parameters' shardings."""
+    """Zero accumulators, compiled on first use with the parameters' shardings.
 
-    def __init__(self, fn: Callable[..., Any], submesh: Any, num_acc: int, label: str) -> None:
-        self.fn, self.submesh, self.num_acc, self.jitted = fn, submesh, num_acc, None
+    A gradient accumulator has its parameter's sharding, made unreduced over
+    the data axis where the stage accumulates unreduced (`grad_reduction`).
+    """
+
+    def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
+        self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
+        self.reduction = f.reduction
         self.label = self.__name__ = label
+
+    def _gradient_sharding(self, param: Any) -> Any:
+        red, sharding = self.reduction, param.sharding
+        spec = getattr(sharding, "spec", None)
+        if red is None or spec is None or not jnp.issubdtype(param.dtype, jnp.inexact):
+            return sharding
+        if any(red.axis in (p if isinstance(p, tuple) else (p,)) for p in spec.partitions):
+            return sharding  # sharded over the data axis (FSDP): reduced in each backward
+        return red.unreduced_sharding(sharding, len(param.shape))
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
             replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
-            out = (tuple(p.sharding for p in params), (replicated,) * self.num_acc)
+            grads = tuple(self._gradient_sharding(p) for p in params)
+            out = (grads, (replicated,) * self.num_acc)
             self.jitted = named_jit(self.fn, self.label, out_shardings=out)
         return self.jitted
 
@@ -86,10 +105,10 @@ class _LazyInit:
 def compile_stage_programs(
     fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
 ) -> dict[ProgramKey, Callable[..., Any]]:
-    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW and init.
+    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init and reduce.
 
     Accumulators and other per-step buffers are donated (the forward's loss/aux
-    accumulator, the backward's gradient accumulator).
+    accumulator, the backward's and ``reduce``'s gradient accumulator).
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
@@ -100,11 +119,12 @@ def compile_stage_programs(
             ("BI", f.backward_input, {}),
             ("Fwd", f.forward_only, {}),
             ("BW", f.backward_weight, {"donate_argnums": (3,)}),
+            ("reduce", f.reduce, {"donate_argnums": (0,)}),
         ]
         for kind, fn, kwargs in jitted:
             programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
         submesh = submeshes[stage_mesh[k]]
-        programs[ProgramKey("init", k)] = _LazyInit(f.init, submesh, len(f.accumulated), f"init{k}")
+        programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}")
     return programs
 
 
@@ -246,6 +266,9 @@ def build_region_program(
     passes.append(("lower_schedule", ir))
     ir = fuse_forward_backward(ir, ctx)
     passes.append(("fuse_forward_backward", ir))
+    if plan.info.with_grad and plan.info.unreduced_axis is not None:
+        ir = reduce_gradients_once(ir, ctx)
+        passes.append(("reduce_gradients_once", ir))
     ir = insert_transfers(ir, ctx)
     passes.append(("insert_transfers", ir))
     ir, locations = region_outputs(ir, ctx, home_mesh)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
 from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
@@ -179,6 +180,9 @@ class StageFunctions:
         self.accumulated = [
             o.var for o in plan.outputs[: 1 + info.n_aux] if o.kind == "stage" and o.stage == stage
         ]
+        # Data parallelism on an Explicit axis: gradients accumulate unreduced over it.
+        axis = getattr(info, "unreduced_axis", None)
+        self.reduction = GradientReduction(axis) if axis is not None else None
 
     # -- helpers -----------------------------------------------------------
     def _program_args(self, params, rest, mb, xd, xn) -> list[Any]:
@@ -216,10 +220,24 @@ class StageFunctions:
             a + (values[v] * scale).astype(a.dtype) for a, v in zip(racc, self.accumulated)
         )
 
+    def _add_grads(self, gacc, grads):
+        """``gacc + grads``; an unreduced accumulator takes its gradient unreduced."""
+        red = self.reduction
+        if red is None:
+            return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
+        return tuple(
+            a + (red.unreduced(g) if red.is_unreduced(a) else red.reduce(g)).astype(a.dtype)
+            for a, g in zip(gacc, grads)
+        )
+
     def _backward(self, vjp_fn, cts, gacc):
-        g_params, ct_xd = vjp_fn(tuple(self._seeds(cts)))
-        gacc = tuple(a + g.astype(a.dtype) for a, g in zip(gacc, g_params))
-        return ct_xd, gacc
+        seeds = tuple(self._seeds(cts))
+        if self.reduction is None:
+            g_params, ct_xd = vjp_fn(seeds)
+        else:  # weight gradients stay unreduced over the data axis (see grad_reduction)
+            g_params, ct_xd = run_deferring(vjp_fn, seeds, reduction=self.reduction)
+            ct_xd = tuple(self.reduction.reduce(c) for c in ct_xd)
+        return ct_xd, self._add_grads(gacc, g_params)
 
     # -- residuals -------------------------------------------------------------
     # jax.vjp's residuals include the task's own inputs (parameters, the stage
@@ -298,14 +316,30 @@ class StageFunctions:
         )
         seed_avals = [abstract_like(o) for o in outputs]
         vjp_fn = self._unpack(kept, inputs)
-        grads = run_bw(vjp_fn, extras, seed_avals, len(self.param_inputs))
-        return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
+        n = len(self.param_inputs)
+        if self.reduction is None:
+            grads = run_bw(vjp_fn, extras, seed_avals, n)
+        else:
+            bw = lambda vjp_fn, extras: run_bw(vjp_fn, extras, seed_avals, n)  # noqa: E731
+            grads = run_deferring(bw, vjp_fn, extras, reduction=self.reduction)
+        return self._add_grads(gacc, grads)
 
     def init(self, params):
-        """Zero accumulators: (gacc, racc)."""
-        return tuple(jnp.zeros_like(p) for p in params), tuple(
+        """Zero accumulators: (gacc, racc); unreduced where `GradientReduction.defers` says."""
+        red = self.reduction
+        gacc = tuple(
+            red.unreduced(jnp.zeros_like(p)) if red and red.defers(p) else jnp.zeros_like(p)
+            for p in params
+        )
+        return gacc, tuple(
             jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype)) for v in self.accumulated
         )
+
+    def reduce(self, gacc):
+        """The ``reduce`` task, once per step after the last backward: gacc reduced."""
+        if self.reduction is None:
+            return tuple(gacc)
+        return tuple(self.reduction.reduce(a) for a in gacc)
 
     @property
     def diff_sends(self) -> list[Any]:

@@ -1,0 +1,164 @@
+"""Gradient reduction per step: bytes all-reduced and step time, before and after.
+
+Measures GPT ``tiny`` (nnx_mpmd.models, tied embeddings) pipelined on 4 meshes
+x 2 data devices (Explicit axes, 1F1B, m=8) with two versions of the code side
+by side in one run: ``--before`` (a checkout of the code before deferred
+gradient reduction, e.g. ``git worktree add /tmp/before-gradred <rev>``) and
+``--after`` (default: this checkout). For each version, a worker process
+(8 CPU devices) reports:
+
+* the bytes all-reduced per step, counted from the compiled HLO of the programs
+  a step executes (each program's all-reduce bytes times how many times the
+  instruction list calls it), over the model's parameter bytes;
+* the median step time over ``--steps`` steps after 2 warm-up steps.
+
+Workers run alternately, ``--rounds`` times each, and the step-time ratio
+after/before is the ratio of the medians over rounds. Prints a table and writes
+``benchmarks/results/<date>-grad-reduction.json``.
+
+Run: ``.venv/bin/python benchmarks/grad_reduction_bench.py --before /tmp/before-gradred``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(steps: int, microbatches: int) -> dict:
+    """One version's figures (runs inside a worker process, importing that version)."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nnx_mpmd as mp
+    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.models import GPT, GPTConfig
+
+    cfg = GPTConfig.preset("tiny", num_stages=4)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+
+    def loss_fn(model, batch):
+        logits = model(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    def step(model, optimizer, batch):
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    f = mp.jit(step, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=microbatches)
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, cfg.vocab_size, size=(4 * microbatches, 33)).astype(np.int32)
+    lowered = f.lower(model, optimizer, batch)
+    executables = lowered.compile().executables()
+    calls: dict[str, int] = {}
+    for ins in lowered.compiled.instructions:
+        if isinstance(ins, Call):
+            calls[str(ins.program)] = calls.get(str(ins.program), 0) + 1
+    all_reduced = sum(
+        n * _all_reduce_bytes(executables[name][0].as_text())
+        for name, n in calls.items()
+        if executables.get(name)
+    )
+    params = nnx.state(model, nnx.Param)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        float(f(model, optimizer, batch))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return {
+        "all_reduce_bytes_per_step": all_reduced,
+        "param_bytes": param_bytes,
+        "ratio": all_reduced / param_bytes,
+        "step_s": statistics.median(times),
+        "calls": len([n for n in calls if n.startswith("reduce")]),
+    }
+
+
+def _all_reduce_bytes(text: str) -> int:
+    """Bytes of every all-reduce result in an HLO module's text (kept local so that
+    the code before the change, which lacks `grad_reduction`, is measured the same way)."""
+    import re
+
+    sizes = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
+    pattern = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+all-reduce(?:-start)?\(")
+    total = 0
+    for line in text.splitlines():
+        match = pattern.match(line)
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)) if match else ():
+            count = 1
+            for d in dims.split(","):
+                count *= int(d) if d else 1
+            total += count * sizes.get(dtype, 8 if "64" in dtype else 4)
+    return total
+
+
+def run_worker(root: str, steps: int, microbatches: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    command = [sys.executable, os.path.abspath(__file__), "--worker"]
+    command += ["--steps", str(steps), "--microbatches", str(microbatches)]
+    out = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"worker for {root} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required="--worker" not in sys.argv)
+    parser.add_argument("--after", default=os.path.dirname(HERE))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.steps, args.microbatches)))
+        return
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        for name, root in (("before", args.before), ("after", args.after)):
+            runs[name].append(run_worker(os.path.abspath(root), args.steps, args.microbatches))
+    summary = {}
+    for name, results in runs.items():
+        summary[name] = dict(results[0], step_s=statistics.median(r["step_s"] for r in results))
+    summary["step_time_ratio_after_over_before"] = (
+        summary["after"]["step_s"] / summary["before"]["step_s"]
+    )
+    summary["setup"] = (
+        f"GPT tiny, 4 meshes x 2 data (Explicit), 1F1B, m={args.microbatches}, CPU 8 devices, "
+        f"{args.steps} steps x {args.rounds} rounds per version, alternating"
+    )
+    for name in ("before", "after"):
+        s = summary[name]
+        print(
+            f"{name:>6}: all-reduced {s['all_reduce_bytes_per_step']:>9} B/step = "
+            f"{s['ratio']:.3f} x params ({s['param_bytes']} B), step {s['step_s'] * 1e3:.2f} ms"
+        )
+    print(f"step time after/before: {summary['step_time_ratio_after_over_before']:.3f}")
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(HERE, "results", f"{date}-grad-reduction.json")
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
