@@ -10,6 +10,7 @@ the collective gather) is tested with real processes in tests/test_multiprocess.
 from __future__ import annotations
 
 import io
+import re
 import sys
 from typing import NamedTuple
 
@@ -24,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 import nnx_mpmd as mp
 from nnx_mpmd import distributed
 from nnx_mpmd.apps import launch
+from nnx_mpmd.compiler.instructions import Transfer
 from nnx_mpmd.runtime import coordination, cross_process, multi_process
+from nnx_mpmd.runtime.executor import Shardings
 
 MOVED = {
     "initialize_from_env": "initialize",
@@ -230,6 +233,19 @@ def test_launch_gives_every_process_a_loopback_bind_address():
         assert coordinator.startswith("127.0.0.1:") and bind == coordinator
 
 
+def test_launch_names_a_failed_coordinator_as_the_cause():
+    fail_0 = "import os, sys, time; p = os.environ['NNX_MPMD_PROCESS_ID']; "
+    fail_0 += "sys.exit(5) if p == '0' else time.sleep(1)"
+    out = io.StringIO()
+    assert launch.launch([sys.executable, "-c", fail_0], 2, out=out, grace_s=5) == 5
+    assert re.search(
+        r"process 0 \(the coordinator\) failed first \(exit status 5\)\. It hosts the "
+        r"coordination service, so JAX aborts the other processes",
+        out.getvalue(),
+    )
+    assert "killed by signal 9" in launch.coordinator_lost_note(137)
+
+
 def test_launch_env_has_no_bind_for_a_remote_coordinator():
     stale = {"NNX_MPMD_COORDINATOR_BIND": "127.0.0.1:1"}
     env = multi_process.launch_env(0, 2, "10.1.2.3:4321", base=stale)
@@ -345,6 +361,61 @@ def test_put_between_meshes_needs_a_named_source():
     x = jax.device_put(np.ones(4), SingleDeviceSharding(jax.devices()[0]))
     with pytest.raises(mp.DistributedError, match=r"the source has no NamedSharding"):
         cross_process.put_between_meshes(x, NamedSharding(b, P()))
+
+
+def test_one_receiver_each_is_what_a_whole_array_move_needs():
+    two, three = FakeDevice(4, 2), FakeDevice(6, 3)
+    zero, one = FakeDevice(0, 0), FakeDevice(2, 1)
+    assert cross_process.one_receiver_each([two, two, three, three], [zero, zero, one, one])
+    assert cross_process.one_receiver_each([two, three], [zero, zero])  # two senders, one receiver
+    # JAX 0.10.2 refuses these ("PjRtArray has different number of buffers than buffer_idxs").
+    assert not cross_process.one_receiver_each([two, two], [zero, one])
+    assert not cross_process.one_receiver_each([two, two, three, three], [zero, one, zero, one])
+
+
+def _refusing_put(value, sharding, from_host):
+    raise RuntimeError("UNAVAILABLE: socket closed")
+
+
+def test_a_failed_transfer_says_which_one():
+    meshes = _submeshes(2, 2)
+    blamed = []
+    ops = multi_process.ProcessOperations(
+        Shardings(meshes), put=_refusing_put, on_failure=blamed.append
+    )
+    transfer = Transfer(0, 1, dst_mesh=1, label="act s0->s1 mb3", src_mesh=0)
+    step = ops.transfer(5, transfer)
+    with pytest.raises(
+        mp.DistributedError,
+        match=r"transfer 5 'act s0->s1 mb3' from mesh 0 \(processes \[0\]\) to mesh 1 "
+        r"\(processes \[0\]\) failed on process 0: RuntimeError: UNAVAILABLE: socket closed\. "
+        r"If a process died",
+    ):
+        step([jnp.ones(4), None])
+    assert blamed == [
+        "making transfer 5 'act s0->s1 mb3' from mesh 0 (processes [0]) to mesh 1 (processes [0])"
+    ]  # a dead peer would have been named first
+
+
+def test_a_failed_transfer_from_the_host_says_so():
+    ops = multi_process.ProcessOperations(Shardings(_submeshes(2)), put=_refusing_put)
+    step = ops.transfer(0, Transfer(0, 1, dst_mesh=0, label="batch['x']"))
+    with pytest.raises(
+        mp.DistributedError,
+        match=r"transfer 0 \"batch\['x'\]\" from the host to mesh 0 \(processes \[0\]\) failed",
+    ):
+        step([np.ones(4), None])
+
+
+def test_a_refused_move_is_named_without_waiting_for_peers():
+    a, b = _submeshes(2, 4)  # different shapes: put_between_meshes refuses at once
+    blamed = []
+    ops = multi_process.ProcessOperations(Shardings([a, b]), on_failure=blamed.append)
+    step = ops.transfer(2, Transfer(0, 1, dst_mesh=1, label="grad s0->s1", src_mesh=0))
+    x = cross_process.put_from_host(np.ones(4), NamedSharding(a, P()))
+    with pytest.raises(mp.DistributedError, match=r"transfer 2 'grad s0->s1' .*failed.*same shape"):
+        step([x, None])
+    assert blamed == []  # our own refusal: no dead peer to look for
 
 
 def test_to_every_process_on_one_process_is_the_value():

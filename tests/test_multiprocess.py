@@ -8,51 +8,100 @@ The layouts (tests/mp_scripts/train.py, ``mesh_devices``): one stage per process
 processes with the batch sharded over them (4 x 2, ``span``), and stages on
 processes {0}, {0, 1}, {1}, {0, 1} (``mixed``: transfers between equal,
 overlapping and disjoint process sets, with weights tied across stages).
+One launch of 4 processes x 2 devices covers 2 stages each spanning two
+processes (the batch split over 4 devices) and 4 stages where every process
+holds a device of two stages (``pairs``, with weights tied across processes).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from mp_launch import check as _check
 from mp_launch import launch as _launch
+from mp_launch import launch_once as _launch_once
 from mp_launch import read_json as _read
 from mp_launch import run_single as _single
 
 pytestmark = pytest.mark.multiprocess
 
 RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4", "1f1b:4:4:span:mlp", "1f1b:4:4:mixed:lm_tied"]
+# 4 processes x 2 devices, 2 steps: 2 stages on processes {0, 1} and {2, 3}; 4 stages
+# where each process holds a device of two stages.
+RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied"]
+STEPS = {2: "3", 4: "2"}
 
 
 @pytest.fixture(scope="module")
-def training_results(tmp_path_factory):
-    multi, single = tmp_path_factory.mktemp("multi"), tmp_path_factory.mktemp("single")
-    runs = ",".join(RUNS)
-    done, _ = _launch(
-        "train.py", "--out", str(multi), "--runs", runs, "--steps", "3", fresh=((multi, True),)
+def single_results(tmp_path_factory):
+    """Every run of both launches as one process with 8 devices (one process start)."""
+    single = tmp_path_factory.mktemp("single")
+    by_steps = {STEPS[2]: RUNS, STEPS[4]: RUNS_4}
+    results = {}
+    for steps, runs in by_steps.items():
+        out = single / steps
+        out.mkdir()
+        _check(_single("train.py", "--out", str(out), "--runs", ",".join(runs), "--steps", steps))
+        results.update(_read(out, "losses_0.json"))
+    return results
+
+
+def _launched(tmp_path_factory, runs, processes):
+    multi = tmp_path_factory.mktemp(f"multi{processes}")
+    done, elapsed = _launch(
+        "train.py",
+        "--out",
+        str(multi),
+        "--runs",
+        ",".join(runs),
+        "--steps",
+        STEPS[processes],
+        processes=processes,
+        devices_per_process=8 // processes,
+        fresh=((multi, True),),
     )
     _check(done)
-    _check(_single("train.py", "--out", str(single), "--runs", runs, "--steps", "3"))
-    return [_read(multi, "losses_0.json"), _read(multi, "losses_1.json")], _read(
-        single, "losses_0.json"
-    )
+    print(f"{processes} processes: {elapsed:.1f} s")
+    return [_read(multi, f"losses_{p}.json") for p in range(processes)]
 
 
-@pytest.mark.parametrize("run", RUNS)
-def test_two_processes_train_like_one(training_results, run):
-    per_process, single = training_results
+@pytest.fixture(scope="module")
+def training_results(tmp_path_factory, single_results):
+    return _launched(tmp_path_factory, RUNS, 2), single_results
+
+
+@pytest.fixture(scope="module")
+def four_process_results(tmp_path_factory, single_results):
+    return _launched(tmp_path_factory, RUNS_4, 4), single_results
+
+
+def _assert_trained_like_one(per_process, single, run, spans_every_process=False):
     for result in per_process:  # every process sees the loss and the gathered parameters
-        if ":span" in run:  # every stage has devices of both processes: nothing is remote
+        if spans_every_process:  # every stage has devices of every process: nothing is remote
             assert result[run]["remote_before_gather"] == 0
-        else:  # some stages live on the other process only
+        else:  # some stages live on other processes only
             assert result[run]["remote_before_gather"] > 0
         assert result[run]["local_after_gather"]  # mp.distributed.gather made them local
         assert result[run]["losses"] == pytest.approx(single[run]["losses"], rel=1e-5)
         assert result[run]["param_sums"].keys() == single[run]["param_sums"].keys()
         for path, total in single[run]["param_sums"].items():
             assert result[run]["param_sums"][path] == pytest.approx(total, rel=1e-4, abs=1e-4)
-    assert len(set(single[run]["losses"])) > 1  # the steps trained (3 steps need not lower it)
+    assert len(set(single[run]["losses"])) > 1  # the steps trained (a few need not lower it)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_two_processes_train_like_one(training_results, run):
+    per_process, single = training_results
+    _assert_trained_like_one(per_process, single, run, spans_every_process=":span" in run)
+
+
+@pytest.mark.parametrize("run", RUNS_4)
+def test_four_processes_train_like_one(four_process_results, run):
+    per_process, single = four_process_results
+    assert len(per_process) == 4
+    _assert_trained_like_one(per_process, single, run)
 
 
 def test_mp_gather_works_in_a_multi_process_run(training_results):
@@ -77,7 +126,8 @@ def test_launched_coordinator_listens_on_loopback_only(training_results):
 
 
 def test_killed_peer_stops_the_others_with_distributed_error(tmp_path):
-    done, elapsed = _launch(
+    # launch_once: a SIGKILLed process exits with 137, which `launch` takes for a timeout.
+    done, elapsed = _launch_once(
         "train.py",
         "--out",
         str(tmp_path),
@@ -92,3 +142,29 @@ def test_killed_peer_stops_the_others_with_distributed_error(tmp_path):
     assert "died" in done.stdout or "failed" in done.stdout
     assert elapsed < 100  # bounded: no hang until the outer timeout
     assert not (tmp_path / "losses_0.json").exists()
+
+
+def test_killed_coordinator_is_named_as_the_cause(tmp_path):
+    # Process 0 hosts the coordination service: JAX aborts the others within
+    # milliseconds of losing it (no Python code runs first), so the launcher says
+    # where the failure started.
+    done, elapsed = _launch_once(
+        "train.py",
+        "--out",
+        str(tmp_path),
+        "--runs",
+        "1f1b:2:2",
+        "--steps",
+        "4",
+        NNX_MPMD_TEST_KILL_AT_STEP="2",
+        NNX_MPMD_TEST_KILL_PROCESS="0",
+    )
+    assert done.returncode == 128 + 9, done.stdout[-6000:]  # process 0's SIGKILL, first
+    assert "[p0] killing process 0 at step 2" in done.stdout
+    assert re.search(
+        r"nnx-mpmd launch: process 0 \(the coordinator\) failed first \(killed by signal 9\)\. "
+        r"It hosts the coordination service.*\[p0\] lines",
+        done.stdout,
+    ), done.stdout[-6000:]
+    assert "[p1] F" in done.stdout  # JAX's own abort of process 1 (a FATAL log line)
+    assert elapsed < 100  # bounded: no hang until the outer timeout

@@ -8,7 +8,9 @@ process gets ``NNX_MPMD_PROCESS_ID``, ``NNX_MPMD_NUM_PROCESSES`` and
 ``--devices-per-process K``, ``XLA_FLAGS`` for K simulated CPU devices. Output
 lines are prefixed with ``[pI]``. When a process fails, the others get
 ``--grace`` seconds to notice and stop on their own, then are terminated; the
-exit status is the first failure's (0 when all succeed).
+exit status is the first failure's (0 when all succeed). When process 0 (the
+coordinator) fails first, a note says that the others' aborts follow from it
+(`coordinator_lost_note`).
 
 Example:
     >>> main(["--processes", "2", "--", "python", "-c", "print('hi')"])  # doctest: +SKIP
@@ -31,7 +33,7 @@ from typing import IO
 
 from nnx_mpmd.runtime.multi_process import launch_env
 
-__all__ = ["free_port", "launch", "main"]
+__all__ = ["coordinator_lost_note", "free_port", "launch", "main"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,6 +75,34 @@ def _stop(procs: Sequence[subprocess.Popen], kill_after_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def coordinator_lost_note(status: int) -> str:
+    """What the launcher prints when process 0, which hosts the coordination service, fails first.
+
+    JAX aborts every other process as soon as it loses the coordination
+    service (its client's error poll fails within milliseconds, before any
+    Python code can react), so their own messages ("Terminating process
+    because the JAX distributed service detected fatal errors") only repeat
+    that process 0 is gone; this note says where to look.
+
+    Args:
+      status: process 0's exit status (``128 + signal`` when killed).
+
+    Returns:
+      The note, one line.
+
+    Example:
+      >>> coordinator_lost_note(137)[:60]
+      'nnx-mpmd launch: process 0 (the coordinator) failed first (e'
+    """
+    how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
+    return (
+        f"nnx-mpmd launch: process 0 (the coordinator) failed first ({how}). It hosts the "
+        "coordination service, so JAX aborts the other processes as soon as they lose it "
+        "('Terminating process because the JAX distributed service detected fatal errors'): "
+        "the cause is in process 0's output ([p0] lines)."
+    )
 
 
 def launch(
@@ -124,10 +154,14 @@ def launch(
         failed_at: float | None = None
         while True:
             codes = [p.poll() for p in procs]
-            for code in codes:
+            for i, code in enumerate(codes):
                 if code not in (None, 0) and status == 0:
                     status = 128 - code if code < 0 else code
                     failed_at = time.monotonic()
+                    if i == 0 and num_processes > 1:
+                        with lock:
+                            out.write(coordinator_lost_note(status) + "\n")
+                            out.flush()
             if all(code is not None for code in codes):
                 break
             if failed_at is not None and time.monotonic() - failed_at > grace_s:

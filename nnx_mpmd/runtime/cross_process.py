@@ -8,21 +8,26 @@ the same call on every process, `put_between_meshes`, which picks one of:
 * the destination sharding is the source's: nothing moves;
 * the shard layouts differ (another PartitionSpec): reshard on the source
   submesh first, so both sides cut the array the same way;
-* the two submeshes live on disjoint sets of processes: ``jax.device_put``
-  itself, which JAX runs as a cross-process transfer (NCCL inside PjRt on GPU;
-  on CPU over the socket `nnx_mpmd.distributed.initialize` sets up);
-* the sets of processes overlap (a stage spanning processes 0 and 1 to
-  another one): shard by shard, since JAX moves a whole array between
-  processes only when every shard crosses. A shard whose process holds it in
-  the source is copied there; the others move as one-device arrays, batched
-  into one ``jax.device_put``.
+* the two submeshes live on disjoint sets of processes and each source
+  process sends to one destination process only: ``jax.device_put`` itself,
+  which JAX runs as a cross-process transfer (NCCL inside PjRt on GPU; on CPU
+  over the socket `nnx_mpmd.distributed.initialize` sets up);
+* otherwise, shard by shard: the sets of processes overlap (a stage spanning
+  processes 0 and 1 to another one), and JAX moves a whole array between
+  processes only when every shard crosses; or one source process would send
+  to several processes (processes 2 and 3 to 0 and 1 with the devices paired
+  0-0, 1-1, 0-1, 1-0), which JAX 0.10.2 refuses with "PjRtArray has different
+  number of buffers than buffer_idxs" (`one_receiver_each`). A shard whose
+  process holds it in the source is copied there; the others move as
+  one-device arrays, batched into one ``jax.device_put``.
 
 Values from the host (the batch, Python scalars) go through `put_from_host`:
 every process holds the same host value, and each builds only its own shards.
 
 `to_every_process` makes a step's user output (the loss, metrics) readable on
 every process: a copy this process holds is kept, and one it does not hold is
-sent, replicated, to the processes that lack it.
+sent whole, through the coordination service's key-value store, to each
+process that lacks it.
 
 Example:
     >>> import jax, numpy as np
@@ -37,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -46,7 +52,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 
-__all__ = ["put", "put_between_meshes", "put_from_host", "shard_plan", "to_every_process"]
+__all__ = [
+    "one_receiver_each",
+    "put",
+    "put_between_meshes",
+    "put_from_host",
+    "shard_plan",
+    "to_every_process",
+]
 
 
 def _processes(sharding: Any) -> frozenset[int]:
@@ -177,6 +190,39 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     )
 
 
+def one_receiver_each(src_devices: Any, dst_devices: Any) -> bool:
+    """Whether each source process sends to one destination process only.
+
+    A ``jax.device_put`` between shardings of the same mesh shape and spec pairs
+    the i-th device of the source's mesh with the i-th of the destination's.
+    JAX 0.10.2 moves the array whole across processes only when every source
+    process sends to a single destination process (several source processes
+    may send to one); otherwise it fails with "PjRtArray has different number
+    of buffers than buffer_idxs", so `put_between_meshes` moves such arrays
+    shard by shard.
+
+    Args:
+      src_devices: the source mesh's devices in mesh order (``mesh.devices.flat``).
+      dst_devices: the destination mesh's devices, in the same order.
+
+    Returns:
+      True when the whole-array move works.
+
+    Example:
+      >>> from types import SimpleNamespace as Device
+      >>> two, three = Device(process_index=2), Device(process_index=3)
+      >>> zero, one = Device(process_index=0), Device(process_index=1)
+      >>> one_receiver_each([two, two, three, three], [zero, zero, one, one])
+      True
+      >>> one_receiver_each([two, two, three, three], [zero, one, zero, one])
+      False
+    """
+    receivers: dict[int, set[int]] = {}
+    for src, dst in zip(src_devices, dst_devices, strict=True):
+        receivers.setdefault(int(src.process_index), set()).add(int(dst.process_index))
+    return all(len(targets) == 1 for targets in receivers.values())
+
+
 def _mesh_shape(mesh: Mesh) -> tuple[tuple[str, int], ...]:
     return tuple(mesh.shape.items())
 
@@ -231,7 +277,9 @@ def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
         value = _reshard_program(aligned)(value)  # cut it the destination's way, on its mesh
     if value.sharding == sharding:
         return value
-    if _processes(value.sharding).isdisjoint(_processes(sharding)):
+    if _processes(value.sharding).isdisjoint(_processes(sharding)) and one_receiver_each(
+        value.sharding.mesh.devices.flat, sharding.mesh.devices.flat
+    ):
         return jax.device_put(value, sharding)  # every shard crosses: JAX moves it whole
     return _move_shards(value, sharding)
 
@@ -258,32 +306,6 @@ def put(value: Any, sharding: NamedSharding, from_host: bool) -> jax.Array:
     return put_between_meshes(value, sharding)
 
 
-def _receiver_meshes(size: int, missing: list[int]) -> list[Mesh]:
-    """Meshes of ``size`` devices that together touch every process in ``missing``.
-
-    Processes are taken ``size`` at a time (round robin over their devices), so
-    each mesh has as many devices as the source (what a cross-process
-    ``jax.device_put`` needs).
-    """
-    by_process: dict[int, list[Any]] = {}
-    for device in jax.devices():
-        by_process.setdefault(int(device.process_index), []).append(device)
-    meshes = []
-    for start in range(0, len(missing), size):
-        group = [by_process[p] for p in missing[start : start + size]]
-        picked: list[Any] = []
-        for depth in range(max(len(devices) for devices in group)):
-            picked.extend(devices[depth] for devices in group if depth < len(devices))
-        if len(picked) < size:
-            raise DistributedError(
-                f"cannot send a step output from a submesh of {size} devices to processes "
-                f"{missing[start : start + size]}: they have only {len(picked)} devices in all. "
-                "Use submeshes of at most as many devices as each process has."
-            )
-        meshes.append(Mesh(np.array(picked[:size]), ("receivers",)))
-    return meshes
-
-
 def _local_value(copy: jax.Array) -> jax.Array:
     """This process's whole copy: the array itself, or one replicated shard of it."""
     if copy.is_fully_addressable:
@@ -305,9 +327,10 @@ def to_every_process(x: Any) -> Any:
     Every process calls it with the same output. A copy this process holds
     whole is returned (a replicated copy that spans processes as this process's
     shard of it); when some process holds no whole copy, one copy (replicated
-    on its own submesh first if it is split over processes) is sent to every
-    such process. The decisions depend on shardings only, so every process
-    makes the same ones.
+    on its own submesh first if it is split over processes) is sent by the
+    lowest process that holds it to every such process, through the key-value
+    store (typed PRNG keys with ``jax.device_put``). The decisions depend on
+    shardings only, so every process makes the same ones.
 
     Args:
       x: a global jax.Array, an `MpmdArray` of them, or any other value
@@ -344,9 +367,60 @@ def to_every_process(x: Any) -> Any:
         if me in _processes(source.sharding):
             mine = _local_value(source)
         missing = sorted(set(missing) - _processes(source.sharding))
-    size = len(source.sharding.device_set)
-    for mesh in _receiver_meshes(size, missing):
-        moved = jax.device_put(source, NamedSharding(mesh, PartitionSpec()))
-        if moved.addressable_shards:
-            mine = _local_value(moved)
+    if jax.dtypes.issubdtype(source.dtype, jax.dtypes.prng_key):
+        return _sent_by_device_put(source, missing, mine, me)
+    return _sent_by_key_value_store(source, missing, mine, me)
+
+
+_OUTPUT_ROUNDS = itertools.count(1)
+
+
+def _sent_by_key_value_store(source: jax.Array, missing: list[int], mine: Any, me: int) -> Any:
+    """A whole step output sent to the ``missing`` processes through the key-value store.
+
+    A step output is small (a loss, metrics). Sent with ``jax.device_put``, the
+    copy for one of two receivers sometimes never arrived on CPU (4 processes x
+    2 devices, about 1 run in 3: the receiver waited forever and its peers
+    with it); the coordination service's key-value store has no such race.
+    The lowest process that holds the value publishes one key per receiver,
+    and each receiver deletes its key once read.
+    """
+    from nnx_mpmd.runtime.coordination import get_coordination
+
+    coordination = get_coordination()
+    round_ = next(_OUTPUT_ROUNDS)  # the same on every process: decided from shardings
+    sender = min(_processes(source.sharding))
+    keys = {p: f"output/{round_}/{p}" for p in missing}
+    if me == sender:
+        host = np.asarray(_local_value(source))
+        for key in keys.values():
+            coordination.publish_array(key, host)
+    if me in keys:
+        host = coordination.fetch_array(
+            keys[me], sender, source.shape, source.dtype, "receiving a step output"
+        )
+        coordination.delete(keys[me])
+        mine = jax.device_put(host, jax.local_devices()[0])
     return mine
+
+
+def _sent_by_device_put(source: jax.Array, missing: list[int], mine: Any, me: int) -> Any:
+    """A whole step output sent to one device of each ``missing`` process (``jax.device_put``)."""
+    sender = _first_device(source.sharding)
+    whole = [jax.device_put(_local_value(source), sender)] if sender.process_index == me else []
+    piece = jax.make_array_from_single_device_arrays(
+        source.shape, _one_device_sharding(sender), whole, dtype=source.dtype
+    )
+    for process in missing:
+        receiver = jax.local_devices(process_index=process)[0]
+        moved = jax.device_put(piece, _one_device_sharding(receiver))
+        if process == me:
+            mine = moved.addressable_shards[0].data
+    return mine
+
+
+def _first_device(sharding: Any) -> Any:
+    """The first device of ``sharding`` (in mesh order), the same on every process."""
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh.devices.flat[0]
+    return min(sharding.device_set, key=lambda d: d.id)

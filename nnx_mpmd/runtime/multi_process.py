@@ -42,6 +42,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd import _jax_compat
+from nnx_mpmd.compiler.instructions import Transfer
+from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.errors import DistributedError
@@ -50,7 +52,7 @@ from nnx_mpmd.placement.partition import MpmdArray
 from nnx_mpmd.runtime import cross_process, interpreter
 from nnx_mpmd.runtime.coordination import Coordination, get_coordination
 from nnx_mpmd.runtime.executor import DeviceOperations, Shardings, outputs_of
-from nnx_mpmd.runtime.interpreter import prepared_for
+from nnx_mpmd.runtime.interpreter import Step, prepared_for
 from nnx_mpmd.runtime.observers import Profiler
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "collect_local",
     "coordination_state",
     "coordinator_bind_address",
+    "ProcessOperations",
     "execute_multi_process",
     "launch_env",
 ]
@@ -259,6 +262,95 @@ def _wait_ready(values: Sequence[Any], coordination: Coordination, where: str) -
     coordination.check_peers(where, force=True)
 
 
+class ProcessOperations(DeviceOperations):
+    """`DeviceOperations` whose transfers move through the put hook and say which one failed.
+
+    A transfer that raises (a peer died mid-transfer, JAX refused the move)
+    becomes a `DistributedError` naming it: its index and label, the source
+    and destination meshes and the processes that hold them. Before that,
+    ``on_failure`` (the coordination's ``blame_peers``) gets a chance to name a
+    dead peer instead, which is the likelier cause.
+
+    Args:
+      shardings: the sharding cache of the submeshes.
+      put: how a transfer moves a value (`nnx_mpmd.runtime.cross_process.put`).
+      on_failure: called with a description of what failed before the error
+        is raised (may raise itself); None: nothing.
+
+    Example:
+      >>> import jax
+      >>> from nnx_mpmd.runtime.executor import Shardings
+      >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
+      >>> def refuse(value, sharding, from_host):
+      ...     raise RuntimeError("socket closed")
+      >>> ops = ProcessOperations(Shardings(meshes), put=refuse)
+      >>> step = ops.transfer(7, Transfer(0, 1, dst_mesh=1, label="act s0->s1 mb0", src_mesh=0))
+      >>> try:
+      ...     step([jax.numpy.ones(2), None])
+      ... except DistributedError as e:
+      ...     print(str(e).split(". If")[0])
+      transfer 7 'act s0->s1 mb0' from mesh 0 (processes [0]) to mesh 1 (processes [0]) failed on
+      process 0: RuntimeError: socket closed
+    """
+
+    def __init__(
+        self,
+        shardings: Shardings,
+        put: Any = cross_process.put,
+        on_failure: Any = None,
+    ) -> None:
+        super().__init__(shardings, put=put)
+        self.on_failure = on_failure
+
+    def transfer(self, index: int, ins: Transfer) -> Step | None:
+        step = super().transfer(index, ins)
+        if step is None:
+            return None
+        on_failure, submeshes = self.on_failure, self.shardings.submeshes
+
+        def named(store: list[Any]) -> Any:
+            try:
+                return step(store)  # type: ignore[misc]
+            except Exception as e:
+                what = describe_transfer(index, ins, submeshes)
+                if on_failure is not None and not isinstance(e, DistributedError):
+                    on_failure(f"making {what}")  # a dead peer is named first
+                raise DistributedError(
+                    f"{what} failed on process {jax.process_index()}: "
+                    f"{type(e).__name__}: {e}. If a process died or stalled, its log says why; "
+                    "otherwise every process must run the same step with the same arguments."
+                ) from e
+
+        return named
+
+
+def describe_transfer(index: int, ins: Transfer, submeshes: Sequence[Any]) -> str:
+    """``transfer 3 'act s0->s1 mb0' from mesh 0 (processes [0, 1]) to mesh 1 (...)``.
+
+    Args:
+      index: the instruction's index in the step.
+      ins: the transfer.
+      submeshes: the jax Mesh of each mesh id.
+
+    Returns:
+      The description used in error messages.
+
+    Example:
+      >>> import jax
+      >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
+      >>> describe_transfer(0, Transfer(0, 1, dst_mesh=1, label="batch"), meshes)
+      "transfer 0 'batch' from the host to mesh 1 (processes [0])"
+    """
+
+    def where(mesh: int) -> str:
+        if mesh == HOST:
+            return "the host"
+        processes = sorted({int(d.process_index) for d in submeshes[mesh].devices.flat})
+        return f"mesh {mesh} (processes {processes})"
+
+    return f"transfer {index} {ins.label!r} from {where(ins.src_mesh)} to {where(ins.dst_mesh)}"
+
+
 def execute_multi_process(
     step: CompiledStep,
     inputs: Sequence[Any],
@@ -298,12 +390,12 @@ def execute_multi_process(
     submeshes = list(mesh.submeshes)
     check_mesh_context(submeshes)
     shardings = shardings or Shardings(submeshes)
+    coordination = get_coordination()
     _, prepared = prepared_for(
         step,
         ("processes", shardings),
-        lambda: DeviceOperations(shardings, put=cross_process.put),
+        lambda: ProcessOperations(shardings, on_failure=coordination.blame_peers),
     )
-    coordination = get_coordination()
     where = f"running a step (call {next(_ROUNDS)})"
     store = interpreter.load_store(step, inputs)
     try:

@@ -1,12 +1,17 @@
 """Trains the test models with several schedules and writes the losses (spawned by tests).
 
-Runs the same way as one process (8 CPU devices) or under
-``nnx-mpmd launch --processes 2 --devices-per-process 4``. A run is
-``schedule:meshes:stages[:layout[:model]]`` (layout ``span``: every stage spans
-both processes, see `mesh_devices`; model: one of pipeline_models.MODELS). Every process writes
+Runs the same way as one process (8 CPU devices) or under ``nnx-mpmd launch``
+with 8 devices in all (``--processes 2 --devices-per-process 4`` or
+``--processes 4 --devices-per-process 2``). A run is
+``schedule:meshes:stages[:layout[:model]]`` (layout: how stages sit on the
+devices, see `mesh_devices`; model: one of pipeline_models.MODELS). Every process writes
 ``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run
 (after ``mp.distributed.gather``), how many parameters were remote before the
-gather, and (process 0) the address the coordination service listens on.
+gather, the seconds of the first step, and (process 0) the address the
+coordination service listens on.
+
+``NNX_MPMD_TEST_KILL_AT_STEP=i`` SIGKILLs one process at the start of step i:
+the last one, or ``NNX_MPMD_TEST_KILL_PROCESS`` (0 is the coordinator).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script hangs
     import faulthandler
@@ -43,19 +49,31 @@ SCHEDULES = {"1f1b": schedules.OneFOneB, "interleaved": schedules.Interleaved1F1
 
 
 def mesh_devices(meshes: int, layout: str) -> np.ndarray:
-    """The (stage, data) device grid over 2 processes x 4 devices (or 8 on one process).
+    """The (stage, data) device grid over 8 devices (process p holds the p-th run of them).
 
-    ``proc``: devices in process order, so each stage is on one process (2 stages) or a
-    process holds two stages (4); ``span``: stage i gets device i of every process, so
-    every stage spans both processes; ``mixed`` (4 stages of 2): stages on processes
-    {0}, {0, 1}, {1}, {0, 1}, so transfers go between equal, overlapping and disjoint
-    process sets.
+    With 2 processes x 4 devices: ``proc``: devices in process order, so each stage
+    is on one process (2 stages) or a process holds two stages (4); ``span``: stage
+    i gets device i of every process, so every stage spans both processes; ``mixed``
+    (4 stages of 2): stages on processes {0}, {0, 1}, {1}, {0, 1}, so transfers go
+    between equal, overlapping and disjoint process sets. With 4 processes x 2
+    devices: ``proc`` with 2 stages puts each stage on two processes ({0, 1} and
+    {2, 3}, the batch split over 4 devices); ``pairs`` (4 stages of 2): stage 0 on
+    devices 0 and 2, stage 1 on 1 and 3 (processes {0, 1} both), stages 2 and 3
+    likewise on processes {2, 3}, so every process holds a device of two stages
+    and transfers go between equal and disjoint process sets; ``shift`` (4 stages
+    of 2) moves every stage one device on, so stage i sits on processes
+    {i, i + 1 mod 4} (a ring of stages over the processes; see the guide's
+    limits: it deadlocks on CPU).
     """
     devices = np.array(jax.devices()[:8])
     if layout == "span":
         return devices.reshape(-1, meshes).T  # column p: process p's devices
     if layout == "mixed":
         return devices[[0, 1, 2, 4, 5, 6, 7, 3]].reshape(4, 2)
+    if layout == "shift":
+        return np.roll(devices, -1).reshape(meshes, -1)
+    if layout == "pairs":
+        return devices[[0, 2, 1, 3, 4, 6, 5, 7]].reshape(4, 2)
     return devices.reshape(meshes, -1)
 
 
@@ -67,19 +85,30 @@ def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
     )
     model, opt, loss_fn, kind = build(model_name, opt_name, stages)
     microbatches = 4
+    threads = os.environ.get("NNX_MPMD_TEST_COMPILE_THREADS")  # 1: no precompile
     step = mp.jit(
-        train_step_fn(loss_fn), mesh=mesh, schedule=SCHEDULES[name](), num_microbatches=microbatches
+        train_step_fn(loss_fn),
+        mesh=mesh,
+        schedule=SCHEDULES[name](),
+        num_microbatches=microbatches,
+        compile_threads=int(threads) if threads else None,
     )
     losses = []
     kill_at = int(os.environ.get("NNX_MPMD_TEST_KILL_AT_STEP", "-1"))
+    victim = int(os.environ.get("NNX_MPMD_TEST_KILL_PROCESS", str(info.num_processes - 1)))
+    first_step_s = 0.0
     for i in range(steps):
         batch = make_batch(kind, microbatches * 2 * data, seed=i)
-        if i == kill_at and info.process_id == info.num_processes - 1:
+        if i == kill_at and info.process_id == victim:
             # Die at the start of this step: the others are left waiting for this process's
             # part of it. (A timer firing "mid-step" raced with tiny, fast steps: all of them
             # could finish before it fired.)
+            print(f"killing process {victim} at step {i}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        start = time.perf_counter()
         losses.append(float(step(model, opt, batch)))
+        if i == 0:
+            first_step_s = time.perf_counter() - start
     values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
     remote_before = sum(mp.distributed.is_remote(x) for x in values)
     mp.distributed.gather(model)  # a collective; no mesh needed
@@ -97,6 +126,7 @@ def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
         "remote_before_gather": remote_before,
         "local_after_gather": all_local,
         "mp_gather": try_mp_gather(opt),
+        "first_step_s": first_step_s,
     }
 
 
