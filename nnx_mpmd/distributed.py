@@ -369,13 +369,19 @@ def _placed_like(value: Any, like: Any) -> Any:
 def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
     """Temporarily gives every Variable in ``tree`` a fully replicated global value.
 
-    Checkpointing libraries (orbax) need every process to pass the same global
-    arrays. Inside the block each Variable of the NNX objects in ``tree`` holds
-    one ``jax.Array`` replicated over all devices of ``mesh``; on exit each
-    Variable gets its placement back, keeping any value written meanwhile (a
-    restore). A collective in a multi-process run: every process enters it
-    with the same tree. Each array must fit in every process's memory; typed
-    PRNG key arrays are left as they are.
+    Inside the block each Variable of the NNX objects in ``tree`` holds one
+    ``jax.Array`` replicated over all devices of ``mesh``; on exit each
+    Variable gets its placement back, keeping any value written meanwhile. A
+    collective in a multi-process run: every process enters it with the same
+    tree. It copies every array to every device of every process (``(P - 1) *
+    size`` bytes between P processes per array), so each array must fit in
+    every device's memory; typed PRNG key arrays are left as they are.
+
+    Checkpoints do not need it: `nnx_mpmd.checkpoint.save` and ``restore``
+    take placed state as it is in a multi-process run (every process passes
+    the same tree) and move at most one shard per array to each process that
+    holds none of it (see the checkpointing guide). Use it for code that needs every value replicated on
+    every device.
 
     Args:
       tree: NNX models and optimizers (placed on ``mesh``).
