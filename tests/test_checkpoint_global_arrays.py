@@ -94,3 +94,24 @@ def test_one_process_saves_and_moves_as_before():
     assert global_arrays.savable(x) is x
     moved = global_arrays.move_to(x, SingleDeviceSharding(jax.devices()[3]))
     assert moved.devices() == {jax.devices()[3]}
+
+
+def test_a_moved_shard_that_never_arrives_raises(monkeypatch):
+    monkeypatch.setattr(global_arrays, "multi_process", lambda: True)
+    monkeypatch.setattr(global_arrays, "peer_timeout_s", lambda: 0.0)
+    never = SimpleNamespace(data=SimpleNamespace(is_ready=lambda: False), device=jax.devices()[2])
+    kept = [SimpleNamespace(addressable_shards=[never])]
+    with pytest.raises(
+        CheckpointError, match=r"1 shard\(s\) moved .* did not arrive .* device cpu:2"
+    ):
+        global_arrays.settle_moves(kept)
+
+
+def test_a_fingerprint_no_process_holds_raises(monkeypatch):
+    monkeypatch.setattr(global_arrays, "multi_process", lambda: True)
+    monkeypatch.setattr(global_arrays, "_known_here", lambda row: None)
+    monkeypatch.setattr(
+        global_arrays.multihost_utils, "process_allgather", lambda table: table[None]
+    )
+    with pytest.raises(CheckpointError, match="no process holds fingerprint row 0"):
+        global_arrays.fingerprints([fingerprint(jnp.ones(2))])

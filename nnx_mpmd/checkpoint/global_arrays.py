@@ -49,6 +49,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +60,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s
 from nnx_mpmd.runtime.cross_process import put_between_meshes
 
 __all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding"]
@@ -284,15 +287,23 @@ def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
     return _move_shards(source, target, kept)
 
 
+_SETTLE_ROUNDS = itertools.count()
+
+
 def settle_moves(kept: list) -> None:
     """Waits until every shard moved by `savable` has arrived, on every process.
 
     A collective: a sender keeps its one-device arrays (in ``kept``) until
-    every process has what it receives (a CPU cross-process transfer whose
-    source is freed first never arrives), then ``kept`` is emptied.
+    every process has what it receives, then ``kept`` is emptied. Bounded: a
+    move that has not arrived within ``NNX_MPMD_PEER_TIMEOUT`` seconds raises,
+    and the other processes' barrier then times out with a `DistributedError`.
 
     Args:
       kept: the list passed to `savable`.
+
+    Raises:
+      CheckpointError: a moved shard did not arrive in time (names its device).
+      DistributedError: a peer died or did not reach the barrier.
 
     Example:
       >>> settle_moves([])  # nothing moved
@@ -300,10 +311,23 @@ def settle_moves(kept: list) -> None:
     if not kept or not multi_process():
         kept.clear()
         return
-    for array in kept:
-        for shard in array.addressable_shards:
-            shard.data.block_until_ready()
-    multihost_utils.sync_global_devices("nnx_mpmd.checkpoint: shards moved for saving")
+    waiting = [shard for array in kept for shard in array.addressable_shards]
+    deadline = time.monotonic() + peer_timeout_s()
+    while waiting:
+        waiting = [shard for shard in waiting if not shard.data.is_ready()]
+        if waiting and time.monotonic() > deadline:
+            raise CheckpointError(
+                f"{len(waiting)} shard(s) moved to this process (process {jax.process_index()}) "
+                f"for a checkpoint save did not arrive within {peer_timeout_s():.0f} s (the "
+                f"first on device {waiting[0].device}); a peer died or a cross-process "
+                "transfer was lost. Retry the save; raise NNX_MPMD_PEER_TIMEOUT if peers are "
+                "just slow."
+            )
+        if waiting:
+            time.sleep(0.01)
+    get_coordination().barrier(
+        f"checkpoint/moves/{next(_SETTLE_ROUNDS)}", "saving a checkpoint (moved shards)"
+    )
     kept.clear()
 
 
