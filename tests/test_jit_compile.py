@@ -152,7 +152,9 @@ def test_concurrent_compilation_compiles_every_program_of_the_first_run_once(sch
     lowered, ran, loss = _compilations(schedule, data, compile_threads=4)
     assert lowered > 0 and ran == 0  # every program of the run was compiled ahead
     serial_lowered, serial_ran, serial_loss = _compilations(schedule, data, compile_threads=1)
-    assert serial_lowered == 0 and serial_ran == lowered  # and nothing twice
+    # and nothing twice: equal programs on equal submeshes even compile once
+    # (tests/test_program_sharing.py), where the serial run compiles each
+    assert serial_lowered == 0 and 0 < lowered <= serial_ran
     assert loss == serial_loss
 
 

@@ -287,10 +287,23 @@ class PipelinedFunction:
             ) from None
 
     def _compile_programs(self, compiled: CompiledStep, inputs: list[Any]) -> dict[str, list[Any]]:
-        """Compiles ``compiled``'s programs ahead of time, once per lowered step."""
+        """Compiles ``compiled``'s programs ahead of time, once per lowered step.
+
+        In one process, a program whose lowered module equals one compiled for
+        an equal-shaped submesh is not compiled again: the executable is loaded
+        for its devices. Every call in ``compiled.instructions`` then goes to
+        its program's executables (`nnx_mpmd.runtime.program_sharing.SharedProgram`),
+        set before the step first runs, so that no module is loaded twice.
+        """
+        import dataclasses
+
+        from nnx_mpmd.compiler.instructions import Call
+        from nnx_mpmd.runtime.program_sharing import SharedProgram
+
         found = self._executables.get(id(compiled))
         if found is None:
             found = self._executables[id(compiled)] = {}
+            loaded: dict[str, list[Any]] | None = None if self.mesh.is_multi_process else {}
             precompile(
                 compiled,
                 inputs,
@@ -299,7 +312,19 @@ class PipelinedFunction:
                 max_workers=self.compile_threads,
                 batch_axis=compiled.batch_axis,  # None where the step replicates it
                 executables=found,
+                loaded=loaded,
             )
+            if loaded is not None:  # before the step is first prepared (cached on it)
+                shared: dict[str, SharedProgram] = {}
+                routed = []
+                for ins in compiled.instructions:
+                    name = str(ins.program) if isinstance(ins, Call) else None
+                    if found.get(name):
+                        if name not in shared:
+                            shared[name] = SharedProgram(ins.fn, found[name])
+                        ins = dataclasses.replace(ins, fn=shared[name])
+                    routed.append(ins)
+                compiled.instructions = routed
         return found
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:

@@ -13,6 +13,11 @@ and a transfer's output is its input on the destination mesh. Each distinct
 pool, as soon as its arguments are known; ``jax.jit``'s own cache then serves
 the real run.
 
+Programs that are the same module on equal-shaped submeshes (middle stages,
+virtual stages) are compiled once when asked (``loaded=``): the others load
+that executable for their own devices (`nnx_mpmd.runtime.program_sharing`),
+and the caller routes their calls to it.
+
 It is an optimisation only: a program whose abstract arguments turn out to
 differ from the real ones is compiled again by the real call, and a program
 that fails to lower here raises its error in the real call, where the error
@@ -29,12 +34,13 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer, slots_in
 from nnx_mpmd.compiler.region import microbatch_spec
 from nnx_mpmd.compiler.step import CompiledStep
-from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime import interpreter, program_sharing
 from nnx_mpmd.runtime.executor import Shardings, kept_spec, transferred_shape
 from nnx_mpmd.runtime.interpreter import Step, build
 
@@ -92,6 +98,19 @@ def _outputs(out_tree: Any, out_avals: Any, shardings: Any) -> Any:
     )
 
 
+def _committed_to(args: Any, mesh: Any) -> bool:
+    """Whether some argument is on ``mesh`` and none elsewhere (then jit runs on ``mesh``)."""
+    on_mesh = False
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            continue
+        if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+            return False
+        on_mesh = True
+    return on_mesh
+
+
 def _contains_unknown(value: Any) -> bool:
     return any(leaf is _UNKNOWN for leaf in jax.tree.leaves(value, is_leaf=lambda x: x is _UNKNOWN))
 
@@ -117,22 +136,39 @@ class _Pending(NamedTuple):
 
 
 class _Compiler:
-    """Traces, lowers and compiles each distinct (program, signature) once."""
+    """Traces, lowers and compiles each distinct (program, signature) once.
 
-    def __init__(self, executables: dict[str, list[Any]] | None = None) -> None:
+    With ``share=True``, a program whose lowered module equals one compiled
+    for an equal-shaped submesh (`nnx_mpmd.runtime.program_sharing`) is not
+    compiled: once that compilation finishes, the other's executable is loaded
+    for its devices, or, on the same devices, used as it is (two argument
+    signatures that lower to one module, ``P()`` and ``P(None, None)`` say),
+    and recorded in ``loaded`` by program name.
+    """
+
+    def __init__(
+        self, executables: dict[str, list[Any]] | None = None, share: bool = False
+    ) -> None:
         self.lock = threading.Lock()
         self.jobs: dict[Any, Future] = {}
         self.compiled = 0
         # XLA's compiled programs by program name, for Compiled.memory_analysis().
         self.executables = executables
+        self.share = share
+        # share key -> Future of (executable, submesh) of the program compiled for it
+        self.shared: dict[Any, Future] = {}
+        self.loaded: dict[str, list[Any]] = {}
 
-    def outputs(self, fn: Any, args: tuple[Any, ...], on_traced: Any, name: str = "") -> Any:
+    def outputs(
+        self, fn: Any, args: tuple[Any, ...], on_traced: Any, name: str = "", mesh: Any = None
+    ) -> Any:
         """The abstract outputs of ``fn(*args)``, or a Future of them.
 
-        A Future comes back when another job compiles the same signature: the
-        caller finishes when it does, without holding a thread meanwhile.
-        ``on_traced`` is called with the outputs' shapes (no shardings) as soon
-        as they are known, which is before compilation for the owning call.
+        A Future comes back when another job compiles the same signature (or,
+        shared, the same module for another submesh): the caller finishes when
+        it does, without holding a thread meanwhile. ``on_traced`` is called
+        with the outputs' shapes (no shardings) as soon as they are known,
+        which is before compilation for the owning call.
         """
         if _contains_unknown(args) or not hasattr(fn, "trace"):
             on_traced(_UNKNOWN)
@@ -145,18 +181,81 @@ class _Compiler:
                 job = self.jobs[key] = Future()
         if not owner:
             return job
+        shared: Future | None = None
         try:
             traced = fn.trace(*args)
             on_traced(_outputs(traced.out_tree, traced.out_avals, None))
-            compiled = traced.lower().compile()
+            lowered = traced.lower()
+            share = None
+            if self.share and _committed_to(args, mesh):
+                share = program_sharing.share_key(lowered.as_text(), mesh)
+            if share is not None:
+                with self.lock:
+                    source = self.shared.get(share)
+                    if source is None:
+                        shared = self.shared[share] = Future()
+                if source is not None:
+                    return self._load(share, source, traced, job, name, mesh, lowered)
+            if shared is None:
+                compiled = lowered.compile()
+            else:
+                compiled, fresh = program_sharing.compile_fresh(lowered)
+                runs_here = program_sharing.runs_on(compiled, mesh)
+                shared.set_result((compiled, mesh, fresh) if runs_here else None)
             job.set_result(_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings))
             with self.lock:
                 self.compiled += 1
                 if self.executables is not None:
                     self.executables.setdefault(name, []).append(compiled)
         except Exception:  # the real call raises it where it belongs
+            if shared is not None and not shared.done():
+                shared.set_result(None)
             job.set_result(_UNKNOWN)
         return job.result()
+
+    def _load(
+        self,
+        key: Any,
+        source: Future,
+        traced: Any,
+        job: Future,
+        name: str,
+        mesh: Any,
+        lowered: Any,
+    ) -> Future:
+        """``job``, done once ``source``'s executable is loaded for ``mesh`` (or compiled)."""
+
+        def load(done: Future) -> None:
+            try:
+                found = done.result()
+                source, source_mesh, fresh = found if found is not None else (None, None, False)
+                if source is not None and program_sharing.same_devices(source_mesh, mesh):
+                    compiled, shared = source, True  # the same program: never load it twice
+                elif source is not None and (fresh or program_sharing.recall(key) is not None):
+                    # a fresh executable of this module: this step's, or an earlier step's
+                    # (the copy JAX's disk cache gave this step cannot be serialized again)
+                    executable = program_sharing.recall(key)
+                    if executable is None:
+                        executable = program_sharing.serialized(source, source_mesh)
+                        program_sharing.remember(key, executable)
+                    compiled, shared = program_sharing.load_serialized(executable, mesh), True
+                else:  # the first one failed, runs elsewhere, or only the disk cache has it
+                    compiled, shared = lowered.compile(), False
+                with self.lock:
+                    if shared:
+                        self.loaded.setdefault(name, []).append(compiled)
+                    else:
+                        self.compiled += 1
+                with self.lock:
+                    if self.executables is not None:
+                        self.executables.setdefault(name, []).append(compiled)
+                shardings = compiled.output_shardings
+                job.set_result(_outputs(traced.out_tree, traced.out_avals, shardings))
+            except Exception:  # the real call compiles it, or raises where it belongs
+                job.set_result(_UNKNOWN)
+
+        source.add_done_callback(load)
+        return job
 
 
 def precompile(
@@ -167,6 +266,7 @@ def precompile(
     max_workers: int | None = None,
     batch_axis: Any = _STEP_BATCH_AXIS,
     executables: dict[str, list[Any]] | None = None,
+    loaded: dict[str, list[Any]] | None = None,
 ) -> int:
     """Compiles the programs of ``step``'s first run concurrently.
 
@@ -191,9 +291,18 @@ def precompile(
         unless the step replicates its batch. Defaults to ``step.batch_axis``.
       executables: if given, receives XLA's compiled programs by program name
         (``F0``, ``post.L0.mesh1``), one per distinct argument signature.
+      loaded: if given (a dict), each program whose lowered module equals one
+        compiled for an equal-shaped submesh (or for the same one, under
+        another argument signature) is not compiled: that executable is loaded
+        for its devices (`nnx_mpmd.runtime.program_sharing`), or used as it
+        is, and put here by program name (and in ``executables``). Route the
+        program's calls through a
+        `nnx_mpmd.runtime.program_sharing.SharedProgram` of its
+        ``executables`` to run them. Single-process steps only: every device
+        must be addressable.
 
     Returns:
-      How many programs were compiled here.
+      How many programs were compiled here (loaded ones not included).
 
     Example:
       >>> # `nnx_mpmd.jit` calls it before a new step's first run.
@@ -206,9 +315,13 @@ def precompile(
     workers = max_workers or min(8, os.cpu_count() or 2)
     slots = interpreter.load_store(step, inputs, convert=_abstract)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile") as pool:
-        operations = _AbstractOperations(pool, shardings, submeshes, batch_axis, executables)
+        operations = _AbstractOperations(
+            pool, shardings, submeshes, batch_axis, executables, share=loaded is not None
+        )
         interpreter.run(interpreter.prepare(step.instructions, operations), slots)
         wait(operations.jobs)  # before the pool closes: finished jobs submit their dependants
+    if loaded is not None:
+        loaded.update(operations.compiler.loaded)
     return operations.compiler.compiled
 
 
@@ -229,19 +342,23 @@ class _AbstractOperations:
         submeshes: Sequence[Any],
         batch_axis: str | None,
         executables: dict[str, list[Any]] | None = None,
+        share: bool = False,
     ) -> None:
         self.pool = pool
         self.shardings = shardings
         self.submeshes = submeshes
         self.batch_axis = batch_axis
-        self.compiler = _Compiler(executables)
+        self.compiler = _Compiler(executables, share)
         self.jobs: list[Future] = []
 
     def call(self, index: int, ins: Call) -> Step:
         def start_compiling(slots: list[Any]) -> Future:
             reads = {slot: slots[slot] for slot in ins.reads()}
             traced: Future = Future()
-            job = _after(self.pool, reads.values(), _run_call, self.compiler, ins, reads, traced)
+            mesh = self.submeshes[ins.mesh] if 0 <= ins.mesh < len(self.submeshes) else None
+            job = _after(
+                self.pool, reads.values(), _run_call, self.compiler, ins, reads, traced, mesh
+            )
             self.jobs += [job, traced]
             for slot in ins.writes():
                 slots[slot] = _Pending(job, slot, traced)
@@ -323,7 +440,9 @@ def _resolve(value: Any) -> Any:
     return result.get(value.slot, _UNKNOWN)
 
 
-def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Future) -> Any:
+def _run_call(
+    compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Future, mesh: Any = None
+) -> Any:
     def by_slot(result: Any) -> Any:
         out: dict[int, Any] = {}
         _assign(out, ins.outs, result)
@@ -336,7 +455,7 @@ def _run_call(compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Fut
     try:
         values = {slot: _resolve(value) for slot, value in reads.items()}
         args = tuple(build(values, a) for a in ins.args)
-        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program))
+        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program), mesh)
     except Exception:
         result = _UNKNOWN
     if isinstance(result, Future):  # a duplicate: finish when its owner does

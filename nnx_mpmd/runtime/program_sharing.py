@@ -1,0 +1,386 @@
+"""Compiling each distinct program once: one XLA executable loaded on several submeshes.
+
+A pipeline's middle stages are often the same code on equal-shaped submeshes
+(the transformer blocks of stages 1 and 2, the virtual stages of an
+interleaved schedule, the optimizer update of equal stages). ``jax.jit``
+compiles each of them separately, since their device assignments differ.
+Their lowered modules are identical except for the module's name
+(``jit_F1``, ``jit_F2``): shardings in a module name devices by their position
+in the device assignment, never by id. This module compiles the first one and
+loads XLA's executable again for the other submesh's devices, in the same
+positions (device ``k`` of one submesh's flattened device order takes the
+place of device ``k`` of the other's).
+
+Only an executable that XLA compiled in this process is loaded again: one
+that JAX's persistent compilation cache loaded is not serialized a second time
+(`compile_fresh`), and its equals compile (or hit the cache) themselves.
+
+Programs share an executable only when everything XLA compiles is the same:
+the key is the whole lowered StableHLO text with the module's name removed
+(compared as text, not as a hash), together with the submesh's axis names,
+sizes and types and its platform; and every argument and result sharding of
+the executable must be a ``NamedSharding`` on exactly the program's own
+submesh, so that the devices it runs on are known. Anything else compiles as
+usual.
+
+Example:
+  >>> share_key("module @jit_F1 attributes {}\\n", None) is None  # no submesh: never shared
+  True
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+from jax.sharding import Mesh, NamedSharding
+
+from nnx_mpmd.errors import CompileError
+
+__all__ = [
+    "SHARED_PLATFORMS",
+    "Serialized",
+    "SharedProgram",
+    "compile_fresh",
+    "load_for_devices",
+    "load_serialized",
+    "recall",
+    "remember",
+    "runs_on",
+    "same_devices",
+    "serialized",
+    "share_key",
+]
+
+#: Platforms whose executables are loaded on other devices. Others compile every
+#: program: loading with a new device assignment is verified on CPU only.
+SHARED_PLATFORMS = frozenset({"cpu"})
+
+_HEADER = "module @"
+
+
+def share_key(text: str, mesh: Mesh | None) -> tuple[Any, ...] | None:
+    """The key under which a program's executable is shared, or None (never shared).
+
+    Args:
+      text: the lowered module's text (``jax.stages.Lowered.as_text()``).
+      mesh: the submesh the program runs on.
+
+    Returns:
+      ``(platform, axis names, axis sizes, axis types, text without the module
+      name)``, or None when ``mesh`` is None, its platform is not in
+      `SHARED_PLATFORMS`, or the text does not start with a module header.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> a = share_key("module @jit_F1 attributes {x}\\n  body\\n", mesh)
+      >>> a == share_key("module @jit_F2 attributes {x}\\n  body\\n", mesh)
+      True
+      >>> a == share_key("module @jit_F2 attributes {y}\\n  body\\n", mesh)
+      False
+    """
+    if mesh is None or not text.startswith(_HEADER):
+        return None
+    platform = mesh.devices.flat[0].platform
+    if platform not in SHARED_PLATFORMS:
+        return None
+    header, newline, body = text.partition("\n")
+    name, space, attributes = header[len(_HEADER) :].partition(" ")
+    if not name or not space:
+        return None
+    return (
+        platform,
+        tuple(mesh.axis_names),
+        tuple(mesh.devices.shape),
+        tuple(str(t) for t in mesh.axis_types),
+        attributes + newline + body,
+    )
+
+
+def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
+    """Whether every argument and result of ``compiled`` is a NamedSharding on ``mesh``.
+
+    Then ``mesh``'s flattened devices are the executable's devices, in order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))
+      >>> runs_on(jax.jit(lambda v: v + 1).lower(x).compile(), mesh)
+      True
+    """
+    shardings = jax.tree.leaves(
+        (compiled.input_shardings, compiled.output_shardings),
+        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
+    )
+    return bool(shardings) and all(
+        isinstance(s, NamedSharding) and same_devices(s.mesh, mesh) for s in shardings
+    )
+
+
+def same_devices(a: Mesh, b: Mesh) -> bool:
+    """Whether two meshes have the same devices in the same positions.
+
+    Example:
+      >>> import jax
+      >>> a = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> same_devices(a, jax.make_mesh((1,), ("model",), devices=jax.devices()[:1]))
+      True
+    """
+    return a.devices.shape == b.devices.shape and all(
+        x.id == y.id for x, y in zip(a.devices.flat, b.devices.flat, strict=True)
+    )
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_listening = threading.Lock()
+_listener_installed = False
+
+
+def _on_event(event: str, **kwargs: Any) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
+    """``lowered.compile()``, and whether XLA compiled it here (not a persistent-cache hit).
+
+    An executable that JAX loaded from its persistent compilation cache must
+    not be serialized again: on CPU (jax 0.10) the copy loses its kernels
+    ("Function ... not found" when it runs), so such an executable is never
+    the source of `load_for_devices`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> compiled, fresh = compile_fresh(jax.jit(lambda v: v - 1).lower(jnp.ones(5)))
+      >>> isinstance(fresh, bool)
+      True
+    """
+    global _listener_installed
+    with _listening:
+        if not _listener_installed:
+            jax.monitoring.register_event_listener(_on_event)
+            _listener_installed = True
+    before = getattr(_hits, "count", 0)
+    compiled = lowered.compile()
+    return compiled, getattr(_hits, "count", 0) == before
+
+
+class _Remapping(serialize_executable._JaxPjrtUnpickler):
+    """Unpickles an executable for other devices: device ``k`` of ``source`` is ``target[k]``.
+
+    Relies on: ``jax.experimental.serialize_executable._JaxPjrtUnpickler`` (its
+    ``persistent_load`` of ``("device", id)`` and ``("exec", bytes)`` records) and
+    ``Client.deserialize_executable(bytes, devices, compile_options)``, whose
+    compile options carry the new device assignment (jax 0.10).
+    """
+
+    def __init__(self, file: Any, source_ids: Sequence[int], target: Sequence[Any]) -> None:
+        backend = target[0].client
+        super().__init__(file, backend, list(target))
+        self.by_source_id = dict(zip(source_ids, target, strict=True))
+        self.options = _compile_options(target)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "device":
+            return self.by_source_id[pid[1]]
+        if pid[0] == "exec":
+            return self.backend.deserialize_executable(pid[1], self.execution_devices, self.options)
+        return super().persistent_load(pid)
+
+
+def _compile_options(devices: Sequence[Any]) -> Any:
+    """Compile options whose device assignment is ``devices`` as SPMD partitions.
+
+    Relies on: ``jaxlib._jax.CompileOptions`` and ``DeviceAssignment.create`` of
+    a ``[replicas, partitions]`` id array (jax programs on a mesh are one
+    replica with one partition per device).
+    """
+    from jaxlib import _jax
+
+    options = _jax.CompileOptions()
+    options.num_replicas = 1
+    options.num_partitions = len(devices)
+    options.device_assignment = _jax.DeviceAssignment.create(
+        np.array([[d.id for d in devices]], dtype=np.int64)
+    )
+    return options
+
+
+class Serialized(NamedTuple):
+    """An executable serialized with the ids of the devices it was compiled for."""
+
+    payload: bytes
+    in_tree: Any
+    out_tree: Any
+    source_ids: tuple[int, ...]
+
+
+def serialized(compiled: jax.stages.Compiled, source: Mesh) -> Serialized:
+    """``compiled`` (fresh from XLA, running on ``source``) as bytes to load elsewhere.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))
+      >>> serialized(jax.jit(lambda v: v + 1).lower(x).compile(), mesh).source_ids
+      (0,)
+    """
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    return Serialized(payload, in_tree, out_tree, tuple(d.id for d in source.devices.flat))
+
+
+def load_serialized(executable: Serialized, target: Mesh) -> jax.stages.Compiled:
+    """Loads a `Serialized` executable on ``target``'s devices, position by position.
+
+    Raises:
+      CompileError: ``target`` has another number of devices than the source.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> a, b = (jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2])
+      >>> on = lambda m: jax.device_put(jnp.ones(2), NamedSharding(m, P()))
+      >>> moved = load_serialized(serialized(jax.jit(lambda v: v + 1).lower(on(a)).compile(), a), b)
+      >>> moved(on(b)).sharding.mesh.devices.tolist() == b.devices.tolist()
+      True
+    """
+    targets = list(target.devices.flat)
+    if len(targets) != len(executable.source_ids):
+        raise CompileError(
+            f"cannot load a program compiled for {len(executable.source_ids)} devices on "
+            f"{target} ({len(targets)} devices); compile it for that submesh instead."
+        )
+    unpickler = _Remapping(io.BytesIO(executable.payload), executable.source_ids, targets)
+    unloaded, args_info_flat, no_kwargs = unpickler.load()
+    return jax.stages.Compiled(
+        unloaded.load(),
+        [],
+        executable.in_tree.unflatten(args_info_flat),
+        executable.out_tree,
+        no_kwargs=no_kwargs,
+    )
+
+
+def load_for_devices(
+    compiled: jax.stages.Compiled, source: Mesh, target: Mesh
+) -> jax.stages.Compiled:
+    """``compiled`` (which runs on ``source``) loaded to run on ``target`` instead.
+
+    Args:
+      compiled: an executable XLA compiled in this process (not one loaded from
+        JAX's persistent cache: see `compile_fresh`) for which `runs_on`
+        ``(compiled, source)`` holds.
+      source: the submesh it was compiled for.
+      target: an equal-shaped submesh (same axis names, sizes and types).
+
+    Returns:
+      A ``jax.stages.Compiled`` whose device ``k`` is ``target``'s ``k``-th device.
+
+    Raises:
+      CompileError: the submeshes differ in axis names, sizes or types.
+      ValueError: the executable cannot be serialized (it closes over constants).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> a, b = (jax.make_mesh((2,), ("data",), devices=jax.devices()[i:i + 2]) for i in (0, 2))
+      >>> on = lambda m: jax.device_put(jnp.arange(4.0), NamedSharding(m, P("data")))
+      >>> compiled = jax.jit(lambda v: v * 2).lower(on(a)).compile()
+      >>> moved = load_for_devices(compiled, a, b)
+      >>> y = moved(on(b))
+      >>> [int(v) for v in y], y.sharding.mesh.devices.tolist() == b.devices.tolist()
+      ([0, 2, 4, 6], True)
+    """
+    if (
+        source.axis_names != target.axis_names
+        or source.devices.shape != target.devices.shape
+        or source.axis_types != target.axis_types
+    ):
+        raise CompileError(
+            f"cannot load a program compiled for {source} on {target}: the submeshes "
+            "differ in axis names, sizes or types; compile it for that submesh instead."
+        )
+    return load_serialized(serialized(compiled, source), target)
+
+
+#: Fresh executables of this process by `share_key`, so that a later step whose
+#: own copy came from JAX's persistent cache can still load its equals.
+_REMEMBERED: collections.OrderedDict[Any, Serialized] = collections.OrderedDict()
+_REMEMBERED_MAX = 256
+_remembering = threading.Lock()
+
+
+def remember(key: Any, executable: Serialized) -> None:
+    """Keeps ``executable`` for `recall` ``(key)`` (the most recent 256 keys).
+
+    Example:
+      >>> remember(("example",), Serialized(b"", None, None, (0,)))
+      >>> recall(("example",)).source_ids
+      (0,)
+    """
+    with _remembering:
+        _REMEMBERED[key] = executable
+        _REMEMBERED.move_to_end(key)
+        while len(_REMEMBERED) > _REMEMBERED_MAX:
+            _REMEMBERED.popitem(last=False)
+
+
+def recall(key: Any) -> Serialized | None:
+    """The executable `remember` kept for ``key``, or None."""
+    with _remembering:
+        return _REMEMBERED.get(key)
+
+
+class SharedProgram:
+    """A program's callable that runs executables loaded from another submesh's program.
+
+    Calls go to the first executable whose argument types and shardings match
+    (JAX checks them before running anything; equivalent shardings such as
+    ``P()`` and ``P(None, None)`` match), which is tried first next time;
+    calls that match none go to the program's own ``jit`` function, which
+    compiles for them as usual.
+
+    Args:
+      fn: the program's jitted function.
+      loaded: executables for this program's submesh: compiled for it, or
+        loaded from an equal program's (`load_for_devices`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> fn = jax.jit(lambda v: v + 1)
+      >>> shared = SharedProgram(fn, [fn.lower(jnp.ones(3)).compile()])
+      >>> [float(v) for v in shared(jnp.ones(2))]  # no executable for 2 elements: fn runs
+      [2.0, 2.0]
+      >>> [float(v) for v in shared(jnp.zeros(3))]
+      [1.0, 1.0, 1.0]
+    """
+
+    def __init__(self, fn: Callable[..., Any], loaded: Sequence[jax.stages.Compiled]) -> None:
+        self.fn = fn
+        self.loaded = list(loaded)
+
+    def __call__(self, *args: Any) -> Any:
+        executables = self.loaded
+        for i, executable in enumerate(executables):
+            try:
+                result = executable(*args)
+            except (TypeError, ValueError):  # arguments of another type: checked before running
+                continue
+            if i:  # the one that ran is tried first next time
+                self.loaded = [executable, *executables[:i], *executables[i + 1 :]]
+            return result
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"SharedProgram({self.fn!r}, {len(self.loaded)} loaded)"

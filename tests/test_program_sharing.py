@@ -1,0 +1,123 @@
+"""Each distinct program compiles once: equal stages on equal submeshes share an executable."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.runtime import program_sharing
+from nnx_mpmd.runtime.program_sharing import SharedProgram, load_for_devices, share_key
+
+
+def _submesh(ids, names=("data",)):
+    devices = np.array([jax.devices()[i] for i in ids]).reshape(len(ids), *[1] * (len(names) - 1))
+    return jax.sharding.Mesh(devices, names)
+
+
+def _reduce(w, x):
+    y = jnp.tanh(x @ w)
+    return y, jnp.sum(y, axis=0), jnp.sum(y)  # all-reduces over the data axis
+
+
+def _args(mesh, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    return (
+        jax.device_put(w, NamedSharding(mesh, P())),
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+    )
+
+
+@pytest.mark.parametrize("target_ids", [(2, 3), (7, 4)], ids=["in-order", "reversed-ids"])
+def test_a_loaded_executable_runs_on_the_target_devices_in_their_order(target_ids):
+    source, target = _submesh((0, 1)), _submesh(target_ids)
+    fn = jax.jit(_reduce)
+    compiled = fn.lower(*_args(source)).compile()
+    assert program_sharing.runs_on(compiled, source)
+    loaded = load_for_devices(compiled, source, target)
+    args = _args(target, seed=1)
+    with count_compilations() as counter:
+        got = loaded(*args)
+    assert counter.count == 0
+    want = fn(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert g.sharding == w.sharding
+        assert [s.device for s in g.addressable_shards] == [s.device for s in w.addressable_shards]
+
+
+def test_loading_on_a_submesh_of_another_shape_is_an_error():
+    source = _submesh((0, 1))
+    compiled = jax.jit(_reduce).lower(*_args(source)).compile()
+    with pytest.raises(mp.CompileError, match=r"differ in axis names, sizes or types"):
+        load_for_devices(compiled, source, _submesh((2, 3, 4, 5)))
+    with pytest.raises(mp.CompileError, match=r"compile it for that submesh instead"):
+        load_for_devices(compiled, source, _submesh((2, 3), names=("model",)))
+
+
+def test_share_key_ignores_only_the_module_name():
+    mesh = _submesh((0, 1))
+    a = jax.jit(_reduce).lower(*_args(mesh)).as_text()
+    renamed = a.replace("module @jit__reduce", "module @jit_other", 1)
+    assert a != renamed and share_key(a, mesh) == share_key(renamed, mesh)
+    donated = jax.jit(_reduce, donate_argnums=1).lower(*_args(mesh)).as_text()
+    assert share_key(donated, mesh) != share_key(a, mesh)
+    assert share_key(a, _submesh((0, 1), names=("model",))) != share_key(a, mesh)
+    assert share_key(a, None) is None
+    assert share_key("func.func @main", mesh) is None
+
+
+def test_a_shared_program_with_other_arguments_runs_its_own_function():
+    source, target = _submesh((0, 1)), _submesh((2, 3))
+    fn = jax.jit(_reduce)
+    loaded = load_for_devices(fn.lower(*_args(source)).compile(), source, target)
+    shared = SharedProgram(fn, [loaded])
+    on_target = _args(target)
+    np.testing.assert_array_equal(shared(*on_target)[2], fn(*on_target)[2])
+    assert shared.loaded == [loaded]
+    elsewhere = _args(_submesh((4, 5)))  # other devices: the check fails before running
+    np.testing.assert_array_equal(shared(*elsewhere)[2], fn(*elsewhere)[2])
+    assert shared.loaded == [loaded] and "1 loaded" in repr(shared)
+
+
+def test_equal_middle_stages_compile_once_and_match_nnx_jit():
+    # Stages 1 and 2 are the same block on equal 2-device submeshes: their F, B,
+    # init and update programs are the same modules.
+    model, opt, loss_fn, kind = build("lm", "adamw", 4)
+    ref_model, ref_opt, _, _ = build("lm", "adamw", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 2, jax.sharding.AxisType.Auto),
+        schedule=mp.OneFOneB(),
+        num_microbatches=2,
+    )
+    batch = make_batch(kind, 8)
+    with count_compilations() as first:
+        lowered = step.lower(model, opt, batch)
+        compiled = lowered.compile()
+    named = compiled.executables()
+    assert set(named) == set(lowered.programs)
+    distinct = {id(e) for found in named.values() for e in found}
+    assert first.count < len(lowered.programs) <= len(distinct)
+    assert {"F1", "F2", "B1", "B2"} <= set(lowered.programs)
+    shared = {type(ins.fn).__name__ for ins in lowered.compiled.instructions if hasattr(ins, "fn")}
+    assert "SharedProgram" in shared
+
+    ref_step = nnx.jit(train_step_fn(loss_fn, num_microbatches=2))
+    with count_compilations() as runs:
+        losses = [float(step(model, opt, make_batch(kind, 8, seed=s))) for s in (0, 1)]
+    assert runs.count == 0  # nothing compiles again, loaded programs included
+    want = [float(ref_step(ref_model, ref_opt, make_batch(kind, 8, seed=s))) for s in (0, 1)]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got, ref = params_of(mp.gather(model)), params_of(ref_model)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
