@@ -19,6 +19,8 @@ $(DOCSTAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev,docs]"
 	touch $@
 
+# Compiled programs are cached in ~/.cache/nnx_mpmd/jax, so a second `make demo`
+# reaches its first step sooner; DEMO_ARGS=--no-compile-cache turns that off.
 demo: $(STAMP)
 	$(BIN)/python -m nnx_mpmd train $(DEMO_ARGS)
 

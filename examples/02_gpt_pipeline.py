@@ -25,6 +25,7 @@ from flax import nnx
 import nnx_mpmd as mp
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus
 from nnx_mpmd.models import build_model, lm_loss
+from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 
 def main() -> None:
@@ -32,6 +33,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
+    # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
+    # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
+    enable_compile_cache()
 
     text = stdlib_corpus(300_000)
     tokenizer = CharTokenizer.from_text(text)

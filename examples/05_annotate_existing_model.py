@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
+from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 # ---- a model written without nnx_mpmd -------------------------------------------
 
@@ -76,6 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
+    # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
+    enable_compile_cache()
 
     model = mp.assign_stages(make_model(), STAGE_OF_PATH)
     print(mp.annotate.stage_summary(model))

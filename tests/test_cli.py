@@ -42,7 +42,8 @@ WITHOUT_MATPLOTLIB = (
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # No compilation cache in the user's home from tests (tests/test_train.py checks it).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE="off")
     flag = "--xla_force_host_platform_device_count=8"
     if flag not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()

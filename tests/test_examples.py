@@ -29,20 +29,24 @@ def test_every_example_is_smoke_tested():
 @pytest.mark.parametrize(("script", "flags", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_example_runs(script, flags, expected, tmp_path):
     # Without XLA_FLAGS: each example must ask for its 8 CPU devices itself.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+    }
     if script == "04_checkpoint_resume.py":
         flags = [*flags, "--dir", str(tmp_path)]
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *flags],
         capture_output=True,
         text=True,
-        env={**env, "JAX_PLATFORMS": "cpu"},
+        env={**env, "JAX_PLATFORMS": "cpu", "NNX_MPMD_COMPILE_CACHE": str(tmp_path / "cache")},
         cwd=tmp_path,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert expected in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+    # Each example turns JAX's persistent compilation cache on (here: under tmp_path).
+    assert list((tmp_path / "cache").glob("*-cache")), "the example wrote no compilation cache"
 
 
 def test_annotate_example_shows_the_paths_next_to_a_wrong_one(tmp_path):
@@ -50,7 +54,7 @@ def test_annotate_example_shows_the_paths_next_to_a_wrong_one(tmp_path):
         [sys.executable, str(EXAMPLES / "05_annotate_existing_model.py"), "--steps", "1"],
         capture_output=True,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "NNX_MPMD_COMPILE_CACHE": "off"},
         cwd=tmp_path,
         timeout=300,
     )

@@ -22,8 +22,15 @@ TINY = [
 ]  # fmt: skip
 
 
-def _env(device_flag: bool = True) -> dict[str, str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _env(device_flag: bool = True, cache_home=None) -> dict[str, str]:
+    """A subprocess's environment; its compilation cache goes under ``cache_home``
+    (``$XDG_CACHE_HOME``, the default location), or is off without one."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE="off")
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE"):
+        env.pop(name, None)
+    if cache_home is not None:
+        env.pop("NNX_MPMD_COMPILE_CACHE")
+        env["XDG_CACHE_HOME"] = str(cache_home)
     if not device_flag:
         env.pop("XLA_FLAGS", None)
     return env
@@ -37,16 +44,41 @@ def _metrics(run_dir) -> list[dict]:
 def finished_run(tmp_path_factory):
     """A 4-step run in a fresh process that must set its own CPU device count."""
     run_dir = tmp_path_factory.mktemp("run")
+    cache_home = tmp_path_factory.mktemp("cache_home")  # the default cache goes here
     argv = [*TINY, "--steps", "4", "--devices", "2", "--profile", "--sample-tokens", "12"]
     proc = subprocess.run(
         [sys.executable, "-m", "nnx_mpmd", "train", *argv, "--run-dir", str(run_dir)],
         capture_output=True,
         text=True,
-        env=_env(device_flag=False),
+        env=_env(device_flag=False, cache_home=cache_home),
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc.cache_dir = cache_home / "nnx_mpmd" / "jax"
     return run_dir, proc
+
+
+def test_run_writes_the_compilation_cache_by_default(finished_run):
+    _, proc = finished_run
+    entries = list(proc.cache_dir.glob("*-cache"))
+    assert len(entries) >= 4, sorted(p.name for p in proc.cache_dir.iterdir())
+    assert any(p.name.startswith("jit_F0-") for p in entries)
+    assert f"compile cache {proc.cache_dir}" in proc.stdout
+
+
+def test_no_compile_cache_writes_no_cache(tmp_path):
+    argv = [*TINY, "--steps", "1", "--ckpt-every", "0", "--val-batches", "0"]
+    argv += ["--sample-tokens", "0", "--run-dir", str(tmp_path / "run"), "--no-compile-cache"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", "train", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(cache_home=tmp_path / "cache_home"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compile cache off" in proc.stdout
+    assert not (tmp_path / "cache_home" / "nnx_mpmd").exists()  # (matplotlib caches there)
 
 
 def test_run_writes_metrics_pictures_checkpoints_and_sample(finished_run):
@@ -101,6 +133,7 @@ BAD_INPUTS = [
     ),
     (["--resume"], r"--resume: .* holds no checkpoints/ directory"),
     (["--allow-changed-settings"], r"only applies with --resume"),
+    (["--compile-cache", "c", "--no-compile-cache"], r"--compile-cache=c and --no-compile-cache"),
 ]
 
 

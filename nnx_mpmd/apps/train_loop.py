@@ -59,6 +59,12 @@ VAL_FRACTION = 0.05
 DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
 
 
+def _compile_cache_text() -> str:
+    """Where JAX's persistent compilation cache is, or ``off``."""
+    directory = jax.config.jax_compilation_cache_dir
+    return directory if directory and jax.config.jax_enable_compilation_cache else "off"
+
+
 def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
     """One optimizer step on the mean next-token loss (the step ``mp.jit`` compiles).
 
@@ -398,7 +404,7 @@ class Trainer:
             f"({jax.devices()[0].platform}), schedule {self.schedule!r}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
             f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
-            f"run dir {self.run_dir}"
+            f"run dir {self.run_dir}; compile cache {_compile_cache_text()}"
         )
 
     def _metrics(self) -> list[dict[str, Any]]:
