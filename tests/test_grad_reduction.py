@@ -194,3 +194,59 @@ def test_run_deferring_leaves_a_data_reduction_unreduced():
     np.testing.assert_allclose(gx, ref[1], rtol=1e-5, atol=1e-7)
     # Only the batch mean's own reduction (3 floats) is all-reduced in the backward.
     assert all_reduce_bytes(text) <= 3 * 4 * 2, all_reduce_bytes(text)
+
+
+class Lookup(nnx.Module):
+    """An embedding lookup whose rows come out sharded like the ids (Explicit axes)."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.table = nnx.Param(jax.random.normal(rngs.params(), (32, WIDTH)) * 0.1)
+
+    def __call__(self, ids):
+        sharding = jax.typeof(ids).sharding
+        out = NamedSharding(sharding.mesh, P(*sharding.spec, None))
+        return self.table[...].at[ids].get(out_sharding=out)
+
+
+class LookupModel(mp.PipelinedModel):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.embed = mp.Stage(Lookup(rngs=rngs), stage=0)
+        self.out = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=1)
+
+    def __call__(self, ids):
+        return self.out(jnp.tanh(self.embed(ids)))
+
+
+def _lookup_loss(model, batch):
+    return jnp.mean((model(batch["ids"]).mean(1) - batch["y"]) ** 2)
+
+
+def test_embedding_lookup_gradient_is_reduced_once():
+    """The transpose of a lookup (a scatter-add of the batch's rows) is scattered per
+    device and reduced with the other gradients, once per step."""
+    models = [LookupModel(rngs=nnx.Rngs(0)) for _ in range(2)]
+    opts = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "ids": rng.integers(0, 32, size=(MICROBATCHES * 4, 3)).astype(np.int32),
+            "y": rng.normal(size=(MICROBATCHES * 4, WIDTH)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    reference = nnx.jit(train_step_fn(_lookup_loss, MICROBATCHES))
+    mesh = make_mesh(2, 2, AxisType.Explicit)
+    pipelined = mp.jit(
+        train_step_fn(_lookup_loss), mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    lowered = pipelined.lower(models[1], opts[1], batches[0])
+    executables = lowered.compile().executables()
+    total = step_all_reduce_bytes(lowered.compiled.instructions, executables)
+    assert total / _param_bytes(models[1]) <= 1.25
+    assert all_reduce_bytes(executables["B0"][0].as_text()) == 0
+    for batch in batches:
+        ref = float(reference(models[0], opts[0], batch))
+        np.testing.assert_allclose(float(pipelined(models[1], opts[1], batch)), ref, rtol=1e-5)
+    expected, got = params_of(models[0]), params_of(models[1])
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-5, err_msg=path)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from nnx_mpmd.compiler.instructions import Call, Instruction
 
@@ -149,7 +149,13 @@ class GradientReduction:
         spec = sharding.spec
         axes = spec.unreduced | {self.axis} if unreduced else spec.unreduced - {self.axis}
         new = PartitionSpec(*_partitions(spec, ndim), unreduced=axes, reduced=spec.reduced)
-        return NamedSharding(sharding.mesh, new)
+        mesh = sharding.mesh
+        types = dict(zip(mesh.axis_names, mesh.axis_types))
+        if types.get(self.axis, AxisType.Explicit) != AxisType.Explicit:
+            # A constant JAX made without the mesh (the zeros a transpose scatters
+            # into) is typed on an Auto copy of it; unreduced needs the Explicit one.
+            mesh = mesh.update_axis_types({self.axis: AxisType.Explicit})
+        return NamedSharding(mesh, new)
 
     def unreduced(self, x: Any) -> Any:
         """``x`` as an unreduced value over the axis (no communication)."""
@@ -228,13 +234,24 @@ def _try_unreduced(eqn: Any, invals: list[Any], red: GradientReduction) -> list[
 
 
 class _Env:
-    """Values of a jaxpr's variables, with each unreduced one's reduced form cached."""
+    """Values of a jaxpr's variables, with each unreduced one's reduced form cached.
+
+    ``pending`` holds the gathers JAX emits before a scatter-add (the transpose
+    of an embedding lookup): ``{var: (reshard equation, its data-sharded input)}``,
+    done only if something other than `_local_scatter_add` reads the variable.
+    """
 
     def __init__(self, red: GradientReduction) -> None:
         self.red, self.values, self.reduced = red, {}, {}
+        self.pending: dict[Any, tuple[Any, Any]] = {}
 
     def read(self, v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else self.values[v]
+        if isinstance(v, jcore.Literal):
+            return v.val
+        if v in self.pending:
+            eqn, x = self.pending.pop(v)
+            self.values[v] = _bind(eqn, [x], dict(eqn.params))[0]
+        return self.values[v]
 
     def read_reduced(self, v: Any) -> Any:
         x = self.read(v)
@@ -245,16 +262,107 @@ class _Env:
         return self.reduced[v]
 
 
-def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
+def _reshard(eqn: Any, x: Any, red: GradientReduction) -> list[Any]:
+    """A reshard of an unreduced value: kept unreduced when it only changes that.
+
+    JAX ends a transpose with a reshard to the primal's sharding; when that
+    differs from ``x``'s only by the reduction, it is the reduction being
+    deferred. To a sharding over the axis it is a reduce-scatter, done here.
+    """
+    target = eqn.params.get("dst_sharding")
+    spec = target if isinstance(target, PartitionSpec) else getattr(target, "spec", None)
+    ndim = jnp.ndim(x)
+    same = spec is not None and _partitions(spec, ndim) == _partitions(_spec(x), ndim)
+    if same and red.axis not in spec.unreduced and spec.unreduced <= _spec(x).unreduced:
+        return [x]
+    return _bind(eqn, [x], dict(eqn.params))
+
+
+def _scatter_updates(jaxpr: Any) -> set[Any]:
+    """Variables made by a ``reshard`` and read only as a scatter-add's updates."""
+    reads: dict[Any, int] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal):
+                reads[v] = reads.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not isinstance(v, jcore.Literal):
+            reads[v] = reads.get(v, 0) + 2  # returned: never deferred
+    made = {e.outvars[0] for e in jaxpr.eqns if e.primitive.name == "reshard"}
+    updates = [
+        e.invars[2] for e in jaxpr.eqns if e.primitive.name == "scatter-add" and len(e.invars) == 3
+    ]
+    return {v for v in updates if v in made and reads.get(v) == 1}
+
+
+def _local_scatter_add(eqn: Any, env: _Env) -> list[Any] | None:
+    """A scatter-add of data-sharded updates as per-device scatters: an unreduced result.
+
+    JAX transposes a lookup ``table[ids]`` of a data-sharded batch into a gather
+    of the row cotangents onto every device, then a scatter-add. Scattering
+    each device's own rows instead (``shard_map``) gives per-device partial
+    sums of the same linear function: unreduced, with no communication.
+    """
+    if len(eqn.invars) != 3:
+        return None
+    red, (operand_var, indices_var, updates_var) = env.red, eqn.invars
+    if updates_var not in env.pending or isinstance(operand_var, jcore.Literal):
+        return None
+    operand, indices = env.read(operand_var), env.read(indices_var)
+    updates = env.pending[updates_var][1]
+    dnums, ndim = eqn.params["dimension_numbers"], jnp.ndim(updates)
+    scatter_dims = [d for d in range(ndim) if d not in dnums.update_window_dims]
+    parts = _partitions(_spec(updates), ndim)
+    if dnums.operand_batching_dims or any(_spec(x) is None for x in (operand, indices)):
+        return None
+    if red.is_unreduced(operand) or any(_partitions(_spec(operand), jnp.ndim(operand))):
+        return None
+    if any(
+        p is not None and (_names(p) != (red.axis,) or d not in scatter_dims)
+        for d, p in enumerate(parts)
+    ) or not red.sharded_over(updates):
+        return None
+    index_parts = [parts[d] for d in scatter_dims] + [None] * (
+        jnp.ndim(indices) - len(scatter_dims)
+    )
+    mesh = jax.typeof(updates).sharding.mesh
+    indices = jax.sharding.reshard(indices, NamedSharding(mesh, PartitionSpec(*index_parts)))
+
+    def local(i: Any, u: Any) -> Any:
+        zeros = jax.lax.pcast(jnp.zeros(operand.shape, operand.dtype), red.axis, to="varying")
+        return eqn.primitive.bind(zeros, i, u, **eqn.params)
+
+    out_spec = PartitionSpec(*[None] * jnp.ndim(operand), unreduced={red.axis})
+    specs = (PartitionSpec(*index_parts), PartitionSpec(*parts))
+    try:
+        partial = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec)(
+            indices, updates
+        )
+    except Exception:  # JAX refuses this layout: scatter the gathered rows as before
+        return None
+    env.pending.pop(updates_var)
+    return [red.unreduced(operand) + partial]
+
+
+def _eval_eqn(eqn: Any, env: _Env, deferred_updates: set[Any]) -> list[Any]:
     red = env.red
+    if eqn.primitive.name == "scatter-add":
+        outs = _local_scatter_add(eqn, env)
+        if outs is not None:
+            return outs
+    if eqn.primitive.name == "reshard" and eqn.outvars[0] in deferred_updates:
+        x = env.read(eqn.invars[0])
+        if red.sharded_over(x) and _float(x):
+            env.pending[eqn.outvars[0]] = (eqn, x)
+            return [None]
     invals = [env.read(v) for v in eqn.invars]
     if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
         inner = eqn.params["jaxpr"]
         closed = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, [])
         return _eval_jaxpr(closed.jaxpr, closed.consts, invals, red)
     if any(red.is_unreduced(x) for x in invals):
-        if eqn.primitive.name == "reshard":  # to a sharding over the axis: a reduce-scatter
-            return _bind(eqn, invals, dict(eqn.params))
+        if eqn.primitive.name == "reshard":
+            return _reshard(eqn, invals[0], red)
         outs = _try_unreduced(eqn, invals, red)
         if outs is not None:
             return outs
@@ -272,8 +380,12 @@ def _eval_jaxpr(
     env = _Env(red)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
+    deferred_updates = _scatter_updates(jaxpr)
     for eqn in jaxpr.eqns:
-        env.values.update(zip(eqn.outvars, _eval_eqn(eqn, env), strict=True))
+        outs = _eval_eqn(eqn, env, deferred_updates)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if v not in env.pending:
+                env.values[v] = x
     return [env.read(v) for v in jaxpr.outvars]
 
 
