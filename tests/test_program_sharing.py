@@ -121,3 +121,34 @@ def test_equal_middle_stages_compile_once_and_match_nnx_jit():
     got, ref = params_of(mp.gather(model)), params_of(ref_model)
     for name in ref:
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_fresh_executable_is_recalled_from_the_cache_directory(monkeypatch, tmp_path):
+    before = jax.config.jax_compilation_cache_dir  # (JAX's own cache keeps its directory)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        _recall_from_the_directory(monkeypatch, tmp_path)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _recall_from_the_directory(monkeypatch, tmp_path):
+    import collections
+    import pickle
+
+    source, target = _submesh((0, 1)), _submesh((6, 7))
+    fn = jax.jit(_reduce)
+    key = ("test-recall", share_key(fn.lower(*_args(source)).as_text(), source))
+    program_sharing.remember(
+        key, program_sharing.serialized(fn.lower(*_args(source)).compile(), source)
+    )
+    monkeypatch.setattr(program_sharing, "_REMEMBERED", collections.OrderedDict())
+    stored = program_sharing.recall(key)  # from the file: a later process's view
+    assert stored is not None and list(tmp_path.glob("nnx_mpmd_shared/*.pkl"))
+    got = program_sharing.load_serialized(stored, target)(*_args(target))
+    np.testing.assert_array_equal(got[2], fn(*_args(target))[2])
+    # A file whose stored key differs (another jax, other XLA flags...) is never used.
+    path = program_sharing._stored_path(key)
+    path.write_bytes(pickle.dumps((("another key",), stored)))
+    monkeypatch.setattr(program_sharing, "_REMEMBERED", collections.OrderedDict())
+    assert program_sharing.recall(key) is None

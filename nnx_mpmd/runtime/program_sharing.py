@@ -11,9 +11,11 @@ loads XLA's executable again for the other submesh's devices, in the same
 positions (device ``k`` of one submesh's flattened device order takes the
 place of device ``k`` of the other's).
 
-Only an executable that XLA compiled in this process is loaded again: one
-that JAX's persistent compilation cache loaded is not serialized a second time
-(`compile_fresh`), and its equals compile (or hit the cache) themselves.
+Only an executable that XLA compiled is loaded again: one that JAX's
+persistent compilation cache loaded is not serialized a second time
+(`compile_fresh`). The fresh one is kept (`remember`): in memory for later
+steps of the process, and, with the persistent cache on, in its directory
+(``nnx_mpmd_shared/``) for later processes; equals with nothing kept compile.
 
 Programs share an executable only when everything XLA compiles is the same:
 the key is the whole lowered StableHLO text with the module's name removed
@@ -31,7 +33,11 @@ Example:
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
+import os
+import pathlib
+import pickle
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -324,6 +330,10 @@ _remembering = threading.Lock()
 def remember(key: Any, executable: Serialized) -> None:
     """Keeps ``executable`` for `recall` ``(key)`` (the most recent 256 keys).
 
+    With JAX's persistent compilation cache on, it is also written next to it
+    (``<cache dir>/nnx_mpmd_shared/``), so that a later process whose copy of
+    the module comes from that cache can load its equals too.
+
     Example:
       >>> remember(("example",), Serialized(b"", None, None, (0,)))
       >>> recall(("example",)).source_ids
@@ -334,12 +344,59 @@ def remember(key: Any, executable: Serialized) -> None:
         _REMEMBERED.move_to_end(key)
         while len(_REMEMBERED) > _REMEMBERED_MAX:
             _REMEMBERED.popitem(last=False)
+    path = _stored_path(key)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            partial.write_bytes(pickle.dumps((_full_key(key), executable)))
+            os.replace(partial, path)  # readers never see a partial file
+        except Exception:  # an optimisation only: this process has it in memory
+            pass
 
 
 def recall(key: Any) -> Serialized | None:
-    """The executable `remember` kept for ``key``, or None."""
+    """The executable `remember` kept for ``key`` (here, or in the cache directory), or None."""
     with _remembering:
-        return _REMEMBERED.get(key)
+        found = _REMEMBERED.get(key)
+    if found is not None:
+        return found
+    path = _stored_path(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        stored_key, executable = pickle.loads(path.read_bytes())
+    except Exception:
+        return None
+    if stored_key != _full_key(key):  # the whole key, text included, not its hash alone
+        return None
+    with _remembering:
+        _REMEMBERED[key] = executable
+    return executable
+
+
+def _full_key(key: Any) -> tuple[Any, ...]:
+    """``key`` with what else decides the executable: versions, backend, XLA flags."""
+    import jaxlib
+
+    backend = jax.devices()[0].client
+    return (
+        key,
+        jax.__version__,
+        jaxlib.__version__,
+        backend.platform,
+        backend.platform_version,
+        os.environ.get("XLA_FLAGS", ""),
+    )
+
+
+def _stored_path(key: Any) -> pathlib.Path | None:
+    """Where `remember` stores ``key``'s executable, or None (no persistent cache)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
+        return None
+    digest = hashlib.sha256(repr(_full_key(key)).encode()).hexdigest()
+    return pathlib.Path(directory) / "nnx_mpmd_shared" / f"{digest}.pkl"
 
 
 class SharedProgram:
