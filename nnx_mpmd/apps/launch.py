@@ -93,8 +93,8 @@ def coordinator_lost_note(status: int) -> str:
       The note, one line.
 
     Example:
-      >>> coordinator_lost_note(137)[:60]
-      'nnx-mpmd launch: process 0 (the coordinator) failed first (e'
+      >>> coordinator_lost_note(137).split(". ")[0]
+      'nnx-mpmd launch: process 0 (the coordinator) failed first (killed by signal 9)'
     """
     how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
     return (
