@@ -74,7 +74,7 @@ class _LazyInit:
 
     def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
-        self.reduction = f.reduction
+        self.reduction = getattr(f, "reduction", None)
         self.label = self.__name__ = label
 
     def _gradient_sharding(self, param: Any) -> Any:
@@ -105,10 +105,11 @@ class _LazyInit:
 def compile_stage_programs(
     fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
 ) -> dict[ProgramKey, Callable[..., Any]]:
-    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init and reduce.
+    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init (and reduce).
 
     Accumulators and other per-step buffers are donated (the forward's loss/aux
-    accumulator, the backward's and ``reduce``'s gradient accumulator).
+    accumulator, the backward's and ``reduce``'s gradient accumulator). ``reduce``
+    exists for stages that accumulate unreduced gradients (`grad_reduction`).
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
@@ -119,8 +120,9 @@ def compile_stage_programs(
             ("BI", f.backward_input, {}),
             ("Fwd", f.forward_only, {}),
             ("BW", f.backward_weight, {"donate_argnums": (3,)}),
-            ("reduce", f.reduce, {"donate_argnums": (0,)}),
         ]
+        if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
+            jitted.append(("reduce", f.reduce, {"donate_argnums": (0,)}))
         for kind, fn, kwargs in jitted:
             programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
         submesh = submeshes[stage_mesh[k]]
@@ -266,7 +268,7 @@ def build_region_program(
     passes.append(("lower_schedule", ir))
     ir = fuse_forward_backward(ir, ctx)
     passes.append(("fuse_forward_backward", ir))
-    if plan.info.with_grad and plan.info.unreduced_axis is not None:
+    if plan.info.with_grad and getattr(plan.info, "unreduced_axis", None) is not None:
         ir = reduce_gradients_once(ir, ctx)
         passes.append(("reduce_gradients_once", ir))
     ir = insert_transfers(ir, ctx)

@@ -146,7 +146,8 @@ class RegionContext:
         if key not in self.programs:
             raise CompileError(
                 f"no program {key} among the region's programs ({len(self.programs)} given); "
-                "compile_stage_programs makes F, B, FB, BI, BW, Fwd, init and reduce for every stage."
+                "compile_stage_programs makes F, B, FB, BI, BW, Fwd and init for every stage "
+                "(and reduce for a stage with an unreduced data axis)."
             )
         return key, self.programs[key]
 
