@@ -6,6 +6,9 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Commands that tests start (nnx-mpmd train, examples) would otherwise write to
+# ~/.cache/nnx_mpmd/jax; tests that check the cache turn it on explicitly.
+os.environ.setdefault("NNX_MPMD_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 
