@@ -15,6 +15,11 @@ from flax.nnx import tracers as nnx_tracers
 
 __all__ = [
     "DIFFERENTIATION_FRAMES",
+    "FAST_COPY_AVAILABLE",
+    "RemappingUnpickler",
+    "batched_copy",
+    "compile_options_for_devices",
+    "sharding_device_list",
     "cluster_environment_present",
     "convert_constvars_jaxpr",
     "coordination_state",
@@ -142,3 +147,87 @@ def explicit_sharding_rejection(fn: Callable[..., Any], *args: Any) -> tuple[Any
         return fn(*args), None
     except ShardingTypeError as error:
         return None, error
+
+
+# -- Moving arrays without jax.device_put's Python (runtime/batched_copy.py) ----------
+
+try:  # private jaxlib API: batched_copy and sharding_device_list say what they rely on
+    import jaxlib.xla_client as _xla_client
+    from jax.sharding import NamedSharding as _NamedSharding
+
+    _batched_copy = _xla_client.batched_copy_array_to_devices_with_sharding
+    _REUSE_INPUT = _xla_client.ArrayCopySemantics.REUSE_INPUT
+    FAST_COPY_AVAILABLE = hasattr(_NamedSharding, "_internal_device_list")
+except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
+    _batched_copy, _REUSE_INPUT, FAST_COPY_AVAILABLE = None, None, False
+
+
+def sharding_device_list(sharding: Any) -> Any:
+    """The device list object a batched copy wants for ``sharding``.
+
+    Relies on: ``NamedSharding._internal_device_list`` (jax 0.10).
+    """
+    return sharding._internal_device_list
+
+
+def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Sequence[Any]) -> Any:
+    """Copies arrays to shardings in one call, with ``jax.device_put``'s copy semantics.
+
+    Relies on: ``jaxlib.xla_client.batched_copy_array_to_devices_with_sharding``
+    and ``ArrayCopySemantics.REUSE_INPUT`` (what ``jax.device_put`` itself calls for
+    an array copied to another sharding of the same layout, jax 0.10).
+    """
+    return _batched_copy(
+        list(values), list(device_lists), list(targets), [_REUSE_INPUT] * len(values)
+    )
+
+
+# -- Loading one compiled executable on other devices (runtime/program_sharing.py) ----
+
+
+def compile_options_for_devices(devices: Sequence[Any]) -> Any:
+    """Compile options whose device assignment is ``devices`` as SPMD partitions.
+
+    Relies on: ``jaxlib._jax.CompileOptions`` and ``DeviceAssignment.create`` of
+    a ``[replicas, partitions]`` id array (jax programs on a mesh are one
+    replica with one partition per device).
+    """
+    import numpy as np
+    from jaxlib import _jax
+
+    options = _jax.CompileOptions()
+    options.num_replicas = 1
+    options.num_partitions = len(devices)
+    options.device_assignment = _jax.DeviceAssignment.create(
+        np.array([[d.id for d in devices]], dtype=np.int64)
+    )
+    return options
+
+
+def _unpickler_base() -> Any:
+    from jax.experimental import serialize_executable
+
+    return serialize_executable._JaxPjrtUnpickler
+
+
+class RemappingUnpickler(_unpickler_base()):
+    """Unpickles an executable for other devices: device ``k`` of ``source`` is ``target[k]``.
+
+    Relies on: ``jax.experimental.serialize_executable._JaxPjrtUnpickler`` (its
+    ``persistent_load`` of ``("device", id)`` and ``("exec", bytes)`` records) and
+    ``Client.deserialize_executable(bytes, devices, compile_options)``, whose
+    compile options carry the new device assignment (jax 0.10).
+    """
+
+    def __init__(self, file: Any, source_ids: Sequence[int], target: Sequence[Any]) -> None:
+        backend = target[0].client
+        super().__init__(file, backend, list(target))
+        self.by_source_id = dict(zip(source_ids, target, strict=True))
+        self.options = compile_options_for_devices(target)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "device":
+            return self.by_source_id[pid[1]]
+        if pid[0] == "exec":
+            return self.backend.deserialize_executable(pid[1], self.execution_devices, self.options)
+        return super().persistent_load(pid)

@@ -14,9 +14,8 @@ itself calls for them, with the same copy semantics), and everything else
 Which path a value takes is decided once per (source sharding, destination
 sharding, shape) and cached, so the per-call work is a dictionary look-up.
 
-Relies on (private, jax 0.10 / jaxlib 0.10): ``jaxlib.xla_client.
-batched_copy_array_to_devices_with_sharding`` and ``ArrayCopySemantics``, and
-``NamedSharding._internal_device_list``. If they are missing, every value
+The private jaxlib calls this needs live in `nnx_mpmd._jax_compat`
+(``batched_copy``, ``sharding_device_list``). If they are missing, every value
 takes the ``jax.device_put`` path (`FAST_COPY_AVAILABLE` is False).
 
 Example:
@@ -42,16 +41,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
+
 __all__ = ["FAST_COPY_AVAILABLE", "BatchedCopier"]
-
-try:  # private jaxlib API: see the module docstring
-    import jaxlib.xla_client as _xla_client
-
-    _batched_copy = _xla_client.batched_copy_array_to_devices_with_sharding
-    _REUSE_INPUT = _xla_client.ArrayCopySemantics.REUSE_INPUT
-    FAST_COPY_AVAILABLE = hasattr(NamedSharding, "_internal_device_list")
-except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
-    _batched_copy, _REUSE_INPUT, FAST_COPY_AVAILABLE = None, None, False
 
 
 class BatchedCopier:
@@ -100,11 +92,10 @@ class BatchedCopier:
                 slow.append(n)
         out: list[Any] = [None] * len(values)
         if fast:
-            moved = _batched_copy(
+            moved = batched_copy(
                 [values[n] for n in fast],
                 [self._device_list(targets[n]) for n in fast],
                 [targets[n] for n in fast],
-                [_REUSE_INPUT] * len(fast),
             )
             for n, y in zip(fast, moved):
                 out[n] = y
@@ -120,7 +111,7 @@ class BatchedCopier:
     def _device_list(self, target: NamedSharding) -> Any:
         devices = self._devices.get(target)
         if devices is None:
-            devices = self._devices[target] = target._internal_device_list
+            devices = self._devices[target] = sharding_device_list(target)
         return devices
 
 

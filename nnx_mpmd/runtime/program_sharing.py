@@ -43,10 +43,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding
 
+from nnx_mpmd._jax_compat import RemappingUnpickler
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
@@ -181,47 +181,6 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
     return compiled, getattr(_hits, "count", 0) == before
 
 
-class _Remapping(serialize_executable._JaxPjrtUnpickler):
-    """Unpickles an executable for other devices: device ``k`` of ``source`` is ``target[k]``.
-
-    Relies on: ``jax.experimental.serialize_executable._JaxPjrtUnpickler`` (its
-    ``persistent_load`` of ``("device", id)`` and ``("exec", bytes)`` records) and
-    ``Client.deserialize_executable(bytes, devices, compile_options)``, whose
-    compile options carry the new device assignment (jax 0.10).
-    """
-
-    def __init__(self, file: Any, source_ids: Sequence[int], target: Sequence[Any]) -> None:
-        backend = target[0].client
-        super().__init__(file, backend, list(target))
-        self.by_source_id = dict(zip(source_ids, target, strict=True))
-        self.options = _compile_options(target)
-
-    def persistent_load(self, pid: Any) -> Any:
-        if pid[0] == "device":
-            return self.by_source_id[pid[1]]
-        if pid[0] == "exec":
-            return self.backend.deserialize_executable(pid[1], self.execution_devices, self.options)
-        return super().persistent_load(pid)
-
-
-def _compile_options(devices: Sequence[Any]) -> Any:
-    """Compile options whose device assignment is ``devices`` as SPMD partitions.
-
-    Relies on: ``jaxlib._jax.CompileOptions`` and ``DeviceAssignment.create`` of
-    a ``[replicas, partitions]`` id array (jax programs on a mesh are one
-    replica with one partition per device).
-    """
-    from jaxlib import _jax
-
-    options = _jax.CompileOptions()
-    options.num_replicas = 1
-    options.num_partitions = len(devices)
-    options.device_assignment = _jax.DeviceAssignment.create(
-        np.array([[d.id for d in devices]], dtype=np.int64)
-    )
-    return options
-
-
 class Serialized(NamedTuple):
     """An executable serialized with the ids of the devices it was compiled for."""
 
@@ -267,7 +226,7 @@ def load_serialized(executable: Serialized, target: Mesh) -> jax.stages.Compiled
             f"cannot load a program compiled for {len(executable.source_ids)} devices on "
             f"{target} ({len(targets)} devices); compile it for that submesh instead."
         )
-    unpickler = _Remapping(io.BytesIO(executable.payload), executable.source_ids, targets)
+    unpickler = RemappingUnpickler(io.BytesIO(executable.payload), executable.source_ids, targets)
     unloaded, args_info_flat, no_kwargs = unpickler.load()
     return jax.stages.Compiled(
         unloaded.load(),
