@@ -131,3 +131,27 @@ def test_compiled_without_a_function_cannot_run():
     with pytest.raises(TypeError, match="without a function to run it"):
         bare(model, opt, batch)
     assert jnp.isfinite(step(model, opt, batch))
+
+
+def test_instructions_list_a_receive_for_every_member_of_a_transfer_batch():
+    from nnx_mpmd.compiler.instructions import Transfer, TransferBatch
+
+    model = MLP(4, rngs=nnx.Rngs(0))  # 4 meshes: a tick moves activations and cotangents
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = mp.jit(
+        train_step_fn(mlp_loss), mesh=make_mesh(4, 2), schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    batch = {"x": np.ones((8, WIDTH), np.float32), "y": np.ones((8, WIDTH), np.float32)}
+    lowered = step.lower(model, opt, batch)
+    moves = []
+    for ins in lowered.compiled.instructions:
+        if isinstance(ins, TransferBatch):
+            moves.extend(ins.transfers)
+        elif isinstance(ins, Transfer):
+            moves.append(ins)
+    assert any(isinstance(ins, TransferBatch) for ins in lowered.compiled.instructions)
+    receives = [line for line in lowered.instructions() if ": receive " in line]
+    assert len(receives) == len(moves)
+    text = lowered.as_text()
+    for move in moves:
+        assert f"receive {move.label} ({move.nbytes} B)" in text

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from nnx_mpmd.compiler.instructions import Call, Transfer, format_instructions
+from nnx_mpmd.compiler.instructions import Call, Transfer, TransferBatch, format_instructions
 from nnx_mpmd.compiler.step import CompiledStep, PassRecord
 from nnx_mpmd.placement.mesh import MpmdMesh
 
@@ -104,8 +104,13 @@ class Lowered:
         for ins in self.compiled.instructions:
             if isinstance(ins, Call) and mesh in (None, ins.mesh):
                 lines.append(f"mesh {ins.mesh}: run {ins.label}")
-            elif isinstance(ins, Transfer) and mesh in (None, ins.dst_mesh):
-                lines.append(f"mesh {ins.dst_mesh}: receive {ins.label} ({ins.nbytes} B)")
+            elif isinstance(ins, (Transfer, TransferBatch)):
+                members = ins.transfers if isinstance(ins, TransferBatch) else (ins,)
+                lines.extend(
+                    f"mesh {t.dst_mesh}: receive {t.label} ({t.nbytes} B)"
+                    for t in members
+                    if mesh in (None, t.dst_mesh)
+                )
         return lines
 
     def as_text(self) -> str:
