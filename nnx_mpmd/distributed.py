@@ -6,8 +6,8 @@ submesh may span processes) and calls the same `nnx_mpmd.jit` steps. A
 program runs on the processes that hold its submesh's devices; arrays with no
 devices of this process are *remote* (`is_remote`). `gather` brings placed state to every
 process as ordinary arrays; `global_view` gives every Variable one global,
-replicated value for the duration of a ``with`` block (what orbax checkpoints
-need). Both are collectives: every process calls them in the same order with
+replicated value for the duration of a ``with`` block (checkpoints do not need
+it: `nnx_mpmd.checkpoint` saves placed state directly). Both are collectives: every process calls them in the same order with
 the same tree.
 
 ``nnx-mpmd launch --processes N -- python script.py`` starts N local processes
