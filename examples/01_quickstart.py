@@ -20,7 +20,6 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 
 class MLP(mp.PipelinedModel):
@@ -51,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
     # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
-    enable_compile_cache()
+    mp.enable_compile_cache()
 
     # 4 submeshes ("stage" axis) of 2 devices each ("data" axis).
     mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")

@@ -24,7 +24,6 @@ from flax import nnx
 import nnx_mpmd as mp
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus
 from nnx_mpmd.models import build_model, lm_loss
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 MESHES, STAGES, MICROBATCHES = 4, 8, 8
 
@@ -55,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
     # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
-    enable_compile_cache()
+    mp.enable_compile_cache()
 
     text = stdlib_corpus(200_000)
     tokenizer = CharTokenizer.from_text(text)

@@ -34,7 +34,6 @@ from flax import nnx
 
 import nnx_mpmd as mp
 from nnx_mpmd.checkpoint import CheckpointManager
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 WIDTH, LAYERS, BATCH = 16, 4, 32
 
@@ -115,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
     # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
-    enable_compile_cache()
+    mp.enable_compile_cache()
     root = args.dir or tempfile.mkdtemp(prefix="nnx_mpmd_ckpt_")
     crash_at = max(1, args.steps // 2)
 

@@ -24,7 +24,6 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 # ---- a model written without nnx_mpmd -------------------------------------------
 
@@ -79,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
     # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
-    enable_compile_cache()
+    mp.enable_compile_cache()
 
     model = mp.assign_stages(make_model(), STAGE_OF_PATH)
     print(mp.annotate.stage_summary(model))

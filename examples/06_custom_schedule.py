@@ -26,7 +26,6 @@ from flax import nnx
 
 import nnx_mpmd as mp
 from nnx_mpmd import schedules
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
 
 # Mesh 0 keeps two microbatches in flight before its first backward; mesh 1
 # (the last stage) runs each backward right after its forward.
@@ -73,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     # Compiled programs are kept in ~/.cache/nnx_mpmd/jax, so the next run starts
     # faster (NNX_MPMD_COMPILE_CACHE=off turns that off).
-    enable_compile_cache()
+    mp.enable_compile_cache()
 
     tasks = schedules.parse_tasks(EAGER_1F1B)
     schedules.validate(tasks)

@@ -34,6 +34,7 @@ from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
 from nnx_mpmd.placement.place import place as place
+from nnx_mpmd.runtime.compile_cache import enable_compile_cache as enable_compile_cache
 from nnx_mpmd.schedules import Custom as Custom
 from nnx_mpmd.schedules import DualPipeV as DualPipeV
 from nnx_mpmd.schedules import GPipe as GPipe
@@ -52,6 +53,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree without ins
 __all__ = [
     "CheckpointError",
     "CompileError",
+    "Compiled",
     "Custom",
     "DistributedError",
     "DualPipeV",
@@ -59,7 +61,6 @@ __all__ = [
     "Interleaved1F1B",
     "LoopedBFS",
     "Lowered",
-    "Compiled",
     "MeshError",
     "MpmdArray",
     "MpmdError",
@@ -81,6 +82,7 @@ __all__ = [
     "auto_stage",
     "checkpoint",
     "distributed",
+    "enable_compile_cache",
     "errors",
     "gather",
     "jit",

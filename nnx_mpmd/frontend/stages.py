@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from nnx_mpmd.compiler.grad_reduction import step_all_reduce_bytes
 from nnx_mpmd.compiler.instructions import Call, Transfer, TransferBatch, format_instructions
 from nnx_mpmd.compiler.step import CompiledStep, PassRecord
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -197,6 +198,36 @@ class Compiled:
     def cost_analysis(self) -> dict[str, Any]:
         """XLA's cost analysis (``flops``, ``bytes accessed``, ...) of each program, by name."""
         return {n: found[0].cost_analysis() for n, found in self._executables.items() if found}
+
+    def all_reduce_bytes(self) -> int:
+        """Bytes one step all-reduces, counted from XLA's compiled HLO.
+
+        Each program's all-reduce bytes (its first compiled variant) times the
+        number of times the step calls it. A data-parallel stage on an Explicit
+        data axis reduces its gradients once per step, so this is about the
+        stages' parameter bytes, not the number of microbatches times them.
+
+        Returns:
+          The total over every program the step calls.
+
+        Example:
+          >>> import jax, optax
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> import nnx_mpmd as mp
+          >>> model = mp.Stage(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), stage=0)
+          >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+          >>> def step(model, opt, x):
+          ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+          ...     opt.update(model, grads)
+          ...     return loss
+          >>> devices = jax.devices()[:1]
+          >>> mesh = mp.MpmdMesh(jax.make_mesh((1,), ("stage",), devices=devices), "stage")
+          >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+          >>> f.lower(model, opt, jnp.ones((4, 4))).compile().all_reduce_bytes()  # one device
+          0
+        """
+        return step_all_reduce_bytes(self.lowered.compiled.instructions, self._executables)
 
     def as_text(self) -> str:
         """The lowered step's per-mesh instruction lists (`Lowered.as_text`)."""
