@@ -10,7 +10,10 @@ processes {0}, {0, 1}, {1}, {0, 1} (``mixed``: transfers between equal,
 overlapping and disjoint process sets, with weights tied across stages).
 One launch of 4 processes x 2 devices covers 2 stages each spanning two
 processes (the batch split over 4 devices) and 4 stages where every process
-holds a device of two stages (``pairs``, with weights tied across processes).
+holds a device of two stages (``pairs``, with weights tied across processes),
+and a ring of 4 stages where stage i spans processes i and i + 1 (mod 4)
+(``shift``: a process receives one shard of a transfer and sends another; it
+hung every time while those moves were batched into one ``jax.device_put``).
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ pytestmark = pytest.mark.multiprocess
 
 RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4", "1f1b:4:4:span:mlp", "1f1b:4:4:mixed:lm_tied"]
 # 4 processes x 2 devices, 2 steps: 2 stages on processes {0, 1} and {2, 3}; 4 stages
-# where each process holds a device of two stages.
-RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied"]
+# where each process holds a device of two stages; a ring of 4 stages over the processes.
+RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied", "1f1b:4:4:shift:mlp"]
 STEPS = {2: "3", 4: "2"}
 
 

@@ -19,7 +19,7 @@ the same call on every process, `put_between_meshes`, which picks one of:
   0-0, 1-1, 0-1, 1-0), which JAX 0.10.2 refuses with "PjRtArray has different
   number of buffers than buffer_idxs" (`one_receiver_each`). A shard whose
   process holds it in the source is copied there; the others move as
-  one-device arrays, batched into one ``jax.device_put``.
+  one-device arrays, one ``jax.device_put`` each (`_move_shards`).
 
 Values from the host (the batch, Python scalars) go through `put_from_host`:
 every process holds the same host value, and each builds only its own shards.
@@ -163,28 +163,29 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     JAX moves a whole array between processes only when every shard crosses
     (disjoint process sets); this covers the rest (a stage spanning processes 0
     and 1 to another one, overlapping process sets).
+
+    Each cross-process piece is its own ``jax.device_put``, in the same order
+    on every process. Batched into one call, a piece could be lost when a
+    process both receives one piece and sends another in that call (a ring of
+    stages, stage i on processes {i, i + 1}: process 1 receives from 0 and
+    sends to 2): on CPU, JAX 0.10.2's receiver of the other piece (process 2)
+    waited forever, and the first step hung every time.
     """
     me = jax.process_index()
     local, cross = shard_plan(value.sharding, sharding, tuple(value.shape), me)
     shards = {shard.device: shard.data for shard in value.addressable_shards}
     arrays = list(jax.device_put([shards[src] for src, _ in local], [dst for _, dst in local]))
-    if cross:
-        shard_shape = value.sharding.shard_shape(value.shape)
-        pieces = [
-            jax.make_array_from_single_device_arrays(
-                shard_shape,
-                _one_device_sharding(src),
-                [shards[src]] if src in shards else [],
-                dtype=value.dtype,
-            )
-            for src, _ in cross
-        ]
-        moved = jax.device_put(pieces, [_one_device_sharding(dst) for _, dst in cross])
-        arrays.extend(
-            piece.addressable_shards[0].data
-            for piece, (_, dst) in zip(moved, cross)
-            if dst.process_index == me
+    shard_shape = value.sharding.shard_shape(value.shape)
+    for src, dst in cross:  # one call per piece: see the docstring
+        piece = jax.make_array_from_single_device_arrays(
+            shard_shape,
+            _one_device_sharding(src),
+            [shards[src]] if src in shards else [],
+            dtype=value.dtype,
         )
+        moved = jax.device_put(piece, _one_device_sharding(dst))
+        if dst.process_index == me:
+            arrays.append(moved.addressable_shards[0].data)
     return jax.make_array_from_single_device_arrays(
         value.shape, sharding, arrays, dtype=value.dtype
     )

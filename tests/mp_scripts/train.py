@@ -62,8 +62,8 @@ def mesh_devices(meshes: int, layout: str) -> np.ndarray:
     likewise on processes {2, 3}, so every process holds a device of two stages
     and transfers go between equal and disjoint process sets; ``shift`` (4 stages
     of 2) moves every stage one device on, so stage i sits on processes
-    {i, i + 1 mod 4} (a ring of stages over the processes; see the guide's
-    limits: it deadlocks on CPU).
+    {i, i + 1 mod 4} (a ring of stages over the processes: a process receives
+    one shard of a transfer and sends the other).
     """
     devices = np.array(jax.devices()[:8])
     if layout == "span":
