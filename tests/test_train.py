@@ -251,3 +251,13 @@ def test_set_cpu_devices_keeps_an_existing_count(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
     train.set_cpu_devices(8)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"
+
+
+def test_default_cache_dir_ignores_off_and_uses_a_named_directory(monkeypatch, tmp_path):
+    from nnx_mpmd.runtime.compile_cache import default_cache_dir
+
+    monkeypatch.setenv("NNX_MPMD_COMPILE_CACHE", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "nnx_mpmd" / "jax"
+    monkeypatch.setenv("NNX_MPMD_COMPILE_CACHE", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"

@@ -38,15 +38,15 @@ def default_cache_dir() -> pathlib.Path:
     """The cache directory used when none is given.
 
     Returns:
-      ``$NNX_MPMD_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/nnx_mpmd/jax``, else
-      ``~/.cache/nnx_mpmd/jax``.
+      ``$NNX_MPMD_COMPILE_CACHE`` (unless it is ``off``), else
+      ``$XDG_CACHE_HOME/nnx_mpmd/jax``, else ``~/.cache/nnx_mpmd/jax``.
 
     Example:
       >>> default_cache_dir().name
       'jax'
     """
-    named = os.environ.get(ENV_VAR)
-    if named:
+    named = os.environ.get(ENV_VAR, "").strip()
+    if named and named.lower() != "off":
         return pathlib.Path(named).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
     return pathlib.Path(base).expanduser() / "nnx_mpmd" / "jax"
