@@ -152,3 +152,14 @@ def _recall_from_the_directory(monkeypatch, tmp_path):
     path.write_bytes(pickle.dumps((("another key",), stored)))
     monkeypatch.setattr(program_sharing, "_REMEMBERED", collections.OrderedDict())
     assert program_sharing.recall(key) is None
+
+
+def test_an_executable_whose_results_are_typed_otherwise_is_not_used():
+    # Compiled for P("data", None) results; traced now, the function types its
+    # result P("data", "model"): the executable would hand on the wrong type.
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    x = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+    wanted = jax.jit(lambda v: v * 2)
+    other = jax.jit(lambda v: jax.sharding.reshard(v * 2, NamedSharding(mesh, P("data", None))))
+    shared = SharedProgram(wanted, [other.lower(x).compile()])
+    assert jax.typeof(shared(x)).sharding.spec == P("data", "model")

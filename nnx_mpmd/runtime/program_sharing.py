@@ -385,18 +385,92 @@ class SharedProgram:
     def __init__(self, fn: Callable[..., Any], loaded: Sequence[jax.stages.Compiled]) -> None:
         self.fn = fn
         self.loaded = list(loaded)
+        self._expected = [_input_shardings(executable) for executable in self.loaded]
+        self._chosen: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def __call__(self, *args: Any) -> Any:
-        executables = self.loaded
-        for i, executable in enumerate(executables):
-            try:
-                result = executable(*args)
-            except (TypeError, ValueError):  # arguments of another type: checked before running
-                continue
-            if i:  # the one that ran is tried first next time
-                self.loaded = [executable, *executables[:i], *executables[i + 1 :]]
-            return result
-        return self.fn(*args)
+        key = tuple(getattr(a, "sharding", None) for a in jax.tree.leaves(args))
+        run = self._chosen.get(key)
+        if run is None:
+            run = self._chosen[key] = self._choose(key, args)
+        return run(*args)
+
+    def _choose(self, shardings: tuple[Any, ...], args: tuple[Any, ...]) -> Callable[..., Any]:
+        # XLA accepts an argument whose sharding is equivalent as a device layout
+        # (P("data", "model") for P("data", None) when "model" has size 1), but the
+        # executable's results would then carry the other Explicit type. Only an
+        # executable compiled for the same types (up to trailing Nones) is used.
+        for executable, expected in zip(self.loaded, self._expected, strict=True):
+            if (
+                expected is not None
+                and _same_types(shardings, expected)
+                and _same_results(executable, self.fn, args)
+            ):
+                return _checked(executable, self.fn)
+        return self.fn
 
     def __repr__(self) -> str:
         return f"SharedProgram({self.fn!r}, {len(self.loaded)} loaded)"
+
+
+def _input_shardings(executable: Any) -> tuple[Any, ...] | None:
+    shardings = getattr(executable, "input_shardings", None)
+    if not shardings:
+        return None
+    return tuple(jax.tree.leaves(shardings[0], is_leaf=lambda x: x is None))
+
+
+def _normal_spec(sharding: Any) -> Any:
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    parts = list(sharding.spec.partitions)
+    while parts and parts[-1] is None:
+        parts.pop()
+    spec = sharding.spec
+    return (sharding.mesh, tuple(parts), spec.unreduced, spec.reduced, sharding.memory_kind)
+
+
+def _same_types(actual: Sequence[Any], expected: Sequence[Any]) -> bool:
+    if len(actual) != len(expected):
+        return False
+    for a, e in zip(actual, expected):
+        if a is None or e is None:  # a host value, or an argument the program does not use
+            continue
+        if _normal_spec(a) != _normal_spec(e):
+            return False
+    return True
+
+
+def _checked(executable: Any, fallback: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        try:
+            return executable(*args)
+        except (TypeError, ValueError):  # another shape or dtype: checked before running
+            return fallback(*args)
+
+    return run
+
+
+def _same_results(executable: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """Whether ``executable`` gives results of the types ``fn`` gives for ``args``.
+
+    An executable compiled ahead of time can have been traced in another
+    context than the call (a different ambient mesh, say) and type its
+    results differently although its argument types are equal; the results'
+    Explicit shardings then differ from what the next program was traced for.
+    Tracing ``fn`` (no compilation) tells.
+    """
+    try:
+        wanted = jax.tree.leaves(jax.eval_shape(fn, *args))
+    except Exception:  # the call itself will raise, with JAX's message
+        return False
+    got = jax.tree.leaves(executable.output_shardings, is_leaf=lambda x: x is None)
+    if len(wanted) != len(got):
+        return False
+    for want, have in zip(wanted, got):
+        sharding = getattr(want, "sharding", None)
+        if sharding is None or have is None:
+            continue
+        if _normal_spec(sharding)[1:4] != _normal_spec(have)[1:4]:
+            return False
+    return True
