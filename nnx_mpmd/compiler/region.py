@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -515,6 +515,13 @@ def _rng_counts_from_index(
     return derived, [*derived.consts, *body_consts], increments
 
 
+def _rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) -> list[int]:
+    """Positions, among the region's state inputs, of the RNG counters (held, then captured)."""
+    return _count_positions(other_state) + [
+        n_other + i for i, c in enumerate(captured) if isinstance(c.variable, nnx.RngCount)
+    ]
+
+
 def trace_region(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -563,11 +570,7 @@ def trace_region(
     _check_writable(captured)
     _check_loss(closed.out_avals[0], with_grad)
     other_paths = [*_paths(other_state), *(c.path for c in captured)]
-    counts = _count_positions(other_state) + [
-        len(other_leaves) + i
-        for i, c in enumerate(captured)
-        if isinstance(c.variable, nnx.RngCount)
-    ]
+    counts = _rng_count_inputs(other_state, len(other_leaves), captured)
     in_avals = [*map(_aval, diff_leaves), *map(_aval, state_leaves), *mb_avals]
     closed, consts, increments = _rng_counts_from_index(
         closed, counts, len(diff_leaves), 1 + n_aux, in_avals, other_paths
