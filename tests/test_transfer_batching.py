@@ -281,26 +281,6 @@ def test_a_multi_process_put_hook_moves_each_member(meshes):
     _check(store, _expected(meshes, values))
 
 
-def test_a_multi_process_put_many_hook_moves_a_batch_in_one_call(meshes):
-    values = _values(meshes)
-    calls = []
-
-    def put_many(values, shardings, from_host):
-        calls.append(list(from_host))
-        return [
-            jax.device_put(np.asarray(v) if h else v, s)
-            for v, s, h in zip(values, shardings, from_host)
-        ]
-
-    ops = DeviceOperations(Shardings(meshes), put=lambda *a: None, put_many=put_many)
-    store = [None] * 14
-    for slot, value in values.items():
-        store[slot] = value
-    interpreter.run(interpreter.prepare([BATCH], ops), store)
-    assert calls == [[False, False, True, False]]
-    _check(store, _expected(meshes, values))
-
-
 def test_operations_without_transfer_batch_run_the_members():
     seen = []
 

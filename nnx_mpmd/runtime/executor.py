@@ -154,9 +154,6 @@ class DeviceOperations:
       put: how a transfer moves a value, ``put(value, sharding, from_host)``
         (default ``jax.device_put``); the multi-process runtime gives
         `nnx_mpmd.runtime.cross_process.put`.
-      put_many: with ``put``, how a `TransferBatch` moves its values in one call,
-        ``put_many(values, shardings, from_host_flags) -> arrays`` (default: one
-        ``put`` per member).
 
     Example:
       >>> import jax
@@ -169,11 +166,9 @@ class DeviceOperations:
         self,
         shardings: Shardings,
         put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
-        put_many: Callable[[list[Any], list[NamedSharding], list[bool]], list[Any]] | None = None,
     ) -> None:
         self.shardings = shardings
         self.put = put
-        self.put_many = put_many
         self.copier = BatchedCopier()
 
     def call(self, index: int, ins: Call) -> Step | None:
@@ -193,35 +188,14 @@ class DeviceOperations:
         reshaping = any(t.reshape_microbatches for t in ins.transfers)
         if self.put is None and not reshaping:
             return self._batch_step(ins.transfers, single=False)
-        if self.put is not None and self.put_many is not None and not reshaping:
-            return self._put_many_step(ins.transfers)
-        # One move per member (the put hook moves one value at a time).
+        # One move per member: the put hook moves one value at a time (across
+        # processes, batched moves lose data on CPU with jax 0.10.2; see cross_process).
         steps = [self.transfer(index, t) for t in ins.transfers]
 
         def each(store: list[Any]) -> Any:
             return tuple(step(store) for step in steps)  # type: ignore[misc]
 
         return each
-
-    def _put_many_step(self, transfers: Sequence[Transfer]) -> Step:
-        """A batch through ``self.put_many``: one call with every value and destination."""
-        put_many, shardings = self.put_many, self.shardings
-        srcs, dsts = [t.src for t in transfers], [t.dst for t in transfers]
-        kept = [_KeptSpec(shardings, t.dst_mesh) for t in transfers]
-        fixed = [None if t.spec is None else shardings(t.dst_mesh, t.spec) for t in transfers]
-        from_host = [t.src_mesh == HOST for t in transfers]
-
-        def step(store: list[Any]) -> Any:
-            values = [store[s] for s in srcs]
-            targets = [
-                f if f is not None else _target_lookup(k, v) for f, k, v in zip(fixed, kept, values)
-            ]
-            moved = put_many(values, targets, from_host)  # type: ignore[misc]
-            for d, y in zip(dsts, moved, strict=True):
-                store[d] = y
-            return moved
-
-        return step
 
     def _put_transfer(self, ins: Transfer) -> Step:
         """A transfer through ``self.put`` (`transfer_value` with that move)."""
