@@ -122,13 +122,13 @@ def test_large_transfer_outside_region_is_reported():
     assert any("kernel" in t.what and t.nbytes == 512 * 512 * 4 for t in lowered.transfers)
 
 
-def _compilations(schedule, data, compile_threads):
+def _compilations(schedule, data, compile_threads, axis_types=None):
     """(compilations while lowering and compiling, while then running step 1, the loss)."""
     stages = schedule.default_num_stages(4)
     model, opt, loss_fn, kind = build("lm", "adamw", stages)
     step = mp.jit(
         train_step_fn(loss_fn),
-        mesh=make_mesh(4, data),
+        mesh=make_mesh(4, data, axis_types),
         schedule=schedule,
         num_microbatches=8,
         compile_threads=compile_threads,
@@ -159,19 +159,34 @@ def test_concurrent_compilation_compiles_every_program_of_the_first_run_once(sch
 
 
 def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
+    # On Auto axes XLA chooses an activation's sharding when it compiles its
+    # producer; its receiver is compiled for a guess meanwhile.
+    from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
     from nnx_mpmd.runtime import precompile
 
-    _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1)
-    right = precompile._Guess.spec
+    auto = AxisType.Auto
+    _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1, axis_types=auto)
 
-    def wrong(self, shape):  # sharded where the activation is replicated, and vice versa
-        return P("data") if right(self, shape) == P() and shape[0] % 2 == 0 else P()
+    def wrong(self, shape):  # the last dimension sharded: what XLA does not choose here
+        return P(*[None] * (len(shape) - 1), "data") if shape and shape[-1] % 2 == 0 else P()
 
     monkeypatch.setattr(precompile._Guess, "spec", wrong)
-    lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2)
+    lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2, axis_types=auto)
     assert lowered > 0 and ran > 0 and loss == expected  # the right programs compile late
+
+
+def test_explicit_axes_need_no_sharding_guess(monkeypatch):
+    # On Explicit axes the traced types are the shardings: receivers are
+    # compiled for them, and a guess (here always wrong) is never consulted.
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_mpmd.runtime import precompile
+
+    monkeypatch.setattr(precompile._Guess, "spec", lambda self, shape: P(*[None] * len(shape)))
+    lowered, ran, _ = _compilations(mp.OneFOneB(), 2, compile_threads=2)
+    assert lowered > 0 and ran == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, "4"])

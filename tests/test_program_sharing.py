@@ -154,12 +154,30 @@ def _recall_from_the_directory(monkeypatch, tmp_path):
     assert program_sharing.recall(key) is None
 
 
-def test_an_executable_whose_results_are_typed_otherwise_is_not_used():
-    # Compiled for P("data", None) results; traced now, the function types its
-    # result P("data", "model"): the executable would hand on the wrong type.
-    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
-    x = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("data", "model")))
-    wanted = jax.jit(lambda v: v * 2)
-    other = jax.jit(lambda v: jax.sharding.reshard(v * 2, NamedSharding(mesh, P("data", None))))
-    shared = SharedProgram(wanted, [other.lower(x).compile()])
+def test_an_executable_compiled_for_other_explicit_types_is_not_used():
+    # "model" has size 1: P("data", None) and P("data", "model") are one device
+    # layout, which XLA accepts, but another type, which the results would carry.
+    mesh = jax.make_mesh((2, 1), ("data", "model"), devices=jax.devices()[:2])
+    typed = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    x = jax.device_put(np.ones((4, 8), np.float32), typed(P("data", "model")))
+    fn = jax.jit(lambda v: v * 2)
+    other = jax.device_put(np.ones((4, 8), np.float32), typed(P("data", None)))
+    shared = SharedProgram(fn, [fn.lower(other).compile()])
     assert jax.typeof(shared(x)).sharding.spec == P("data", "model")
+    assert shared._chosen[(x.sharding,)] is fn
+    assert jax.typeof(shared(other)).sharding.spec == P("data", None)
+
+
+def test_an_unused_argument_of_another_type_is_checked_too():
+    # XLA's input_shardings leave out the arguments a program does not read;
+    # their types still decide the call's (and so the next program's) types.
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    x = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("data")))
+    unused = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+    other = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(mesh, P("data")))
+    fn = jax.jit(lambda v, w: v + 1)
+    shared = SharedProgram(fn, [fn.lower(x, other).compile()])
+    shared(x, unused)
+    assert shared._chosen[(x.sharding, unused.sharding)] is fn
+    shared(x, other)
+    assert shared._chosen[(x.sharding, other.sharding)] is not fn

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer, slots_in
@@ -96,6 +96,25 @@ def _outputs(out_tree: Any, out_avals: Any, shardings: Any) -> Any:
             for a, s in zip(avals, flat_shardings, strict=True)
         ],
     )
+
+
+def _typed(out_avals: Any, mesh: Any) -> Any:
+    """The outputs' shardings as their types say, on a submesh whose axes are all Explicit.
+
+    There the traced types are the shardings the call will produce, so a
+    transfer of a traced output needs no guess (see `precompile`); elsewhere
+    (Auto axes: XLA chooses) None.
+    """
+    types = getattr(mesh, "axis_types", ())
+    if not types or any(t != AxisType.Explicit for t in types):
+        return None
+    shardings = []
+    for aval in jax.tree.leaves(out_avals):
+        spec = getattr(getattr(aval, "sharding", None), "spec", None)
+        if spec is None:
+            return None
+        shardings.append(NamedSharding(mesh, spec))
+    return shardings
 
 
 def _committed_to(args: Any, mesh: Any) -> bool:
@@ -184,7 +203,7 @@ class _Compiler:
         shared: Future | None = None
         try:
             traced = fn.trace(*args)
-            on_traced(_outputs(traced.out_tree, traced.out_avals, None))
+            on_traced(_outputs(traced.out_tree, traced.out_avals, _typed(traced.out_avals, mesh)))
             lowered = traced.lower()
             share = None
             if self.share and _committed_to(args, mesh):
@@ -276,7 +295,9 @@ def precompile(
     source is traced: the leading axis sharded over ``batch_axis`` as a
     microbatch is (`nnx_mpmd.compiler.region.microbatch_spec`), else
     replicated, which is what the stage programs produce for batch-sharded
-    activations. A wrong guess costs one extra compilation.
+    activations. A wrong guess costs one extra compilation. On a submesh whose
+    axes are all Explicit the traced output types are the shardings, and no
+    guess is made.
 
     Args:
       step: the compiled step.
@@ -493,7 +514,7 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
         return _UNKNOWN
     shape = transferred_shape(ins, value.shape)
     spec = ins.spec
-    if spec is None and guess is not None:
+    if spec is None and guess is not None and value.sharding is None:
         spec = guess.spec(value.shape)
     elif spec is None:
         spec = kept_spec(value.sharding)

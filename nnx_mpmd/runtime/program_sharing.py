@@ -361,11 +361,11 @@ def _stored_path(key: Any) -> pathlib.Path | None:
 class SharedProgram:
     """A program's callable that runs executables loaded from another submesh's program.
 
-    Calls go to the first executable whose argument types and shardings match
-    (JAX checks them before running anything; equivalent shardings such as
-    ``P()`` and ``P(None, None)`` match), which is tried first next time;
-    calls that match none go to the program's own ``jit`` function, which
-    compiles for them as usual.
+    Calls go to the first executable compiled for the call's argument types
+    (on Explicit axes a PartitionSpec is part of the type; up to trailing
+    Nones) and shardings (equivalent ones such as ``P()`` and ``P(None,
+    None)`` match), which is tried first next time; calls that match none go
+    to the program's own ``jit`` function, which compiles for them as usual.
 
     Args:
       fn: the program's jitted function.
@@ -385,27 +385,25 @@ class SharedProgram:
     def __init__(self, fn: Callable[..., Any], loaded: Sequence[jax.stages.Compiled]) -> None:
         self.fn = fn
         self.loaded = list(loaded)
-        self._expected = [_input_shardings(executable) for executable in self.loaded]
+        self._expected = [_argument_types(executable) for executable in self.loaded]
         self._chosen: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def __call__(self, *args: Any) -> Any:
         key = tuple(getattr(a, "sharding", None) for a in jax.tree.leaves(args))
         run = self._chosen.get(key)
         if run is None:
-            run = self._chosen[key] = self._choose(key, args)
+            run = self._chosen[key] = self._choose(key)
         return run(*args)
 
-    def _choose(self, shardings: tuple[Any, ...], args: tuple[Any, ...]) -> Callable[..., Any]:
+    def _choose(self, shardings: tuple[Any, ...]) -> Callable[..., Any]:
         # XLA accepts an argument whose sharding is equivalent as a device layout
         # (P("data", "model") for P("data", None) when "model" has size 1), but the
         # executable's results would then carry the other Explicit type. Only an
-        # executable compiled for the same types (up to trailing Nones) is used.
+        # executable compiled for the same types (its typed input avals, unused
+        # arguments included) is used.
+        actual = [_normal_spec(s) for s in shardings]
         for executable, expected in zip(self.loaded, self._expected, strict=True):
-            if (
-                expected is not None
-                and _same_types(shardings, expected)
-                and _same_results(executable, self.fn, args)
-            ):
+            if expected is not None and _same_types(actual, expected):
                 return _checked(executable, self.fn)
         return self.fn
 
@@ -413,11 +411,55 @@ class SharedProgram:
         return f"SharedProgram({self.fn!r}, {len(self.loaded)} loaded)"
 
 
-def _input_shardings(executable: Any) -> tuple[Any, ...] | None:
+def _argument_types(executable: Any) -> tuple[Any, ...] | None:
+    """Each argument's type as compiled: its Explicit spec, or its sharding on Auto axes.
+
+    ``input_shardings`` leaves out arguments the program does not read, so
+    the types come from ``in_avals`` (Explicit parts of the spec), and the
+    layout from ``input_shardings`` where the mesh has Auto axes.
+    """
+    in_avals = getattr(executable, "in_avals", None)
     shardings = getattr(executable, "input_shardings", None)
-    if not shardings:
+    if not in_avals or not shardings:
         return None
-    return tuple(jax.tree.leaves(shardings[0], is_leaf=lambda x: x is None))
+    avals = jax.tree.leaves(in_avals[0])
+    layouts = jax.tree.leaves(shardings[0], is_leaf=lambda x: x is None)
+    if len(avals) != len(layouts):
+        return None
+    return tuple(
+        (_typed_spec(aval), _normal_spec(layout) if layout is not None else None)
+        for aval, layout in zip(avals, layouts, strict=True)
+    )
+
+
+def _typed_spec(aval: Any) -> Any:
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not _has_explicit_axes(sharding.mesh):
+        return None
+    return _normal_spec(sharding)[1:4]
+
+
+def _has_explicit_axes(mesh: Any) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _explicit_spec(normal: Any) -> Any:
+    """The Explicit part of a normalized concrete sharding (see `_normal_spec`)."""
+    mesh, parts, unreduced, reduced, _ = normal
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    if not explicit:
+        return None
+    kept = []
+    for part in parts:
+        names = tuple(n for n in (part if isinstance(part, tuple) else (part,)) if n in explicit)
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+    while kept and kept[-1] is None:
+        kept.pop()
+    return (tuple(kept), unreduced, reduced)
 
 
 def _normal_spec(sharding: Any) -> Any:
@@ -433,10 +475,13 @@ def _normal_spec(sharding: Any) -> Any:
 def _same_types(actual: Sequence[Any], expected: Sequence[Any]) -> bool:
     if len(actual) != len(expected):
         return False
-    for a, e in zip(actual, expected):
-        if a is None or e is None:  # a host value, or an argument the program does not use
+    for a, (typed, layout) in zip(actual, expected):
+        if a is None:  # a host value: the executable checks its type itself
             continue
-        if _normal_spec(a) != _normal_spec(e):
+        is_named = isinstance(a, tuple) and len(a) == 5
+        if typed is not None and (not is_named or _explicit_spec(a) != typed):
+            return False
+        if layout is not None and a != layout:
             return False
     return True
 
@@ -449,28 +494,3 @@ def _checked(executable: Any, fallback: Callable[..., Any]) -> Callable[..., Any
             return fallback(*args)
 
     return run
-
-
-def _same_results(executable: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    """Whether ``executable`` gives results of the types ``fn`` gives for ``args``.
-
-    An executable compiled ahead of time can have been traced in another
-    context than the call (a different ambient mesh, say) and type its
-    results differently although its argument types are equal; the results'
-    Explicit shardings then differ from what the next program was traced for.
-    Tracing ``fn`` (no compilation) tells.
-    """
-    try:
-        wanted = jax.tree.leaves(jax.eval_shape(fn, *args))
-    except Exception:  # the call itself will raise, with JAX's message
-        return False
-    got = jax.tree.leaves(executable.output_shardings, is_leaf=lambda x: x is None)
-    if len(wanted) != len(got):
-        return False
-    for want, have in zip(wanted, got):
-        sharding = getattr(want, "sharding", None)
-        if sharding is None or have is None:
-            continue
-        if _normal_spec(sharding)[1:4] != _normal_spec(have)[1:4]:
-            return False
-    return True
