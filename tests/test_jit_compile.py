@@ -199,3 +199,45 @@ def test_compile_threads_must_be_a_positive_int(bad):
             num_microbatches=2,
             compile_threads=bad,
         )
+
+
+def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypatch):
+    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.runtime import precompile
+
+    events = []
+    wait_for, finish = precompile.Precompiling.wait_for, precompile.Precompiling.finish
+    monkeypatch.setattr(
+        precompile.Precompiling,
+        "wait_for",
+        lambda self, name: (events.append(name), wait_for(self, name))[1],
+    )
+    monkeypatch.setattr(
+        precompile.Precompiling, "finish", lambda self: (events.append("finish"), finish(self))[1]
+    )
+    ahead, ran, expected = _compilations(mp.OneFOneB(), 2, compile_threads=4)
+    assert ran == 0 and events[0] == "finish"  # lower().compile() waits for every program
+    events.clear()
+
+    model, opt, loss_fn, kind = build("lm", "adamw", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 2),
+        schedule=mp.OneFOneB(),
+        num_microbatches=8,
+        compile_threads=4,
+    )
+    batch = make_batch(kind, 16)
+    with count_compilations() as first:
+        loss = float(step(model, opt, batch))
+    assert loss == expected
+    # Each program's first call waited for its own compilation, then all were awaited;
+    # nothing compiled twice (as many compilations as lower().compile() makes).
+    assert "F0" in events and events.index("F0") < events.index("finish")
+    assert first.count == ahead
+    (compiled,) = step._cache.values()
+    calls = [ins.fn for ins in compiled.instructions if isinstance(ins, Call)]
+    assert calls and not any(isinstance(fn, precompile.AwaitedProgram) for fn in calls)
+    with count_compilations() as second:
+        step(model, opt, batch)
+    assert second.count == 0

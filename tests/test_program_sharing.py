@@ -37,8 +37,21 @@ def _args(mesh, seed=0):
     )
 
 
+@pytest.fixture
+def compiled_here():
+    """XLA compiles in this process: JAX's persistent cache, which the test workers
+    share, would otherwise hand out an executable another worker wrote, and such
+    an executable cannot be serialized again (`program_sharing.compile_fresh`)."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
 @pytest.mark.parametrize("target_ids", [(2, 3), (7, 4)], ids=["in-order", "reversed-ids"])
-def test_a_loaded_executable_runs_on_the_target_devices_in_their_order(target_ids):
+def test_a_loaded_executable_runs_on_the_target_devices_in_their_order(target_ids, compiled_here):
     source, target = _submesh((0, 1)), _submesh(target_ids)
     fn = jax.jit(_reduce)
     compiled = fn.lower(*_args(source)).compile()

@@ -20,7 +20,8 @@ from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.place import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
-from nnx_mpmd.runtime.precompile import precompile
+from nnx_mpmd.runtime.interpreter import forget_prepared
+from nnx_mpmd.runtime.precompile import AwaitedProgram, start_precompile
 
 __all__ = [
     "MAX_COMPILED_STEPS",
@@ -217,6 +218,8 @@ class PipelinedFunction:
         self._cache: collections.OrderedDict[Any, CompiledStep] = collections.OrderedDict()
         # XLA executables of each cached step compiled ahead of time, by id of the step.
         self._executables: dict[int, dict[str, list[Any]]] = {}
+        # Steps whose first call runs while their programs compile, by id of the step.
+        self._compiling: dict[int, tuple[Any, dict[str, AwaitedProgram]]] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self._last_graphdef: tuple[Any, int] = (None, 0)  # (graphdef, its hash): _signature
         self.last_profile: list[TaskRecord] | None = None
@@ -267,6 +270,7 @@ class PipelinedFunction:
         self._cache[key] = compiled
         while len(self._cache) > MAX_COMPILED_STEPS:
             evicted = self._cache.popitem(last=False)[1]
+            self._finish_compiling(evicted)
             self._executables.pop(id(evicted), None)
         return compiled
 
@@ -286,7 +290,9 @@ class PipelinedFunction:
                 f"{self.mesh.num_meshes} meshes: {e}"
             ) from None
 
-    def _compile_programs(self, compiled: CompiledStep, inputs: list[Any]) -> dict[str, list[Any]]:
+    def _compile_programs(
+        self, compiled: CompiledStep, inputs: list[Any], overlap: bool = False
+    ) -> dict[str, list[Any]]:
         """Compiles ``compiled``'s programs ahead of time, once per lowered step.
 
         In one process, a program whose lowered module equals one compiled for
@@ -294,38 +300,51 @@ class PipelinedFunction:
         for its devices. Every call in ``compiled.instructions`` then goes to
         its program's executables (`nnx_mpmd.runtime.program_sharing.SharedProgram`),
         set before the step first runs, so that no module is loaded twice.
+
+        With ``overlap`` (a step's first call, one process), this returns once
+        the compilations are scheduled: each program's first call waits for
+        its own (`nnx_mpmd.runtime.precompile.AwaitedProgram`), so the first
+        tasks run while later programs compile; `_finish_compiling` then
+        routes the calls to their executables directly.
         """
-        import dataclasses
-
-        from nnx_mpmd.compiler.instructions import Call
-        from nnx_mpmd.runtime.program_sharing import SharedProgram
-
         found = self._executables.get(id(compiled))
-        if found is None:
-            found = self._executables[id(compiled)] = {}
-            loaded: dict[str, list[Any]] | None = None if self.mesh.is_multi_process else {}
-            precompile(
-                compiled,
-                inputs,
-                list(self.mesh.submeshes),
-                self._shardings,
-                max_workers=self.compile_threads,
-                batch_axis=compiled.batch_axis,  # None where the step replicates it
-                executables=found,
-                loaded=loaded,
-            )
-            if loaded is not None:  # before the step is first prepared (cached on it)
-                shared: dict[str, SharedProgram] = {}
-                routed = []
-                for ins in compiled.instructions:
-                    name = str(ins.program) if isinstance(ins, Call) else None
-                    if found.get(name):
-                        if name not in shared:
-                            shared[name] = SharedProgram(ins.fn, found[name])
-                        ins = dataclasses.replace(ins, fn=shared[name])
-                    routed.append(ins)
-                compiled.instructions = routed
+        if found is not None:
+            if not overlap:
+                self._finish_compiling(compiled)
+            return found
+        found = self._executables[id(compiled)] = {}
+        loaded: dict[str, list[Any]] | None = None if self.mesh.is_multi_process else {}
+        compiling = start_precompile(
+            compiled,
+            inputs,
+            list(self.mesh.submeshes),
+            self._shardings,
+            max_workers=self.compile_threads,
+            batch_axis=compiled.batch_axis,  # None where the step replicates it
+            executables=found,
+            loaded=loaded,
+        )
+        if loaded is None:  # several processes: every program runs its own jit function
+            compiling.finish()
+            return found
+        # Before the step is first prepared (the prepared steps are cached on it).
+        awaited = _route_calls(
+            compiled, lambda name, fn: AwaitedProgram(name, fn, compiling, found)
+        )
+        self._compiling[id(compiled)] = (compiling, awaited)
+        if not overlap:
+            self._finish_compiling(compiled)
         return found
+
+    def _finish_compiling(self, compiled: CompiledStep) -> None:
+        """Waits for ``compiled``'s ahead-of-time compilations; calls go to their executables."""
+        pending = self._compiling.pop(id(compiled), None)
+        if pending is None:
+            return
+        compiling, awaited = pending
+        compiling.finish()
+        _route_calls(compiled, lambda name, fn: awaited[name].resolved())
+        forget_prepared(compiled)
 
     def _prepare(self, args: tuple[Any, ...]) -> tuple[FlatArgs, CompiledStep]:
         from nnx_mpmd.compiler.stage_programs import check_mesh_context
@@ -346,11 +365,17 @@ class PipelinedFunction:
             compiled = self._lowered(flat, state_avals, other_avals)
         if self.compile_threads != 1 and not self.mesh.is_multi_process:
             inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
-            self._compile_programs(compiled, inputs)
+            self._compile_programs(compiled, inputs, overlap=True)
         return flat, compiled
 
     def __call__(self, *args: Any, profile: bool = False, memory: bool = False) -> Any:
         flat, compiled = self._prepare(args)
+        try:
+            return self._run(flat, compiled, profile, memory)
+        finally:
+            self._finish_compiling(compiled)
+
+    def _run(self, flat: FlatArgs, compiled: CompiledStep, profile: bool, memory: bool) -> Any:
         inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
         records: list[TaskRecord] | None = [] if profile else None
         recorder = None
@@ -404,6 +429,27 @@ class PipelinedFunction:
     def num_compiled_steps(self) -> int:
         """How many distinct input signatures have been lowered (and are cached)."""
         return len(self._cache)
+
+
+def _route_calls(
+    compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+) -> dict[str, Any]:
+    """Replaces each call's function by ``make(program name, function)``, one per program."""
+    import dataclasses
+
+    from nnx_mpmd.compiler.instructions import Call
+
+    made: dict[str, Any] = {}
+    routed = []
+    for ins in compiled.instructions:
+        if isinstance(ins, Call):
+            name = str(ins.program)
+            if name not in made:
+                made[name] = make(name, ins.fn)
+            ins = dataclasses.replace(ins, fn=made[name])
+        routed.append(ins)
+    compiled.instructions = routed
+    return made
 
 
 def jit(

@@ -44,7 +44,7 @@ from nnx_mpmd.runtime import interpreter, program_sharing
 from nnx_mpmd.runtime.executor import Shardings, kept_spec, transferred_shape
 from nnx_mpmd.runtime.interpreter import Step, build
 
-__all__ = ["precompile"]
+__all__ = ["AwaitedProgram", "Precompiling", "precompile", "start_precompile"]
 
 
 class _Unknown:
@@ -330,20 +330,117 @@ def precompile(
       >>> callable(precompile)
       True
     """
+    return start_precompile(
+        step, inputs, submeshes, shardings, max_workers, batch_axis, executables, loaded
+    ).finish()
+
+
+def start_precompile(
+    step: CompiledStep,
+    inputs: Sequence[Any],
+    submeshes: Sequence[Any],
+    shardings: Shardings | None = None,
+    max_workers: int | None = None,
+    batch_axis: Any = _STEP_BATCH_AXIS,
+    executables: dict[str, list[Any]] | None = None,
+    loaded: dict[str, list[Any]] | None = None,
+) -> Precompiling:
+    """`precompile`, returning as soon as every compilation is scheduled.
+
+    The arguments are `precompile`'s. ``executables`` and ``loaded`` fill in
+    while the programs compile: read a program's entries after
+    ``wait_for(name)``, and ``loaded`` after ``finish()``.
+
+    Returns:
+      The `Precompiling` handle; call its ``finish()`` once (it shuts the
+      thread pool down).
+
+    Example:
+      >>> # `nnx_mpmd.jit` runs a new step's first tasks while later ones compile.
+      >>> callable(start_precompile)
+      True
+    """
     if batch_axis is _STEP_BATCH_AXIS:
         batch_axis = step.batch_axis
     shardings = shardings or Shardings(submeshes)
     workers = max_workers or min(8, os.cpu_count() or 2)
     slots = interpreter.load_store(step, inputs, convert=_abstract)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile") as pool:
-        operations = _AbstractOperations(
-            pool, shardings, submeshes, batch_axis, executables, share=loaded is not None
-        )
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile")
+    operations = _AbstractOperations(
+        pool, shardings, submeshes, batch_axis, executables, share=loaded is not None
+    )
+    try:
         interpreter.run(interpreter.prepare(step.instructions, operations), slots)
-        wait(operations.jobs)  # before the pool closes: finished jobs submit their dependants
-    if loaded is not None:
-        loaded.update(operations.compiler.loaded)
-    return operations.compiler.compiled
+    except BaseException:
+        Precompiling(pool, operations, None).finish()
+        raise
+    return Precompiling(pool, operations, loaded)
+
+
+class Precompiling:
+    """A step's programs compiling in a thread pool (see `start_precompile`).
+
+    Args:
+      pool: the pool the compilations run in.
+      operations: the abstract run that scheduled them.
+      loaded: `precompile`'s ``loaded``, filled in by ``finish()``.
+    """
+
+    def __init__(
+        self, pool: ThreadPoolExecutor, operations: Any, loaded: dict[str, list[Any]] | None
+    ) -> None:
+        self._pool, self._operations, self._loaded = pool, operations, loaded
+        self._compiled: int | None = None
+
+    def wait_for(self, name: str) -> None:
+        """Waits until every compilation of program ``name`` has finished (or failed)."""
+        wait(self._operations.by_name.get(name, ()))
+
+    def finish(self) -> int:
+        """Waits for every compilation; returns how many programs were compiled here."""
+        if self._compiled is None:
+            wait(self._operations.jobs)  # before the pool closes: jobs submit their dependants
+            self._pool.shutdown(wait=True)
+            compiler = self._operations.compiler
+            if self._loaded is not None:
+                self._loaded.update(compiler.loaded)
+            self._compiled = compiler.compiled
+        return self._compiled
+
+
+class AwaitedProgram:
+    """A program's callable that waits for its ahead-of-time compilations on first call.
+
+    Then it runs `program_sharing.SharedProgram` over the executables compiled
+    or loaded for it (``resolved()``), or, if there are none, the program's own
+    ``jit`` function.
+
+    Args:
+      name: the program's name (``F0``).
+      fn: its jitted function.
+      compiling: the step's `Precompiling`.
+      executables: the dict `start_precompile` fills, by program name.
+    """
+
+    def __init__(
+        self, name: str, fn: Any, compiling: Precompiling, executables: dict[str, list[Any]]
+    ) -> None:
+        self.name, self.fn, self._compiling, self._executables = name, fn, compiling, executables
+        self._run: Any = None
+
+    def resolved(self) -> Any:
+        """The callable calls go to once this program's compilations are done."""
+        if self._run is None:
+            self._compiling.wait_for(self.name)
+            found = self._executables.get(self.name)
+            self._run = program_sharing.SharedProgram(self.fn, found) if found else self.fn
+        return self._run
+
+    def __call__(self, *args: Any) -> Any:
+        return (self._run or self.resolved())(*args)
+
+    def __repr__(self) -> str:
+        return f"AwaitedProgram({self.name!r})"
 
 
 class _AbstractOperations:
@@ -371,6 +468,7 @@ class _AbstractOperations:
         self.batch_axis = batch_axis
         self.compiler = _Compiler(executables, share)
         self.jobs: list[Future] = []
+        self.by_name: dict[str, list[Future]] = {}  # program name -> its compile jobs
 
     def call(self, index: int, ins: Call) -> Step:
         def start_compiling(slots: list[Any]) -> Future:
@@ -381,6 +479,7 @@ class _AbstractOperations:
                 self.pool, reads.values(), _run_call, self.compiler, ins, reads, traced, mesh
             )
             self.jobs += [job, traced]
+            self.by_name.setdefault(str(ins.program), []).append(job)
             for slot in ins.writes():
                 slots[slot] = _Pending(job, slot, traced)
             return job
