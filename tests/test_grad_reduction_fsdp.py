@@ -20,7 +20,16 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_models import WIDTH, make_batch, make_mesh, mlp_loss, params_of, train_step_fn
+from pipeline_models import (
+    VOCAB,
+    WIDTH,
+    lm_loss,
+    make_batch,
+    make_mesh,
+    mlp_loss,
+    params_of,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.grad_reduction import (
@@ -206,6 +215,55 @@ def test_mixed_and_tied_fsdp_parameters_equal_reference(schedule):
     # All-reduced: the replicated scale and the two biases, and loss scalars.
     assert step_all_reduce_bytes(instructions, executables) <= 3 * WIDTH * 4 + 16
     _assert_equal_to_reference(models, opts, pipelined, batches, mlp_loss)
+
+
+class Lookup(nnx.Module):
+    """An FSDP embedding table, gathered before the lookup; then an FSDP column kernel."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        table = jax.random.normal(rngs.params(), (VOCAB, WIDTH)) * 0.3
+        kernel = jax.random.normal(rngs.params(), (WIDTH, WIDTH)) * 0.3
+        self.table = nnx.Param(table, out_sharding=("data", None), eager_sharding=False)
+        self.kernel = nnx.Param(kernel, out_sharding=(None, "data"), eager_sharding=False)
+
+    def __call__(self, ids):
+        table, kernel = self.table[...], self.kernel[...]
+        if not _explicit():
+            return jnp.tanh(table[ids] @ kernel)
+        table, kernel = jax.sharding.reshard(table, P()), jax.sharding.reshard(kernel, P())
+        sharding = jax.typeof(ids).sharding
+        rows = table.at[ids].get(out_sharding=NamedSharding(sharding.mesh, P(*sharding.spec, None)))
+        return jnp.tanh(rows @ kernel)
+
+
+class LookupModel(mp.PipelinedModel):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.embed = mp.Stage(Lookup(rngs=rngs), stage=0)
+        self.out = mp.Stage(nnx.Linear(WIDTH, VOCAB, rngs=rngs), stage=1)
+
+    def __call__(self, tokens):
+        return self.out(self.embed(tokens))
+
+
+def test_fsdp_embedding_table_and_column_kernel_reduce_once():
+    """The gradient of a gathered FSDP table (a scatter-add of the batch's rows) and of a
+    kernel sharded on its second dimension: each reduce-scattered once, in ``reduce0``."""
+    models, opts = _build(lambda rngs: LookupModel(rngs=rngs))
+    pipelined = mp.jit(
+        train_step_fn(lm_loss),
+        mesh=make_mesh(2, 2, AxisType.Explicit),
+        schedule=mp.OneFOneB(),
+        num_microbatches=MICROBATCHES,
+    )
+    batches = [make_batch("tokens", MICROBATCHES * 4, seed=s) for s in range(2)]
+    lowered = pipelined.lower(models[1], opts[1], batches[0])
+    executables = lowered.compile().executables()
+    instructions = lowered.compiled.instructions
+    _assert_backward_scatters_nothing(executables, program_calls(instructions))
+    fsdp_bytes = (VOCAB * WIDTH + WIDTH * WIDTH) * 4
+    assert reduce_scatter_bytes(executables["reduce0"][0].as_text()) == fsdp_bytes
+    assert step_reduced_bytes(instructions, executables) <= 1.25 * _param_bytes(models[1])
+    _assert_equal_to_reference(models, opts, pipelined, batches, lm_loss)
 
 
 def _data_mesh(n=2):

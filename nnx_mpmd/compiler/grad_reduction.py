@@ -97,13 +97,12 @@ def _spec(x: Any) -> PartitionSpec | None:
 
 
 def _target_spec(like: Any) -> PartitionSpec | None:
-    """The partition spec of ``like``: a PartitionSpec, sharding, aval or array."""
+    """The partition spec of ``like``: a PartitionSpec, a sharding, or an array (or tracer)."""
     if like is None or isinstance(like, PartitionSpec):
         return like
-    sharding = like if hasattr(like, "spec") else getattr(like, "sharding", None)
-    if sharding is None and hasattr(like, "aval"):
-        sharding = getattr(like.aval, "sharding", None)
-    return getattr(sharding, "spec", None)
+    if isinstance(like, jax.sharding.Sharding):
+        return getattr(like, "spec", None)
+    return _spec(like)
 
 
 def _partitions(spec: PartitionSpec, ndim: int) -> list[Any]:
@@ -155,10 +154,12 @@ class GradientReduction:
 
     def sharded_over(self, x: Any) -> bool:
         """Whether ``x`` is sharded (or varying) over the axis: then it is not a sum."""
-        spec = _spec(x)
-        if spec is None:
-            return False
-        return any(self.axis in _names(p) for p in spec.partitions)
+        return self.sharded_over_spec(_spec(x))
+
+    def sharded_over_spec(self, spec: Any) -> bool:
+        """Whether ``spec`` (a PartitionSpec or sharding, or None) shards over the axis."""
+        spec = getattr(spec, "spec", spec)
+        return spec is not None and any(self.axis in _names(p) for p in spec.partitions)
 
     def defers(self, param: Any) -> bool:
         """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type.
@@ -216,9 +217,10 @@ class GradientReduction:
 
         Args:
           x: a value.
-          like: the reduced value's type (an aval, array or sharding); by
-            default ``x``'s partitions: an all-reduce. A ``like`` sharded over
-            the axis (an FSDP parameter) makes it a reduce-scatter.
+          like: the reduced value's partitions (a PartitionSpec, a sharding, or
+            an array typed with them); by default ``x``'s: an all-reduce. A
+            ``like`` sharded over the axis (an FSDP parameter) makes it a
+            reduce-scatter.
 
         Returns:
           ``x`` reduced, or ``x`` if it is not unreduced.
@@ -304,12 +306,23 @@ class GradientReduction:
         return False
 
 
-def _sharding_params(eqn: Any, red: GradientReduction, ndim: int) -> dict[str, Any]:
-    """The equation's params with its result sharding (if it names one) made unreduced."""
+def _sharding_params(
+    eqn: Any, red: GradientReduction, ndim: int, full_size: bool
+) -> dict[str, Any]:
+    """The equation's params with its result sharding (if it names one) made unreduced.
+
+    A result sharding over the axis stays (so JAX refuses the call, and the
+    input is reduced first, as before) unless the unreduced input is already
+    at full size over the axis (a deferred reduce-scatter): then the axis is
+    dropped from it. A value reduced over the axis and broadcast back over the
+    sharded batch is thus not kept at full batch size.
+    """
     params = dict(eqn.params)
     for name in ("out_sharding", "sharding"):
         value = params.get(name)
-        if isinstance(value, NamedSharding):
+        if isinstance(value, NamedSharding) and (
+            full_size or not red.sharded_over_spec(value.spec)
+        ):
             params[name] = red._with_unreduced(value, ndim, True)
     return params
 
@@ -330,7 +343,12 @@ def _try_unreduced(eqn: Any, invals: list[Any], red: GradientReduction) -> list[
         return None
     if len(eqn.outvars) != 1 or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
         return None
-    params = _sharding_params(eqn, red, len(eqn.outvars[0].aval.shape))
+    full_size = any(
+        red.is_unreduced(x) and red.sharded_over_spec(getattr(v.aval, "sharding", None))
+        for v, x in zip(eqn.invars, invals)
+        if not isinstance(v, jcore.Literal)
+    )
+    params = _sharding_params(eqn, red, len(eqn.outvars[0].aval.shape), full_size)
     try:
         outs = _bind(eqn, invals, params)
     except Exception:  # JAX has no unreduced rule for this call: reduce first
@@ -365,7 +383,8 @@ class _Env:
         if isinstance(v, jcore.Literal) or not self.red.is_unreduced(x):
             return x
         if v not in self.reduced:
-            self.reduced[v] = self.red.reduce(x, like=v.aval)
+            # Reduced to the variable's own type: a reduce-scatter if it was sharded.
+            self.reduced[v] = self.red.reduce(x, like=getattr(v.aval, "sharding", None))
         return self.reduced[v]
 
 
