@@ -1,35 +1,54 @@
 """One data-parallel gradient reduction per step: unreduced accumulation, then one reduce.
 
-A stage whose submesh has a data axis (its microbatch sharded over it, its
-parameters replicated over it) used to all-reduce its full gradient inside every
-backward program: once per microbatch. On an *Explicit* data axis, JAX types a
-value that holds per-device partial sums as *unreduced* over the axis
+A stage whose submesh has a data axis (its microbatch sharded over it) used to
+reduce its full gradient inside every backward program: once per microbatch
+(an all-reduce for a parameter replicated over the axis, a reduce-scatter for
+one sharded over it, FSDP). On an *Explicit* data axis, JAX types a value that
+holds per-device partial sums as *unreduced* over the axis
 (``float32[4,3]{U:data}``); adding such values needs no communication, and one
-``jax.sharding.reshard`` to the parameter's sharding reduces them (an
-all-reduce). So:
+reduction to the parameter's sharding sums them. So:
 
 * `run_deferring` evaluates a backward (a ``jax.vjp`` function, or the BW part
   of a split backward) equation by equation and gives each reduction over the
   data axis (a ``reduce_sum`` or ``dot_general`` that contracts data-sharded
-  dimensions into a replicated result) an unreduced result instead. Linear
+  dimensions) an unreduced result instead. Where the result was sharded over
+  the axis (the gradient of an FSDP parameter, a reduce-scatter), the
+  unreduced result has the axis dropped from its partitions: full size over
+  the axis, every device holding its partial sums of the whole array. A
+  ``reshard`` to a sharding over the axis (how JAX ends the transpose of an
+  explicit all-gather of an FSDP weight) keeps such a value as it is. Linear
   operations carry unreduced values on (JAX's own sharding rules check each
-  one); any other operation reduces its unreduced inputs first, exactly where
-  the reduction happened before, so batch-coupled code (a BatchNorm, a loss
-  that means over the batch) computes the same function.
-* the stage's gradient accumulators for parameters replicated over the data
-  axis are created unreduced (`unreduced_zeros`), the backward programs add
-  unreduced gradients into them, and one ``reduce`` program per stage, called
-  once after the stage's last backward (`reduce_gradients_once`), reduces them:
-  one all-reduce of the parameter bytes per step. A separate small program
-  keeps the backward programs the same for every microbatch (one compile each).
+  one); any other operation reduces its unreduced inputs first, to the type
+  the input had before, exactly where the reduction happened before, so
+  batch-coupled code (a BatchNorm, a loss that means over the batch) computes
+  the same function.
+* the stage's gradient accumulators for float parameters are created
+  unreduced (`GradientReduction.zeros_like`; for an FSDP parameter at full
+  size), the backward programs add unreduced gradients into them, and one
+  ``reduce`` program per stage, called once after the stage's last backward
+  (`reduce_gradients_once`), reduces each to its parameter's sharding: one
+  all-reduce of the replicated parameters' bytes and one reduce-scatter
+  (``psum_scatter``) of the FSDP parameters' full bytes per step. A separate
+  small program keeps the backward programs the same for every microbatch
+  (one compile each).
+
+Memory: an FSDP parameter's accumulator holds the *full* gradient on every
+device of the data axis (the parameter itself holds 1/n of it), for the whole
+step. That is the price of one reduce-scatter per step instead of one per
+microbatch; with few, large microbatches or no room for a full gradient per
+device, use an Auto data axis, which keeps the per-microbatch reduce-scatter
+and a sharded accumulator. The ``reduce`` program donates its accumulators
+only where it reduce-scatters none (an FSDP result is smaller than its
+accumulator, so XLA could not reuse that buffer).
 
 Only float reassociation changes numerics: per device, microbatch gradients
-are summed before the sum over devices instead of after it.
+are summed before the sum over devices instead of after it (and a gradient
+cast to a lower precision inside the backward is rounded per device before
+that sum).
 
 Where this does not apply the programs are what they were (one reduction per
 microbatch): Auto data axes (JAX's unreduced types need an Explicit axis), a
-data axis of size 1, a replicated batch, and parameters sharded over the data
-axis (FSDP; their per-microbatch reduce-scatter stays). The region's data
+data axis of size 1, and a replicated batch. The region's data
 (`RegionInfo.unreduced_axis` and each parameter's sharding type) decides.
 """
 
