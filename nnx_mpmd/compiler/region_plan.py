@@ -80,7 +80,7 @@ class _LazyInit:
         red, sharding = self.reduction, param.sharding
         if red is None or not red.defers(param):
             return sharding
-        # Sharded over the data axis (FSDP): full size over it, unreduced.
+        # Unreduced over the data axis; a parameter sharded over it (FSDP) at full size.
         return red.unreduced_sharding(sharding, len(param.shape))
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:

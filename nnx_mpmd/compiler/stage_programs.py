@@ -227,15 +227,12 @@ class StageFunctions:
         parameter: full size, unreduced); any other is made so first.
         """
         red = self.reduction
-        if red is None:
-            return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
-        return tuple(
-            a
-            + (red.unreduced_like(g, a) if red.is_unreduced(a) else red.reduce(g, like=a)).astype(
-                a.dtype
-            )
-            for a, g in zip(gacc, grads)
-        )
+        if red is not None:
+            grads = [
+                red.unreduced_like(g, a) if red.is_unreduced(a) else red.reduce(g, like=a)
+                for a, g in zip(gacc, grads)
+            ]
+        return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
 
     def _backward(self, vjp_fn, cts, gacc, xd):
         seeds = tuple(self._seeds(cts))
@@ -243,8 +240,11 @@ class StageFunctions:
             g_params, ct_xd = vjp_fn(seeds)
         else:  # weight gradients stay unreduced over the data axis (see grad_reduction)
             g_params, ct_xd = run_deferring(vjp_fn, seeds, reduction=self.reduction)
-            # Input cotangents are reduced here, to their inputs' own types.
-            ct_xd = tuple(self.reduction.reduce(c, like=x) for c, x in zip(ct_xd, xd))
+            # Input cotangents are reduced here (to a data-sharded input's own type).
+            red = self.reduction
+            ct_xd = tuple(
+                red.reduce(c, like=x if red.sharded_over(x) else None) for c, x in zip(ct_xd, xd)
+            )
         return ct_xd, self._add_grads(gacc, g_params)
 
     # -- residuals -------------------------------------------------------------
