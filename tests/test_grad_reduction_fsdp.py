@@ -321,3 +321,47 @@ def test_reduce_scatter_bytes_counts_operands():
     # Without the operand's definition: the result's size times the group size.
     plain = "%rs = f32[4,16]{1,0} reduce-scatter(%g), replica_groups=[1,2]<=[2], dimensions={0}"
     assert reduce_scatter_bytes(plain) == 8 * 16 * 4
+
+
+class Cumulative(nnx.Module):
+    """An FSDP kernel, gathered, then used through a cumulative sum: ``cumsum`` has no
+    unreduced rule, so its gradient is reduced in every backward, then gathered and
+    added into the full-size accumulator (the fallback)."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(WIDTH, WIDTH, kernel_metadata=FSDP, rngs=rngs)
+
+    def __call__(self, x):
+        kernel = self.linear.kernel[...]
+        if _explicit():
+            kernel = jax.sharding.reshard(kernel, P())
+        kernel = jnp.cumsum(kernel, axis=1) / WIDTH
+        return jnp.tanh(x @ kernel + self.linear.bias[...])
+
+
+class CumulativeModel(mp.PipelinedModel):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.first = mp.Stage(Cumulative(rngs=rngs), stage=0)
+        self.second = mp.Stage(nnx.Linear(WIDTH, WIDTH, kernel_metadata=FSDP, rngs=rngs), stage=1)
+
+    def __call__(self, x):
+        return self.second(self.first(x))
+
+
+def test_fsdp_gradient_reduced_in_the_backward_still_equals_reference():
+    models, opts = _build(lambda rngs: CumulativeModel(rngs=rngs))
+    pipelined = mp.jit(
+        train_step_fn(mlp_loss),
+        mesh=make_mesh(2, 2, AxisType.Explicit),
+        schedule=mp.OneFOneB(),
+        num_microbatches=MICROBATCHES,
+    )
+    batches = [make_batch("regression", MICROBATCHES * 4, seed=s) for s in range(2)]
+    lowered = pipelined.lower(models[1], opts[1], batches[0])
+    executables = lowered.compile().executables()
+    # Stage 0's kernel gradient is all-reduced in B0 (the fallback); stage 1's is deferred.
+    assert all_reduce_bytes(executables["B0"][0].as_text()) == WIDTH * WIDTH * 4
+    assert reduce_scatter_bytes(executables["reduce0"][0].as_text()) == WIDTH * WIDTH * 4
+    assert reduce_scatter_bytes(executables["FB1"][0].as_text()) == 0
+    assert all_reduce_bytes(executables["FB1"][0].as_text()) <= 8
+    _assert_equal_to_reference(models, opts, pipelined, batches, mlp_loss)

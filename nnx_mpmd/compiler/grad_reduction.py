@@ -223,13 +223,16 @@ class GradientReduction:
         """
         if self.is_unreduced(x):
             return x
-        sharding = jax.typeof(x).sharding
         if self.sharded_over(x):
-            gathered = self._with_unreduced(sharding, jnp.ndim(x), True)
-            gathered = NamedSharding(gathered.mesh, PartitionSpec(*gathered.spec.partitions))
-            x = jax.sharding.reshard(x, gathered)
-            sharding = jax.typeof(x).sharding
-        return jax.sharding.reshard(x, self._with_unreduced(sharding, jnp.ndim(x), True))
+            x = jax.sharding.reshard(x, self._gathered(jax.typeof(x).sharding, jnp.ndim(x)))
+        return jax.sharding.reshard(
+            x, self._with_unreduced(jax.typeof(x).sharding, jnp.ndim(x), True)
+        )
+
+    def _gathered(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
+        """``sharding`` with the axis dropped from its partitions (full size over it)."""
+        full = self._with_unreduced(sharding, ndim, True)
+        return NamedSharding(full.mesh, PartitionSpec(*full.spec.partitions))
 
     def reduce(self, x: Any, like: Any = None) -> Any:
         """``x`` summed over the axis, if it is unreduced.
@@ -281,19 +284,20 @@ class GradientReduction:
         """``g`` typed as the unreduced accumulator ``acc`` (to add them)."""
         if self.is_unreduced(g) and _spec(g) == _spec(acc):
             return g
-        g = jax.sharding.reshard(self.reduce(g), self.reduce_sharding(acc))
+        g = self.unreduced(self.reduce(g))  # a fallback: communicates in every backward
+        if _spec(g) == _spec(acc):
+            return g
         return jax.sharding.reshard(g, jax.typeof(acc).sharding)
 
-    def reduce_sharding(self, x: Any) -> NamedSharding:
-        """The sharding of ``x`` reduced over the axis, with ``x``'s partitions."""
-        return self._with_unreduced(jax.typeof(x).sharding, jnp.ndim(x), False)
-
     def zeros_like(self, param: Any) -> Any:
-        """Zeros shaped like ``param``, unreduced over the axis (an accumulator)."""
-        full = self._with_unreduced(jax.typeof(param).sharding, jnp.ndim(param), True)
-        full = NamedSharding(full.mesh, PartitionSpec(*full.spec.partitions))
-        zeros = jnp.zeros(jnp.shape(param), jax.typeof(param).dtype, out_sharding=full)
-        return jax.sharding.reshard(zeros, self._with_unreduced(full, jnp.ndim(param), True))
+        """Zeros shaped like ``param``, unreduced over the axis (an accumulator).
+
+        Made at full size over the axis (no gather of a sharded zeros).
+        """
+        full = self._gathered(jax.typeof(param).sharding, jnp.ndim(param))
+        return self.unreduced(
+            jnp.zeros(jnp.shape(param), jax.typeof(param).dtype, out_sharding=full)
+        )
 
     def unreduced_sharding(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
         """A concrete accumulator sharding: ``sharding`` made unreduced over the axis."""
