@@ -30,6 +30,7 @@ from pipeline_models import (
     params_of,
     train_step_fn,
 )
+from test_grad_reduction import AXIS_TYPES, MICROBATCHES, SCHEDULES
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.grad_reduction import (
@@ -43,14 +44,6 @@ from nnx_mpmd.compiler.grad_reduction import (
     step_reduced_bytes,
 )
 
-MICROBATCHES = 4
-SCHEDULES = {
-    "1f1b": (mp.OneFOneB, 2),
-    "gpipe": (mp.GPipe, 2),
-    "zb-h1": (mp.ZeroBubbleH1, 2),
-    "interleaved": (mp.Interleaved1F1B, 4),
-}
-AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 FSDP = {"out_sharding": ("data", None), "eager_sharding": False}
 BACKWARD_KINDS = ("B", "FB", "BI", "BW")
 
@@ -86,6 +79,13 @@ def _param_bytes(model, fsdp_only=False) -> int:
     )
 
 
+def _pipelined(loss_fn, schedule_cls=mp.OneFOneB, axis_type="explicit"):
+    mesh = make_mesh(2, 2, AXIS_TYPES[axis_type])
+    return mp.jit(
+        train_step_fn(loss_fn), mesh=mesh, schedule=schedule_cls(), num_microbatches=MICROBATCHES
+    )
+
+
 def _build(make, opt=None):
     models = [make(nnx.Rngs(0)) for _ in range(2)]
     opt = optax.adamw(1e-2) if opt is None else opt
@@ -116,10 +116,7 @@ def _assert_backward_scatters_nothing(executables, calls):
 def test_fsdp_gradients_reduce_scatter_once_per_step(schedule, axis_type):
     schedule_cls, stages = SCHEDULES[schedule]
     (model, _), (opt, _) = _build(lambda rngs: FsdpMLP(stages, rngs=rngs))
-    mesh = make_mesh(2, 2, AXIS_TYPES[axis_type])
-    step = mp.jit(
-        train_step_fn(mlp_loss), mesh=mesh, schedule=schedule_cls(), num_microbatches=MICROBATCHES
-    )
+    step = _pipelined(mlp_loss, schedule_cls, axis_type)
     lowered = step.lower(model, opt, make_batch("regression", MICROBATCHES * 4))
     executables = lowered.compile().executables()
     instructions = lowered.compiled.instructions
@@ -148,10 +145,7 @@ def test_fsdp_gradients_reduce_scatter_once_per_step(schedule, axis_type):
 def test_fsdp_equals_one_device_reference(schedule, axis_type):
     schedule_cls, stages = SCHEDULES[schedule]
     models, opts = _build(lambda rngs: FsdpMLP(stages, rngs=rngs))
-    mesh = make_mesh(2, 2, AXIS_TYPES[axis_type])
-    pipelined = mp.jit(
-        train_step_fn(mlp_loss), mesh=mesh, schedule=schedule_cls(), num_microbatches=MICROBATCHES
-    )
+    pipelined = _pipelined(mlp_loss, schedule_cls, axis_type)
     batches = [make_batch("regression", MICROBATCHES * 4, seed=s) for s in range(2)]
     _assert_equal_to_reference(models, opts, pipelined, batches, mlp_loss)
     kernel = models[1].layers[0].module.kernel[...]
@@ -199,10 +193,7 @@ def test_mixed_and_tied_fsdp_parameters_equal_reference(schedule):
     meshes (each mesh reduce-scatters its contribution once, then they are summed)."""
     schedule_cls, _ = SCHEDULES[schedule]
     models, opts = _build(lambda rngs: TiedFsdpModel(rngs=rngs), optax.sgd(0.1))
-    mesh = make_mesh(2, 2, AxisType.Explicit)
-    pipelined = mp.jit(
-        train_step_fn(mlp_loss), mesh=mesh, schedule=schedule_cls(), num_microbatches=MICROBATCHES
-    )
+    pipelined = _pipelined(mlp_loss, schedule_cls)
     batches = [make_batch("regression", MICROBATCHES * 4, seed=s) for s in range(2)]
     lowered = pipelined.lower(models[1], opts[1], batches[0])
     executables = lowered.compile().executables()
@@ -249,12 +240,7 @@ def test_fsdp_embedding_table_and_column_kernel_reduce_once():
     """The gradient of a gathered FSDP table (a scatter-add of the batch's rows) and of a
     kernel sharded on its second dimension: each reduce-scattered once, in ``reduce0``."""
     models, opts = _build(lambda rngs: LookupModel(rngs=rngs))
-    pipelined = mp.jit(
-        train_step_fn(lm_loss),
-        mesh=make_mesh(2, 2, AxisType.Explicit),
-        schedule=mp.OneFOneB(),
-        num_microbatches=MICROBATCHES,
-    )
+    pipelined = _pipelined(lm_loss)
     batches = [make_batch("tokens", MICROBATCHES * 4, seed=s) for s in range(2)]
     lowered = pipelined.lower(models[1], opts[1], batches[0])
     executables = lowered.compile().executables()
@@ -350,12 +336,7 @@ class CumulativeModel(mp.PipelinedModel):
 
 def test_fsdp_gradient_reduced_in_the_backward_still_equals_reference():
     models, opts = _build(lambda rngs: CumulativeModel(rngs=rngs))
-    pipelined = mp.jit(
-        train_step_fn(mlp_loss),
-        mesh=make_mesh(2, 2, AxisType.Explicit),
-        schedule=mp.OneFOneB(),
-        num_microbatches=MICROBATCHES,
-    )
+    pipelined = _pipelined(mlp_loss)
     batches = [make_batch("regression", MICROBATCHES * 4, seed=s) for s in range(2)]
     lowered = pipelined.lower(models[1], opts[1], batches[0])
     executables = lowered.compile().executables()
