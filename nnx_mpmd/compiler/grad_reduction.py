@@ -1,51 +1,76 @@
 """One data-parallel gradient reduction per step: unreduced accumulation, then one reduce.
 
-A stage whose submesh has a data axis (its microbatch sharded over it, its
-parameters replicated over it) used to all-reduce its full gradient inside every
-backward program: once per microbatch. On an *Explicit* data axis, JAX types a
-value that holds per-device partial sums as *unreduced* over the axis
+A stage whose submesh has a data axis (its microbatch sharded over it) used to
+reduce its full gradient inside every backward program: once per microbatch
+(an all-reduce for a parameter replicated over the axis, a reduce-scatter for
+one sharded over it, FSDP). On an *Explicit* data axis, JAX types a value that
+holds per-device partial sums as *unreduced* over the axis
 (``float32[4,3]{U:data}``); adding such values needs no communication, and one
-``jax.sharding.reshard`` to the parameter's sharding reduces them (an
-all-reduce). So:
+reduction to the parameter's sharding sums them. So:
 
 * `run_deferring` evaluates a backward (a ``jax.vjp`` function, or the BW part
   of a split backward) equation by equation and gives each reduction over the
   data axis (a ``reduce_sum`` or ``dot_general`` that contracts data-sharded
-  dimensions into a replicated result) an unreduced result instead. Linear
+  dimensions) an unreduced result instead. Where the result was sharded over
+  the axis (the gradient of an FSDP parameter, a reduce-scatter), the
+  unreduced result has the axis dropped from its partitions: full size over
+  the axis, every device holding its partial sums of the whole array. A
+  ``reshard`` to a sharding over the axis (how JAX ends the transpose of an
+  explicit all-gather of an FSDP weight) keeps such a value as it is. Linear
   operations carry unreduced values on (JAX's own sharding rules check each
-  one); any other operation reduces its unreduced inputs first, exactly where
-  the reduction happened before, so batch-coupled code (a BatchNorm, a loss
-  that means over the batch) computes the same function.
-* the stage's gradient accumulators for parameters replicated over the data
-  axis are created unreduced (`unreduced_zeros`), the backward programs add
-  unreduced gradients into them, and one ``reduce`` program per stage, called
-  once after the stage's last backward (`reduce_gradients_once`), reduces them:
-  one all-reduce of the parameter bytes per step. A separate small program
-  keeps the backward programs the same for every microbatch (one compile each).
+  one); any other operation reduces its unreduced inputs first, to the type
+  the input had before, exactly where the reduction happened before, so
+  batch-coupled code (a BatchNorm, a loss that means over the batch) computes
+  the same function.
+* the stage's gradient accumulators for float parameters are created
+  unreduced (`GradientReduction.zeros_like`; for an FSDP parameter at full
+  size), the backward programs add unreduced gradients into them, and one
+  ``reduce`` program per stage, called once after the stage's last backward
+  (`reduce_gradients_once`), reduces each to its parameter's sharding: one
+  all-reduce of the replicated parameters' bytes and one reduce-scatter
+  (``psum_scatter``) of the FSDP parameters' full bytes per step. A separate
+  small program keeps the backward programs the same for every microbatch
+  (one compile each).
+
+Memory: an FSDP parameter's accumulator holds the *full* gradient on every
+device of the data axis (the parameter itself holds 1/n of it), for the whole
+step. That is the price of one reduce-scatter per step instead of one per
+microbatch; with few, large microbatches or no room for a full gradient per
+device, use an Auto data axis, which keeps the per-microbatch reduce-scatter
+and a sharded accumulator. The ``reduce`` program donates its accumulators
+only where it reduce-scatters none (an FSDP result is smaller than its
+accumulator, so XLA could not reuse that buffer).
 
 Only float reassociation changes numerics: per device, microbatch gradients
-are summed before the sum over devices instead of after it.
+are summed before the sum over devices instead of after it (and a gradient
+cast to a lower precision inside the backward is rounded per device before
+that sum).
 
 Where this does not apply the programs are what they were (one reduction per
 microbatch): Auto data axes (JAX's unreduced types need an Explicit axis), a
-data axis of size 1, a replicated batch, and parameters sharded over the data
-axis (FSDP; their per-microbatch reduce-scatter stays). The region's data
+data axis of size 1, and a replicated batch. The region's data
 (`RegionInfo.unreduced_axis` and each parameter's sharding type) decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from nnx_mpmd.compiler.collective_bytes import (
+    all_reduce_bytes,
+    program_calls,
+    reduce_scatter_bytes,
+    step_all_reduce_bytes,
+    step_reduce_scatter_bytes,
+    step_reduced_bytes,
+)
 from nnx_mpmd.compiler.instructions import Call, Instruction
 
 __all__ = [
@@ -53,8 +78,11 @@ __all__ = [
     "all_reduce_bytes",
     "program_calls",
     "reduce_gradients_once",
+    "reduce_scatter_bytes",
     "run_deferring",
     "step_all_reduce_bytes",
+    "step_reduce_scatter_bytes",
+    "step_reduced_bytes",
 ]
 
 # Linear in each float input: an unreduced input can stay unreduced through them
@@ -85,6 +113,15 @@ _INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "
 def _spec(x: Any) -> PartitionSpec | None:
     sharding = getattr(jax.typeof(x), "sharding", None)
     return getattr(sharding, "spec", None)
+
+
+def _target_spec(like: Any) -> PartitionSpec | None:
+    """The partition spec of ``like``: a PartitionSpec, a sharding, or an array (or tracer)."""
+    if like is None or isinstance(like, PartitionSpec):
+        return like
+    if isinstance(like, jax.sharding.Sharding):
+        return getattr(like, "spec", None)
+    return _spec(like)
 
 
 def _partitions(spec: PartitionSpec, ndim: int) -> list[Any]:
@@ -136,19 +173,40 @@ class GradientReduction:
 
     def sharded_over(self, x: Any) -> bool:
         """Whether ``x`` is sharded (or varying) over the axis: then it is not a sum."""
-        spec = _spec(x)
-        if spec is None:
-            return False
-        return any(self.axis in _names(p) for p in spec.partitions)
+        return self.sharded_over_spec(_spec(x))
+
+    def sharded_over_spec(self, spec: Any) -> bool:
+        """Whether ``spec`` (a PartitionSpec or sharding, or None) shards over the axis."""
+        spec = getattr(spec, "spec", spec)
+        return spec is not None and any(self.axis in _names(p) for p in spec.partitions)
 
     def defers(self, param: Any) -> bool:
-        """Whether ``param``'s gradient accumulates unreduced: float, replicated over the axis."""
-        return _float(param) and _spec(param) is not None and not self.sharded_over(param)
+        """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type.
 
-    def _with_unreduced(self, sharding: NamedSharding, ndim: int, unreduced: bool) -> Any:
+        A parameter sharded over the axis (FSDP) accumulates its gradient
+        unreduced at full size (the axis dropped from its partitions).
+        """
+        return _float(param) and _spec(param) is not None
+
+    def _without_axis(self, entry: Any) -> Any:
+        names = tuple(n for n in _names(entry) if n != self.axis)
+        if not names:
+            return None
+        return names[0] if len(names) == 1 else names
+
+    def _with_unreduced(
+        self, sharding: NamedSharding, ndim: int, unreduced: bool, target: Any = None
+    ) -> Any:
+        """``sharding`` made unreduced over the axis (its partitions then drop the axis),
+        or reduced over it (to ``target``'s partitions if given, else its own)."""
         spec = sharding.spec
-        axes = spec.unreduced | {self.axis} if unreduced else spec.unreduced - {self.axis}
-        new = PartitionSpec(*_partitions(spec, ndim), unreduced=axes, reduced=spec.reduced)
+        if unreduced:
+            axes = spec.unreduced | {self.axis}
+            parts = [self._without_axis(p) for p in _partitions(spec, ndim)]
+        else:
+            axes = spec.unreduced - {self.axis}
+            parts = _partitions(spec if target is None else target, ndim)
+        new = PartitionSpec(*parts, unreduced=axes, reduced=spec.reduced)
         mesh = sharding.mesh
         types = dict(zip(mesh.axis_names, mesh.axis_types))
         if types.get(self.axis, AxisType.Explicit) != AxisType.Explicit:
@@ -158,18 +216,88 @@ class GradientReduction:
         return NamedSharding(mesh, new)
 
     def unreduced(self, x: Any) -> Any:
-        """``x`` as an unreduced value over the axis (no communication)."""
+        """``x`` as an unreduced value over the axis, at full size over it.
+
+        No communication for a value replicated over the axis; one sharded over
+        it is gathered first (a fallback: deferred gradients arrive unreduced).
+        """
         if self.is_unreduced(x):
             return x
-        sharding = jax.typeof(x).sharding
-        return jax.sharding.reshard(x, self._with_unreduced(sharding, jnp.ndim(x), True))
+        if self.sharded_over(x):
+            x = jax.sharding.reshard(x, self._gathered(jax.typeof(x).sharding, jnp.ndim(x)))
+        return jax.sharding.reshard(
+            x, self._with_unreduced(jax.typeof(x).sharding, jnp.ndim(x), True)
+        )
 
-    def reduce(self, x: Any) -> Any:
-        """``x`` summed over the axis (an all-reduce), if it is unreduced."""
+    def _gathered(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
+        """``sharding`` with the axis dropped from its partitions (full size over it)."""
+        full = self._with_unreduced(sharding, ndim, True)
+        return NamedSharding(full.mesh, PartitionSpec(*full.spec.partitions))
+
+    def reduce(self, x: Any, like: Any = None) -> Any:
+        """``x`` summed over the axis, if it is unreduced.
+
+        Args:
+          x: a value.
+          like: the reduced value's partitions (a PartitionSpec, a sharding, or
+            an array typed with them); by default ``x``'s: an all-reduce. A
+            ``like`` sharded over the axis (an FSDP parameter) makes it a
+            reduce-scatter.
+
+        Returns:
+          ``x`` reduced, or ``x`` if it is not unreduced.
+        """
         if not self.is_unreduced(x):
             return x
+        target = _target_spec(like)
         sharding = jax.typeof(x).sharding
-        return jax.sharding.reshard(x, self._with_unreduced(sharding, jnp.ndim(x), False))
+        reduced = self._with_unreduced(sharding, jnp.ndim(x), False, target=target)
+        dim = self._scatter_dimension(x, reduced.spec)
+        if dim is None:
+            return jax.sharding.reshard(x, reduced)
+        # An explicit reduce-scatter (a reshard gives an all-reduce and a slice on CPU).
+        return jax.shard_map(
+            lambda a: jax.lax.psum_scatter(a, self.axis, scatter_dimension=dim, tiled=True),
+            mesh=reduced.mesh,
+            in_specs=sharding.spec,
+            out_specs=reduced.spec,
+        )(x)
+
+    def _scatter_dimension(self, x: Any, target: PartitionSpec) -> int | None:
+        """The dimension ``target`` shards over the axis alone, where reducing ``x`` to
+        it is a plain reduce-scatter (``x`` has ``target``'s other partitions)."""
+        spec, ndim = _spec(x), jnp.ndim(x)
+        parts = _partitions(target, ndim)
+        dims = [d for d, p in enumerate(parts) if self.axis in _names(p)]
+        if (
+            len(dims) != 1
+            or _names(parts[dims[0]]) != (self.axis,)
+            or spec.unreduced != {self.axis}
+        ):
+            return None
+        if jnp.shape(x)[dims[0]] % dict(jax.typeof(x).sharding.mesh.shape)[self.axis]:
+            return None
+        expected = [None if d == dims[0] else p for d, p in enumerate(parts)]
+        return dims[0] if _partitions(spec, ndim) == expected else None
+
+    def unreduced_like(self, g: Any, acc: Any) -> Any:
+        """``g`` typed as the unreduced accumulator ``acc`` (to add them)."""
+        if self.is_unreduced(g) and _spec(g) == _spec(acc):
+            return g
+        g = self.unreduced(self.reduce(g))  # a fallback: communicates in every backward
+        if _spec(g) == _spec(acc):
+            return g
+        return jax.sharding.reshard(g, jax.typeof(acc).sharding)
+
+    def zeros_like(self, param: Any) -> Any:
+        """Zeros shaped like ``param``, unreduced over the axis (an accumulator).
+
+        Made at full size over the axis (no gather of a sharded zeros).
+        """
+        full = self._gathered(jax.typeof(param).sharding, jnp.ndim(param))
+        return self.unreduced(
+            jnp.zeros(jnp.shape(param), jax.typeof(param).dtype, out_sharding=full)
+        )
 
     def unreduced_sharding(self, sharding: NamedSharding, ndim: int) -> NamedSharding:
         """A concrete accumulator sharding: ``sharding`` made unreduced over the axis."""
@@ -180,12 +308,14 @@ class GradientReduction:
         return self._with_unreduced(aval.sharding, len(aval.shape), True)
 
     def reduces_over_axis(self, eqn: Any, invals: Sequence[Any]) -> bool:
-        """Whether ``eqn`` sums data-sharded dimensions into a result replicated over the axis."""
+        """Whether ``eqn`` sums data-sharded dimensions (over the axis).
+
+        Its result may be replicated over the axis (an all-reduce) or sharded
+        over it (a reduce-scatter: the gradient of an FSDP parameter).
+        """
         out = eqn.outvars[0].aval
         out_spec = getattr(getattr(out, "sharding", None), "spec", None)
         if out_spec is None or len(eqn.outvars) != 1 or not jnp.issubdtype(out.dtype, jnp.inexact):
-            return False
-        if any(self.axis in _names(p) for p in out_spec.partitions):
             return False
         if eqn.primitive.name == "reduce_sum":
             parts = _partitions(_spec(invals[0]), jnp.ndim(invals[0]))
@@ -199,12 +329,23 @@ class GradientReduction:
         return False
 
 
-def _sharding_params(eqn: Any, red: GradientReduction, ndim: int) -> dict[str, Any]:
-    """The equation's params with its result sharding (if it names one) made unreduced."""
+def _sharding_params(
+    eqn: Any, red: GradientReduction, ndim: int, full_size: bool
+) -> dict[str, Any]:
+    """The equation's params with its result sharding (if it names one) made unreduced.
+
+    A result sharding over the axis stays (so JAX refuses the call, and the
+    input is reduced first, as before) unless the unreduced input is already
+    at full size over the axis (a deferred reduce-scatter): then the axis is
+    dropped from it. A value reduced over the axis and broadcast back over the
+    sharded batch is thus not kept at full batch size.
+    """
     params = dict(eqn.params)
     for name in ("out_sharding", "sharding"):
         value = params.get(name)
-        if isinstance(value, NamedSharding):
+        if isinstance(value, NamedSharding) and (
+            full_size or not red.sharded_over_spec(value.spec)
+        ):
             params[name] = red._with_unreduced(value, ndim, True)
     return params
 
@@ -225,12 +366,19 @@ def _try_unreduced(eqn: Any, invals: list[Any], red: GradientReduction) -> list[
         return None
     if len(eqn.outvars) != 1 or not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
         return None
-    params = _sharding_params(eqn, red, len(eqn.outvars[0].aval.shape))
+    full_size = any(
+        red.is_unreduced(x) and red.sharded_over_spec(getattr(v.aval, "sharding", None))
+        for v, x in zip(eqn.invars, invals)
+        if not isinstance(v, jcore.Literal)
+    )
+    params = _sharding_params(eqn, red, len(eqn.outvars[0].aval.shape), full_size)
     try:
         outs = _bind(eqn, invals, params)
     except Exception:  # JAX has no unreduced rule for this call: reduce first
         return None
-    return outs if all(red.is_unreduced(o) for o in outs) else None
+    if all(red.is_unreduced(o) and not red.sharded_over(o) for o in outs):
+        return outs
+    return None
 
 
 class _Env:
@@ -258,7 +406,8 @@ class _Env:
         if isinstance(v, jcore.Literal) or not self.red.is_unreduced(x):
             return x
         if v not in self.reduced:
-            self.reduced[v] = self.red.reduce(x)
+            # Reduced to the variable's own type: a reduce-scatter if it was sharded.
+            self.reduced[v] = self.red.reduce(x, like=getattr(v.aval, "sharding", None))
         return self.reduced[v]
 
 
@@ -267,12 +416,16 @@ def _reshard(eqn: Any, x: Any, red: GradientReduction) -> list[Any]:
 
     JAX ends a transpose with a reshard to the primal's sharding; when that
     differs from ``x``'s only by the reduction, it is the reduction being
-    deferred. To a sharding over the axis it is a reduce-scatter, done here.
+    deferred. A target sharded over the axis (an FSDP parameter's) makes it a
+    reduce-scatter, deferred as well: ``x`` stays at full size over the axis,
+    and a later read that needs the reduced value reduces it to the target.
     """
     target = eqn.params.get("dst_sharding")
     spec = target if isinstance(target, PartitionSpec) else getattr(target, "spec", None)
     ndim = jnp.ndim(x)
-    same = spec is not None and _partitions(spec, ndim) == _partitions(_spec(x), ndim)
+    same = spec is not None and [red._without_axis(p) for p in _partitions(spec, ndim)] == (
+        _partitions(_spec(x), ndim)
+    )
     if same and red.axis not in spec.unreduced and spec.unreduced <= _spec(x).unreduced:
         return [x]
     return _bind(eqn, [x], dict(eqn.params))
@@ -416,7 +569,8 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     The pass after `schedule_lowering.fuse_forward_backward`: only for a
     training region with an unreduced axis (`RegionInfo.unreduced_axis`). The
     ``reduce`` program reads and donates the stage's gradient accumulators and
-    writes them back reduced (see `stage_programs.StageFunctions.reduce`).
+    writes them back reduced to the shardings of the stage's parameters, which
+    it also reads (see `stage_programs.StageFunctions.reduce`).
 
     Args:
       program: the region's instructions.
@@ -435,67 +589,12 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     for k, n in last.items():
         if ctx.fns[k].param_inputs:
             key, fn = ctx.program("reduce", k)
-            gacc = ctx.grad_accumulators(k)
-            after[n] = Call(ctx.stage_mesh[k], key, fn, (gacc,), gacc, f"reduce{k}")
+            gacc, q = ctx.grad_accumulators(k), ctx.stage_mesh[k]
+            params = tuple(ctx.input(r, q) for r in ctx.fns[k].param_inputs)
+            after[n] = Call(q, key, fn, (gacc, params), gacc, f"reduce{k}")
     result: list[Instruction] = []
     for n, ins in enumerate(program):
         result.append(ins)
         if n in after:
             result.append(after[n])
     return result
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-_DTYPE_BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8})
-_ALL_REDUCE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+all-reduce(?:-start)?\(")
-
-
-def all_reduce_bytes(hlo_text: str) -> int:
-    """Bytes all-reduced by one run of a compiled XLA program (its result shapes' sizes).
-
-    Args:
-      hlo_text: the compiled module's text (``compiled.as_text()``).
-
-    Returns:
-      The summed byte size of every ``all-reduce`` (or ``all-reduce-start``) result.
-
-    Example:
-      >>> all_reduce_bytes("  %ar = f32[4,3]{1,0} all-reduce(f32[4,3]{1,0} %x), to_apply=%add")
-      48
-    """
-    total = 0
-    for line in hlo_text.splitlines():
-        match = _ALL_REDUCE.match(line)
-        if match is None:
-            continue
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)):
-            size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-            total += size * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-def program_calls(instructions: Sequence[Instruction]) -> dict[str, int]:
-    """How many times the instruction list calls each program, by program name."""
-    counts: dict[str, int] = {}
-    for ins in instructions:
-        if isinstance(ins, Call):
-            counts[str(ins.program)] = counts.get(str(ins.program), 0) + 1
-    return counts
-
-
-def step_all_reduce_bytes(instructions: Sequence[Instruction], executables: Any) -> int:
-    """Bytes all-reduced by one step: each program's all-reduce bytes times its calls.
-
-    Args:
-      instructions: the step's instruction list (``lowered.compiled.instructions``).
-      executables: ``compiled.executables()`` (program name -> compiled variants).
-
-    Returns:
-      The total; a program compiled in several variants counts its first.
-    """
-    total = 0
-    for name, calls in program_calls(instructions).items():
-        found = executables.get(name)
-        if found:
-            total += calls * all_reduce_bytes(found[0].as_text())
-    return total

@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nnx_mpmd.compiler.grad_reduction import reduce_gradients_once
@@ -79,11 +78,9 @@ class _LazyInit:
 
     def _gradient_sharding(self, param: Any) -> Any:
         red, sharding = self.reduction, param.sharding
-        spec = getattr(sharding, "spec", None)
-        if red is None or spec is None or not jnp.issubdtype(param.dtype, jnp.inexact):
+        if red is None or not red.defers(param):
             return sharding
-        if any(red.axis in (p if isinstance(p, tuple) else (p,)) for p in spec.partitions):
-            return sharding  # sharded over the data axis (FSDP): reduced in each backward
+        # Unreduced over the data axis; a parameter sharded over it (FSDP) at full size.
         return red.unreduced_sharding(sharding, len(param.shape))
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
@@ -102,13 +99,38 @@ class _LazyInit:
         return self._jitted(params).trace(params)
 
 
+class _LazyReduce:
+    """The ``reduce`` program, jitted on first use: it donates the accumulators
+    unless it reduce-scatters one (an FSDP parameter's gradient, whose result is
+    smaller than its full-size accumulator: XLA could not reuse that buffer)."""
+
+    def __init__(self, f: StageFunctions, label: str) -> None:
+        self.fn, self.reduction, self.jitted = f.reduce, f.reduction, None
+        self.label = self.__name__ = label
+
+    def _jitted(self, params: tuple[Any, ...]) -> Any:
+        if self.jitted is None:
+            scatters = any(self.reduction.sharded_over(p) for p in params)
+            donate = {} if scatters else {"donate_argnums": (0,)}
+            self.jitted = named_jit(self.fn, self.label, **donate)
+        return self.jitted
+
+    def __call__(self, gacc: tuple[Any, ...], params: tuple[Any, ...]) -> Any:
+        return self._jitted(params)(gacc, params)
+
+    def trace(self, gacc: tuple[Any, ...], params: tuple[Any, ...]) -> Any:
+        """``jax.jit``'s trace, for ahead-of-time compilation (abstract arguments)."""
+        return self._jitted(params).trace(gacc, params)
+
+
 def compile_stage_programs(
     fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
 ) -> dict[ProgramKey, Callable[..., Any]]:
     """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init (and reduce).
 
     Accumulators and other per-step buffers are donated (the forward's loss/aux
-    accumulator, the backward's and ``reduce``'s gradient accumulator). ``reduce``
+    accumulator, the backward's and ``reduce``'s gradient accumulator, the latter
+    only where no gradient is reduce-scattered: see `_LazyReduce`). ``reduce``
     exists for stages that accumulate unreduced gradients (`grad_reduction`).
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
@@ -121,10 +143,10 @@ def compile_stage_programs(
             ("Fwd", f.forward_only, {}),
             ("BW", f.backward_weight, {"donate_argnums": (3,)}),
         ]
-        if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
-            jitted.append(("reduce", f.reduce, {"donate_argnums": (0,)}))
         for kind, fn, kwargs in jitted:
             programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
+        if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
+            programs[ProgramKey("reduce", k)] = _LazyReduce(f, f"reduce{k}")
         submesh = submeshes[stage_mesh[k]]
         programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}")
     return programs

@@ -221,22 +221,30 @@ class StageFunctions:
         )
 
     def _add_grads(self, gacc, grads):
-        """``gacc + grads``; an unreduced accumulator takes its gradient unreduced."""
-        red = self.reduction
-        if red is None:
-            return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
-        return tuple(
-            a + (red.unreduced(g) if red.is_unreduced(a) else red.reduce(g)).astype(a.dtype)
-            for a, g in zip(gacc, grads)
-        )
+        """``gacc + grads``; an unreduced accumulator takes its gradient unreduced.
 
-    def _backward(self, vjp_fn, cts, gacc):
+        A deferred gradient arrives typed as its accumulator (for an FSDP
+        parameter: full size, unreduced); any other is made so first.
+        """
+        red = self.reduction
+        if red is not None:
+            grads = [
+                red.unreduced_like(g, a) if red.is_unreduced(a) else red.reduce(g, like=a)
+                for a, g in zip(gacc, grads)
+            ]
+        return tuple(a + g.astype(a.dtype) for a, g in zip(gacc, grads))
+
+    def _backward(self, vjp_fn, cts, gacc, xd):
         seeds = tuple(self._seeds(cts))
         if self.reduction is None:
             g_params, ct_xd = vjp_fn(seeds)
         else:  # weight gradients stay unreduced over the data axis (see grad_reduction)
             g_params, ct_xd = run_deferring(vjp_fn, seeds, reduction=self.reduction)
-            ct_xd = tuple(self.reduction.reduce(c) for c in ct_xd)
+            # Input cotangents are reduced here (to a data-sharded input's own type).
+            red = self.reduction
+            ct_xd = tuple(
+                red.reduce(c, like=x if red.sharded_over(x) else None) for c, x in zip(ct_xd, xd)
+            )
         return ct_xd, self._add_grads(gacc, g_params)
 
     # -- residuals -------------------------------------------------------------
@@ -281,7 +289,7 @@ class StageFunctions:
     def backward(self, kept, inputs, cts, gacc):
         """``inputs``: the forward's inputs. cts: one tuple of contributions per
         differentiated send. -> (ct_xd, gacc')."""
-        return self._backward(self._unpack(kept, inputs), cts, gacc)
+        return self._backward(self._unpack(kept, inputs), cts, gacc, inputs[4])
 
     def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
         """Forward and backward of one microbatch.
@@ -289,7 +297,7 @@ class StageFunctions:
         Returns ``(sends, ct_xd, gacc', racc', carried state)``.
         """
         values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
-        ct_xd, gacc = self._backward(vjp_fn, cts, gacc)
+        ct_xd, gacc = self._backward(vjp_fn, cts, gacc, xd)
         sends = tuple(values[v] for v in self.sends)
         return sends, ct_xd, gacc, self._accumulate(values, racc), self._carried(values)
 
@@ -325,21 +333,29 @@ class StageFunctions:
         return self._add_grads(gacc, grads)
 
     def init(self, params):
-        """Zero accumulators: (gacc, racc); unreduced where `GradientReduction.defers` says."""
+        """Zero accumulators: (gacc, racc); unreduced where `GradientReduction.defers` says.
+
+        An unreduced accumulator of an FSDP parameter (sharded over the data
+        axis) has the parameter's full size on every device of the axis.
+        """
         red = self.reduction
         gacc = tuple(
-            red.unreduced(jnp.zeros_like(p)) if red and red.defers(p) else jnp.zeros_like(p)
-            for p in params
+            red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
         )
         return gacc, tuple(
             jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype)) for v in self.accumulated
         )
 
-    def reduce(self, gacc):
-        """The ``reduce`` task, once per step after the last backward: gacc reduced."""
+    def reduce(self, gacc, params):
+        """The ``reduce`` task, once per step after the last backward: gacc reduced.
+
+        Each accumulator is reduced to its parameter's sharding (``params``
+        are read for their types): an all-reduce, or for a parameter sharded
+        over the data axis (FSDP) a reduce-scatter.
+        """
         if self.reduction is None:
             return tuple(gacc)
-        return tuple(self.reduction.reduce(a) for a in gacc)
+        return tuple(self.reduction.reduce(a, like=p) for a, p in zip(gacc, params))
 
     @property
     def diff_sends(self) -> list[Any]:

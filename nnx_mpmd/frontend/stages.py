@@ -206,6 +206,9 @@ class Compiled:
         number of times the step calls it. A data-parallel stage on an Explicit
         data axis reduces its gradients once per step, so this is about the
         stages' parameter bytes, not the number of microbatches times them.
+        Parameters sharded over the data axis (FSDP) are reduce-scattered
+        instead, and not counted here
+        (``nnx_mpmd.compiler.grad_reduction.step_reduced_bytes`` counts both).
 
         Returns:
           The total over every program the step calls.
