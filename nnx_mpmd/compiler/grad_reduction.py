@@ -425,7 +425,7 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     Returns:
       A new list; the input is not changed.
     """
-    if not ctx.with_grad or getattr(ctx.plan.info, "unreduced_axis", None) is None:
+    if not ctx.with_grad or not getattr(ctx.plan.info, "reduces_once", False):
         return list(program)
     last: dict[int, int] = {}
     for n, ins in enumerate(program):

@@ -21,6 +21,7 @@ its own tests, its result kept in `RegionProgram.passes`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnx_mpmd.compiler.grad_reduction import reduce_gradients_once
+from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
@@ -79,6 +81,8 @@ class _LazyInit:
 
     def _gradient_sharding(self, param: Any) -> Any:
         red, sharding = self.reduction, param.sharding
+        if isinstance(red, StackedReduction):
+            return red.accumulator_sharding(param) if red.defers(param) else sharding
         spec = getattr(sharding, "spec", None)
         if red is None or spec is None or not jnp.issubdtype(param.dtype, jnp.inexact):
             return sharding
@@ -91,7 +95,10 @@ class _LazyInit:
             replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
             grads = tuple(self._gradient_sharding(p) for p in params)
             out = (grads, (replicated,) * self.num_acc)
-            self.jitted = named_jit(self.fn, self.label, out_shardings=out)
+            fn = self.fn
+            if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
+                fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))
+            self.jitted = named_jit(fn, self.label, out_shardings=out)
         return self.jitted
 
     def __call__(self, params: tuple[Any, ...]) -> Any:
@@ -121,8 +128,10 @@ def compile_stage_programs(
             ("Fwd", f.forward_only, {}),
             ("BW", f.backward_weight, {"donate_argnums": (3,)}),
         ]
-        if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
-            jitted.append(("reduce", f.reduce, {"donate_argnums": (0,)}))
+        reduction = getattr(f, "reduction", None)
+        if reduction is not None:  # data-parallel; stacked partials change shape: not donated
+            stacked = isinstance(reduction, StackedReduction)
+            jitted.append(("reduce", f.reduce, {} if stacked else {"donate_argnums": (0,)}))
         for kind, fn, kwargs in jitted:
             programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
         submesh = submeshes[stage_mesh[k]]
@@ -268,7 +277,7 @@ def build_region_program(
     passes.append(("lower_schedule", ir))
     ir = fuse_forward_backward(ir, ctx)
     passes.append(("fuse_forward_backward", ir))
-    if plan.info.with_grad and getattr(plan.info, "unreduced_axis", None) is not None:
+    if getattr(plan.info, "reduces_once", False):
         ir = reduce_gradients_once(ir, ctx)
         passes.append(("reduce_gradients_once", ir))
     ir = insert_transfers(ir, ctx)
