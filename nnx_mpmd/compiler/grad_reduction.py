@@ -79,7 +79,7 @@ _LINEAR = frozenset(
 # Sums: every float input must be unreduced, or replicated over the axis.
 _ADDITIVE = frozenset({"add", "add_any", "sub"})
 # Programs inlined so that the reductions inside them are deferred as well.
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat"})
+_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
 
 
 def _spec(x: Any) -> PartitionSpec | None:

@@ -65,7 +65,7 @@ _BILINEAR = frozenset({"reduce_sum", "dot_general"})
 # Sums: the last one on a path into a gradient runs per device.
 _SUMS = _BILINEAR | {"scatter-add"}
 # Programs inlined so that the reductions inside them can be split as well.
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat"})
+_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
 
 
 def _float(x: Any) -> bool:
