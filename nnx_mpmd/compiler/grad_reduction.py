@@ -26,11 +26,15 @@ all-reduce). So:
 Only float reassociation changes numerics: per device, microbatch gradients
 are summed before the sum over devices instead of after it.
 
-Where this does not apply the programs are what they were (one reduction per
-microbatch): Auto data axes (JAX's unreduced types need an Explicit axis), a
-data axis of size 1, a replicated batch, and parameters sharded over the data
-axis (FSDP; their per-microbatch reduce-scatter stays). The region's data
-(`RegionInfo.unreduced_axis` and each parameter's sharding type) decides.
+Auto data axes take the same passes with another representation: JAX allows
+unreduced values only on Explicit axes, so `grad_reduction_auto` keeps the
+partials as stacked ``[n, *shape]`` arrays (`RegionInfo.stacked_axis`).
+
+Where neither applies the programs are what they were (one reduction per
+microbatch): a data axis of size 1, a replicated batch, and parameters sharded
+over the data axis (FSDP; their per-microbatch reduce-scatter stays). The
+region's data (`RegionInfo.unreduced_axis` and each parameter's sharding type)
+decides.
 """
 
 from __future__ import annotations
@@ -414,7 +418,7 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     """Inserts each stage's ``reduce`` call right after its last backward.
 
     The pass after `schedule_lowering.fuse_forward_backward`: only for a
-    training region with an unreduced axis (`RegionInfo.unreduced_axis`). The
+    training region with an unreduced or stacked axis (`RegionInfo.reduces_once`). The
     ``reduce`` program reads and donates the stage's gradient accumulators and
     writes them back reduced (see `stage_programs.StageFunctions.reduce`).
 

@@ -8,8 +8,8 @@ its own tests, its result kept in `RegionProgram.passes`):
    `RegionValue` on the task's own mesh;
 2. `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
    the backward directly follows;
-   `grad_reduction.reduce_gradients_once` (data-parallel stages on an Explicit
-   data axis only): one ``reduce`` call per stage after its last backward;
+   `grad_reduction.reduce_gradients_once` (data-parallel stages only, on
+   Explicit or Auto data axes): one ``reduce`` call per stage after its last backward;
 3. `region_transfers.insert_transfers`: activations and cotangents copied to
    the meshes that read them, right after they are made;
 4. `region_outputs.region_outputs`: loss/aux, gradients summed on their home
@@ -71,7 +71,9 @@ class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
     A gradient accumulator has its parameter's sharding, made unreduced over
-    the data axis where the stage accumulates unreduced (`grad_reduction`).
+    the data axis where the stage accumulates unreduced (`grad_reduction`), or
+    is ``[n, *shape]`` sharded over it where the stage accumulates stacked
+    partials (`grad_reduction_auto`; the concrete parameters decide which).
     """
 
     def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
@@ -116,7 +118,7 @@ def compile_stage_programs(
 
     Accumulators and other per-step buffers are donated (the forward's loss/aux
     accumulator, the backward's and ``reduce``'s gradient accumulator). ``reduce``
-    exists for stages that accumulate unreduced gradients (`grad_reduction`).
+    exists for stages that accumulate unreduced or stacked gradients (`grad_reduction`).
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
