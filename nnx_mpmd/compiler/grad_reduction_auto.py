@@ -38,34 +38,20 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_mpmd.compiler.grad_reduction import _ADDITIVE, _INLINED, _bind, _names
+from nnx_mpmd.compiler.grad_reduction import _LINEAR as _DEFERRED_LINEAR
 from nnx_mpmd.errors import MeshError
 
 __all__ = ["StackedReduction", "run_stacking", "split_dims"]
 
-# Non-reducing operations linear in their (one) stacked float input.
-_LINEAR = frozenset(
-    {
-        "neg",
-        "reshape",
-        "transpose",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "slice",
-        "mul",
-    }
-)
-# Sums: every float input is stacked (a plain one is placed on the first device).
-_ADDITIVE = frozenset({"add", "add_any", "sub"})
-# Linear in each input: one stacked input is carried per partial.
+# Sums: the last one on a path into a gradient runs per device; reduce_sum and
+# dot_general are linear in each input (one stacked input is carried per partial).
 _BILINEAR = frozenset({"reduce_sum", "dot_general"})
-# Sums: the last one on a path into a gradient runs per device.
 _SUMS = _BILINEAR | {"scatter-add"}
-# Programs inlined so that the reductions inside them can be split as well.
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
+# Non-reducing operations linear in their (one) stacked float input.
+_LINEAR = _DEFERRED_LINEAR - _BILINEAR
+# _ADDITIVE (sums: every float input is stacked, a plain one placed on the first
+# device) and _INLINED (programs inlined) are grad_reduction's.
 
 
 def _float(x: Any) -> bool:
@@ -207,17 +193,6 @@ def split_dims(eqn: Any, invals: Sequence[Any], size: int) -> tuple[int | None, 
     return None if shapes[2][scatter[0]] % size else (None, index[0], scatter[0])
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    out = eqn.primitive.bind(*invals, **eqn.params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _inline(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluates ``jaxpr`` with nested programs inlined (traced: gives a flat jaxpr)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -233,7 +208,7 @@ def _inline(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]
             closed = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, [])
             outs = _inline(closed.jaxpr, closed.consts, invals)
         else:
-            outs = _bind(eqn, invals)
+            outs = _bind(eqn, invals, eqn.params)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
@@ -290,19 +265,19 @@ def _carry(eqn: Any, invals: list[Any], red: StackedReduction) -> list[Any] | No
         if not all(s or _float(x) for s, x in zip(stacked, invals)):
             return None
         values = [x.value if s else red.stack(x) for s, x in zip(stacked, invals)]
-        return [_Stacked(v) for v in _bind(eqn, values)]
+        return [_Stacked(v) for v in _bind(eqn, values, eqn.params)]
     if name == "scatter-add" and len(invals) == 3 and not stacked[1]:
         # linear in (operand, updates) together: both as partials, the indices shared
         operand, indices, updates = (x.value if s else x for s, x in zip(stacked, invals))
         operand = operand if stacked[0] else red.stack(operand)
         updates = updates if stacked[2] else red.stack(updates)
-        outs = jax.vmap(lambda o, u: _bind(eqn, (o, indices, u)))(operand, updates)
+        outs = jax.vmap(lambda o, u: _bind(eqn, (o, indices, u), eqn.params))(operand, updates)
         return [_Stacked(v) for v in outs]
     if name not in _LINEAR | _BILINEAR or sum(stacked) != 1:
         return None
     axes = [0 if s else None for s in stacked]
     values = [x.value if s else x for s, x in zip(stacked, invals)]
-    outs = jax.vmap(lambda *xs: _bind(eqn, xs), in_axes=tuple(axes))(*values)
+    outs = jax.vmap(lambda *xs: _bind(eqn, xs, eqn.params), in_axes=tuple(axes))(*values)
     return [_Stacked(v) for v in outs]
 
 
@@ -316,7 +291,7 @@ def _eval_eqn(eqn: Any, invals: list[Any], tail: set[Any], red: StackedReduction
         dims = split_dims(eqn, invals, red.size)
         if dims is not None:
             return [_Stacked(red.reduce_per_device(eqn, invals, dims))]
-    return _bind(eqn, invals)
+    return _bind(eqn, invals, eqn.params)
 
 
 def _output(x: Any, stacked: bool, red: StackedReduction) -> Any:
