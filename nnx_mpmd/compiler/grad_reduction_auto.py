@@ -11,8 +11,9 @@ gradient.
 
 `run_stacking` evaluates a backward jaxpr equation by equation, exactly as
 traced, except for the *last* reduction on each path into a parameter
-gradient: a ``dot_general`` or ``reduce_sum`` whose result reaches the
-gradient only through non-reducing linear operations (`_tail_vars`). That
+gradient: a ``dot_general``, ``reduce_sum`` or scatter-add (an embedding's
+gradient) whose result reaches the gradient only through linear operations
+that sum nothing the axis can split (`_tail_vars`). That
 reduction runs in a ``shard_map`` over the axis, each device reducing its own
 block of the first reduced dimension (the batch, for a weight gradient), and
 gives a stacked result; the linear operations after it run per partial
@@ -20,7 +21,14 @@ gives a stacked result; the linear operations after it run per partial
 any block split of a summed dimension sums to the same value, so a layout
 guess that is wrong costs a reshard, never correctness. Everything else
 (batch-coupled code such as a BatchNorm, activation cotangents) is bound as
-traced, on Auto axes as before.
+traced, on Auto axes as before. A gradient with no such sum (its last sum
+over a dimension the axis does not divide, or inside a ``scan``) is reduced
+where it was and placed on the first device (`StackedReduction.stack`).
+
+Tracing the stage programs with the data axis made Explicit instead would
+re-type the user's Auto-traced equations under Explicit rules (a gather
+without ``out_sharding``, a ``with_sharding_constraint`` with Auto meaning);
+this module changes no equation's typing.
 
 Only float reassociation changes numerics: per device, microbatch gradients
 are summed before the sum over devices instead of after it.
