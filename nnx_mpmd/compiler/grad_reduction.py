@@ -46,10 +46,16 @@ are summed before the sum over devices instead of after it (and a gradient
 cast to a lower precision inside the backward is rounded per device before
 that sum).
 
-Where this does not apply the programs are what they were (one reduction per
-microbatch): Auto data axes (JAX's unreduced types need an Explicit axis), a
-data axis of size 1, and a replicated batch. The region's data
-(`RegionInfo.unreduced_axis` and each parameter's sharding type) decides.
+Auto data axes take the same passes with another representation: JAX allows
+unreduced values only on Explicit axes, so `grad_reduction_auto` keeps the
+partials of parameters replicated over the axis as stacked ``[n, *shape]``
+arrays (`RegionInfo.stacked_axis`); FSDP parameters on an Auto axis keep their
+per-microbatch reduce-scatter.
+
+Where neither applies the programs are what they were (one reduction per
+microbatch): a data axis of size 1 and a replicated batch. The region's data
+(`RegionInfo.unreduced_axis`, `RegionInfo.stacked_axis` and each parameter's
+sharding type) decides.
 """
 
 from __future__ import annotations
@@ -107,7 +113,7 @@ _LINEAR = frozenset(
 # Sums: every float input must be unreduced, or replicated over the axis.
 _ADDITIVE = frozenset({"add", "add_any", "sub"})
 # Programs inlined so that the reductions inside them are deferred as well.
-_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat"})
+_INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
 
 
 def _spec(x: Any) -> PartitionSpec | None:
@@ -567,7 +573,7 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     """Inserts each stage's ``reduce`` call right after its last backward.
 
     The pass after `schedule_lowering.fuse_forward_backward`: only for a
-    training region with an unreduced axis (`RegionInfo.unreduced_axis`). The
+    training region with an unreduced or stacked axis (`RegionInfo.reduces_once`). The
     ``reduce`` program reads and donates the stage's gradient accumulators and
     writes them back reduced to the shardings of the stage's parameters, which
     it also reads (see `stage_programs.StageFunctions.reduce`).
@@ -579,7 +585,7 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     Returns:
       A new list; the input is not changed.
     """
-    if not ctx.with_grad or getattr(ctx.plan.info, "unreduced_axis", None) is None:
+    if not ctx.with_grad or not getattr(ctx.plan.info, "reduces_once", False):
         return list(program)
     last: dict[int, int] = {}
     for n, ins in enumerate(program):

@@ -80,6 +80,14 @@ class RegionInfo:
     # gradients accumulate unreduced over it and are reduced once per step
     # (`grad_reduction`). None: reduced in every backward, as JAX places it.
     unreduced_axis: str | None = None
+    # The same on an Auto axis: (axis, its size). Gradients accumulate as stacked
+    # per-device partial sums and are reduced once per step (`grad_reduction_auto`).
+    stacked_axis: tuple[str, int] | None = None
+
+    @property
+    def reduces_once(self) -> bool:
+        """Whether gradients are reduced once per step (`reduce` programs)."""
+        return self.with_grad and (self.unreduced_axis or self.stacked_axis) is not None
 
     def __hash__(self) -> int:
         return id(self)
@@ -174,15 +182,26 @@ def _microbatch_aval(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(submesh.abstract_mesh, spec))
 
 
-def _unreduced_axis(with_grad: bool) -> str | None:
-    """The batch axis, when gradients can accumulate unreduced over it (see `RegionInfo`)."""
+def _reduction_axis(with_grad: bool, axis_type: AxisType) -> str | None:
+    """The batch axis, if of ``axis_type`` and size > 1, in a gradient region."""
     submesh, axis = _region_state.submesh, _region_state.batch_axis
     if not with_grad or submesh is None or axis not in submesh.axis_names:
         return None
     types = dict(zip(submesh.axis_names, submesh.axis_types))
-    if types[axis] != AxisType.Explicit or dict(submesh.shape)[axis] < 2:
+    if types[axis] != axis_type or dict(submesh.shape)[axis] < 2:
         return None
     return axis
+
+
+def _unreduced_axis(with_grad: bool) -> str | None:
+    """The batch axis, when gradients can accumulate unreduced over it (see `RegionInfo`)."""
+    return _reduction_axis(with_grad, AxisType.Explicit)
+
+
+def _stacked_axis(with_grad: bool) -> tuple[str, int] | None:
+    """The Auto batch axis and its size, when gradients accumulate stacked over it."""
+    axis = _reduction_axis(with_grad, AxisType.Auto)
+    return None if axis is None else (axis, dict(_region_state.submesh.shape)[axis])
 
 
 def active_microbatches() -> int | None:
@@ -590,6 +609,7 @@ def trace_region(
         other_paths=tuple(other_paths),
         out_avals=_region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad),
         unreduced_axis=_unreduced_axis(with_grad),
+        stacked_axis=_stacked_axis(with_grad),
     )
     _region_state.regions.append(info)
     inputs = [*consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves]

@@ -8,8 +8,8 @@ its own tests, its result kept in `RegionProgram.passes`):
    `RegionValue` on the task's own mesh;
 2. `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
    the backward directly follows;
-   `grad_reduction.reduce_gradients_once` (data-parallel stages on an Explicit
-   data axis only): one ``reduce`` call per stage after its last backward;
+   `grad_reduction.reduce_gradients_once` (data-parallel stages only, on
+   Explicit or Auto data axes): one ``reduce`` call per stage after its last backward;
 3. `region_transfers.insert_transfers`: activations and cotangents copied to
    the meshes that read them, right after they are made;
 4. `region_outputs.region_outputs`: loss/aux, gradients summed on their home
@@ -21,6 +21,7 @@ its own tests, its result kept in `RegionProgram.passes`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 
 from nnx_mpmd.compiler.grad_reduction import reduce_gradients_once
+from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
@@ -68,7 +70,9 @@ class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
     A gradient accumulator has its parameter's sharding, made unreduced over
-    the data axis where the stage accumulates unreduced (`grad_reduction`).
+    the data axis where the stage accumulates unreduced (`grad_reduction`), or
+    is ``[n, *shape]`` sharded over it where the stage accumulates stacked
+    partials (`grad_reduction_auto`; the concrete parameters decide which).
     """
 
     def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
@@ -78,6 +82,8 @@ class _LazyInit:
 
     def _gradient_sharding(self, param: Any) -> Any:
         red, sharding = self.reduction, param.sharding
+        if isinstance(red, StackedReduction):
+            return red.accumulator_sharding(param) if red.defers(param) else sharding
         if red is None or not red.defers(param):
             return sharding
         # Unreduced over the data axis; a parameter sharded over it (FSDP) at full size.
@@ -88,7 +94,10 @@ class _LazyInit:
             replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
             grads = tuple(self._gradient_sharding(p) for p in params)
             out = (grads, (replicated,) * self.num_acc)
-            self.jitted = named_jit(self.fn, self.label, out_shardings=out)
+            fn = self.fn
+            if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
+                fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))
+            self.jitted = named_jit(fn, self.label, out_shardings=out)
         return self.jitted
 
     def __call__(self, params: tuple[Any, ...]) -> Any:
@@ -102,7 +111,8 @@ class _LazyInit:
 class _LazyReduce:
     """The ``reduce`` program, jitted on first use: it donates the accumulators
     unless it reduce-scatters one (an FSDP parameter's gradient, whose result is
-    smaller than its full-size accumulator: XLA could not reuse that buffer)."""
+    smaller than its full-size accumulator: XLA could not reuse that buffer) or
+    sums stacked partials (`grad_reduction_auto`)."""
 
     def __init__(self, f: StageFunctions, label: str) -> None:
         self.fn, self.reduction, self.jitted = f.reduce, f.reduction, None
@@ -110,8 +120,11 @@ class _LazyReduce:
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
-            scatters = any(self.reduction.sharded_over(p) for p in params)
-            donate = {} if scatters else {"donate_argnums": (0,)}
+            # Stacked partials ([n, *shape]) and reduce-scattered gradients are
+            # larger than their results: XLA could not reuse those buffers.
+            red = self.reduction
+            shrinks = isinstance(red, StackedReduction) or any(map(red.sharded_over, params))
+            donate = {} if shrinks else {"donate_argnums": (0,)}
             self.jitted = named_jit(self.fn, self.label, **donate)
         return self.jitted
 
@@ -130,8 +143,9 @@ def compile_stage_programs(
 
     Accumulators and other per-step buffers are donated (the forward's loss/aux
     accumulator, the backward's and ``reduce``'s gradient accumulator, the latter
-    only where no gradient is reduce-scattered: see `_LazyReduce`). ``reduce``
-    exists for stages that accumulate unreduced gradients (`grad_reduction`).
+    only where no gradient is reduce-scattered or stacked: see `_LazyReduce`).
+    ``reduce`` exists for stages that accumulate unreduced or stacked gradients
+    (`grad_reduction`, `grad_reduction_auto`).
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
@@ -290,7 +304,7 @@ def build_region_program(
     passes.append(("lower_schedule", ir))
     ir = fuse_forward_backward(ir, ctx)
     passes.append(("fuse_forward_backward", ir))
-    if plan.info.with_grad and getattr(plan.info, "unreduced_axis", None) is not None:
+    if getattr(plan.info, "reduces_once", False):
         ir = reduce_gradients_once(ir, ctx)
         passes.append(("reduce_gradients_once", ir))
     ir = insert_transfers(ir, ctx)

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
+from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking
 from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
@@ -183,6 +184,10 @@ class StageFunctions:
         # Data parallelism on an Explicit axis: gradients accumulate unreduced over it.
         axis = getattr(info, "unreduced_axis", None)
         self.reduction = GradientReduction(axis) if axis is not None else None
+        # On an Auto axis: as stacked per-device partials (`grad_reduction_auto`).
+        stacked = getattr(info, "stacked_axis", None) if info.with_grad else None
+        if stacked is not None:
+            self.reduction = StackedReduction(*stacked)
 
     # -- helpers -----------------------------------------------------------
     def _program_args(self, params, rest, mb, xd, xn) -> list[Any]:
@@ -224,10 +229,11 @@ class StageFunctions:
         """``gacc + grads``; an unreduced accumulator takes its gradient unreduced.
 
         A deferred gradient arrives typed as its accumulator (for an FSDP
-        parameter: full size, unreduced); any other is made so first.
+        parameter: full size, unreduced); any other is made so first. Stacked
+        partials (`grad_reduction_auto`) arrive as `run_stacking` gave them.
         """
         red = self.reduction
-        if red is not None:
+        if red is not None and not isinstance(red, StackedReduction):
             grads = [
                 red.unreduced_like(g, a) if red.is_unreduced(a) else red.reduce(g, like=a)
                 for a, g in zip(gacc, grads)
@@ -238,6 +244,10 @@ class StageFunctions:
         seeds = tuple(self._seeds(cts))
         if self.reduction is None:
             g_params, ct_xd = vjp_fn(seeds)
+        elif isinstance(self.reduction, StackedReduction):
+            g_params, ct_xd = run_stacking(
+                vjp_fn, seeds, reduction=self.reduction, stacked=self._stacked(gacc)
+            )
         else:  # weight gradients stay unreduced over the data axis (see grad_reduction)
             g_params, ct_xd = run_deferring(vjp_fn, seeds, reduction=self.reduction)
             # Input cotangents are reduced here (to a data-sharded input's own type).
@@ -325,23 +335,34 @@ class StageFunctions:
         seed_avals = [abstract_like(o) for o in outputs]
         vjp_fn = self._unpack(kept, inputs)
         n = len(self.param_inputs)
+        bw = lambda vjp_fn, extras: run_bw(vjp_fn, extras, seed_avals, n)  # noqa: E731
         if self.reduction is None:
-            grads = run_bw(vjp_fn, extras, seed_avals, n)
+            grads = bw(vjp_fn, extras)
+        elif isinstance(self.reduction, StackedReduction):
+            stacked = self._stacked(gacc)
+            grads = run_stacking(bw, vjp_fn, extras, reduction=self.reduction, stacked=stacked)
         else:
-            bw = lambda vjp_fn, extras: run_bw(vjp_fn, extras, seed_avals, n)  # noqa: E731
             grads = run_deferring(bw, vjp_fn, extras, reduction=self.reduction)
         return self._add_grads(gacc, grads)
 
-    def init(self, params):
+    def init(self, params, stacked=()):
         """Zero accumulators: (gacc, racc); unreduced where `GradientReduction.defers` says.
 
         An unreduced accumulator of an FSDP parameter (sharded over the data
         axis) has the parameter's full size on every device of the axis.
+        ``stacked``: per parameter, whether its accumulator is stacked partials
+        (`StackedReduction.defers` of the concrete parameter, decided by the caller).
         """
         red = self.reduction
-        gacc = tuple(
-            red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
-        )
+        if isinstance(red, StackedReduction):
+            gacc = tuple(
+                red.zeros(p) if s else jnp.zeros_like(p)
+                for p, s in zip(params, stacked or (False,) * len(params))
+            )
+        else:
+            gacc = tuple(
+                red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
+            )
         return gacc, tuple(
             jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype)) for v in self.accumulated
         )
@@ -355,7 +376,21 @@ class StageFunctions:
         """
         if self.reduction is None:
             return tuple(gacc)
+        if isinstance(self.reduction, StackedReduction):
+            stacked = set(self._stacked(gacc))
+            return tuple(
+                self.reduction.reduce(a) if i in stacked else a for i, a in enumerate(gacc)
+            )
         return tuple(self.reduction.reduce(a, like=p) for a, p in zip(gacc, params))
+
+    def _stacked(self, gacc) -> list[int]:
+        """Positions of the stacked accumulators: one dimension more than their parameter."""
+        body = self.plan.info.body
+        return [
+            i
+            for i, (a, r) in enumerate(zip(gacc, self.param_inputs))
+            if jnp.ndim(a) == len(body.invars[r].aval.shape) + 1
+        ]
 
     @property
     def diff_sends(self) -> list[Any]:
