@@ -76,15 +76,16 @@ class StackedReduction:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,),
+      ...                      devices=jax.devices()[:2])
       >>> w = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, P()))
       >>> x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
       >>> red = StackedReduction("data", 2)
       >>> @jax.jit
       ... def grad(w, x):
       ...     _, vjp = jax.vjp(lambda w: jnp.sum(x @ w), w)
-      ...     ((g,),) = run_stacking(vjp, jnp.ones(()), reduction=red, stacked=[0])
+      ...     (g,) = run_stacking(vjp, jnp.ones(()), reduction=red, stacked=[0])
       ...     return g
       >>> with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       ...     g = grad(w, x)
