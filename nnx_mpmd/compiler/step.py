@@ -17,7 +17,10 @@ after it, which ``Lowered.passes`` shows):
    transfer insertion, region outputs; spliced by
 7. the mesh-inference passes (`mesh_inference`): the code outside the region
    placed on the meshes that use its results, with its transfers.
-8. ``insert_frees``: every slot freed after its last read.
+8. ``insert_frees``: every slot freed after its last read; then
+   ``donate_dead_arguments``: backwards that are the last readers of the
+   cotangents they receive donate them (XLA writes their input cotangents
+   there).
 9. ``schedule_ticks``, ``batch_transfers`` and ``merge_frees``
    (`transfer_batching`): the list reordered tick by tick, each tick's
    transfers made as one batched move and its frees as one.
@@ -37,6 +40,7 @@ from nnx_mpmd.compiler.instructions import (
     Call,
     Instruction,
     SlotTable,
+    donate_dead_arguments,
     format_instructions,
     insert_frees,
 )
@@ -384,6 +388,10 @@ def compile_step(
     keep = {slot for locs in outer.output_slots for _, slot in locs}
     freed = insert_frees(outer.instructions, keep)
     record("insert_frees", lambda: format_instructions(freed))
+    donatable = getattr(region_program, "donatable", {})
+    if donatable:
+        freed = donate_dead_arguments(freed, keep, donatable)
+        record("donate_dead_arguments", lambda: format_instructions(freed))
     in_ticks = schedule_ticks(freed)
     record("schedule_ticks", lambda: format_instructions(in_ticks))
     batched = batch_transfers(in_ticks)
