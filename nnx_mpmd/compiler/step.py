@@ -388,10 +388,8 @@ def compile_step(
     keep = {slot for locs in outer.output_slots for _, slot in locs}
     freed = insert_frees(outer.instructions, keep)
     record("insert_frees", lambda: format_instructions(freed))
-    donatable = getattr(region_program, "donatable", {})
-    if donatable:
-        freed = donate_dead_arguments(freed, keep, donatable)
-        record("donate_dead_arguments", lambda: format_instructions(freed))
+    freed = donate_dead_arguments(freed, keep, getattr(region_program, "donatable", {}))
+    record("donate_dead_arguments", lambda: format_instructions(freed))
     in_ticks = schedule_ticks(freed)
     record("schedule_ticks", lambda: format_instructions(in_ticks))
     batched = batch_transfers(in_ticks)
