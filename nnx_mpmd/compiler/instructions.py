@@ -223,14 +223,20 @@ class SlotTable:
         return len(self.index)
 
 
-def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction]:
-    """Adds a `Free` after the last read of every slot not in ``keep``."""
+def _last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int]]:
+    """Per slot the index of its last reader; and the slots some instruction writes."""
     last_read: dict[int, int] = {}
     written: set[int] = set()
     for i, ins in enumerate(program):
         for s in ins.reads():
             last_read[s] = i
         written.update(ins.writes())
+    return last_read, written
+
+
+def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction]:
+    """Adds a `Free` after the last read of every slot not in ``keep``."""
+    last_read, _ = _last_reads(program)
     frees: dict[int, list[int]] = {}
     for slot, i in last_read.items():
         if slot not in keep:
@@ -262,17 +268,6 @@ class Donatable:
     argnum: int
     out_index: int
     donating: Callable[[tuple[int, ...]], Callable[..., Any]]
-
-
-def _last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int]]:
-    """Per slot the index of its last reader; and the slots some instruction writes."""
-    last_read: dict[int, int] = {}
-    written: set[int] = set()
-    for i, ins in enumerate(program):
-        for s in ins.reads():
-            last_read[s] = i
-        written.update(ins.writes())
-    return last_read, written
 
 
 def _dead_after(
