@@ -66,8 +66,9 @@ def test_lowered_shows_the_ir_after_every_pass(schedule, expected):
     lowered = step.lower(model, opt, batch)
     names = [record.name for record in lowered.passes]
     assert names[: len(expected)] == expected
-    assert names[-5:] == [
+    assert names[-6:] == [
         "insert_frees",
+        "donate_dead_arguments",
         "schedule_ticks",
         "batch_transfers",
         "merge_frees",

@@ -28,6 +28,7 @@ from nnx_mpmd.schedules.tasks import Task
 
 __all__ = [
     "Call",
+    "Donatable",
     "Free",
     "Instruction",
     "ProgramKey",
@@ -36,6 +37,7 @@ __all__ = [
     "TransferBatch",
     "format_instruction",
     "format_instructions",
+    "donate_dead_arguments",
     "insert_frees",
     "parse_instructions",
     "slots_in",
@@ -97,6 +99,8 @@ class Call:
     ``args`` and ``outs`` are nested tuples of slot numbers mirroring the
     program's arguments and results (an ``int`` leaf is a slot; the
     ``residuals`` leaf of a forward is one slot holding a pytree).
+    ``donated`` lists the arguments `donate_dead_arguments` made the program
+    donate (besides the accumulators every program donates).
     """
 
     mesh: int
@@ -106,6 +110,7 @@ class Call:
     outs: Any
     label: str
     task: Any = None  # the schedule Task, for stage tasks
+    donated: tuple[int, ...] = ()  # arguments donated by `donate_dead_arguments`
 
     def reads(self) -> list[int]:
         return list(slots_in(self.args))
@@ -218,14 +223,20 @@ class SlotTable:
         return len(self.index)
 
 
-def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction]:
-    """Adds a `Free` after the last read of every slot not in ``keep``."""
+def _last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int]]:
+    """Per slot the index of its last reader; and the slots some instruction writes."""
     last_read: dict[int, int] = {}
     written: set[int] = set()
     for i, ins in enumerate(program):
         for s in ins.reads():
             last_read[s] = i
         written.update(ins.writes())
+    return last_read, written
+
+
+def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction]:
+    """Adds a `Free` after the last read of every slot not in ``keep``."""
+    last_read, _ = _last_reads(program)
     frees: dict[int, list[int]] = {}
     for slot, i in last_read.items():
         if slot not in keep:
@@ -241,6 +252,87 @@ def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction
         if i in frees:
             result.append(Free(tuple(sorted(set(frees[i])))))
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Donatable:
+    """An argument a program could donate, and how to get the program that does.
+
+    Attributes:
+      argnum: the argument (a nested tuple of slots in each `Call`).
+      out_index: the result it would alias: donation is used only where the
+        argument has as many slots as ``outs[out_index]``.
+      donating: ``donating(argnums)`` is the program donating ``argnums`` too.
+    """
+
+    argnum: int
+    out_index: int
+    donating: Callable[[tuple[int, ...]], Callable[..., Any]]
+
+
+def _dead_after(
+    i: int, ins: Call, d: Donatable, last_read: dict[int, int], written: set[int], keep: set[int]
+) -> bool:
+    """Whether call ``i`` may donate argument ``d.argnum``: nothing needs its slots after."""
+    if d.argnum >= len(ins.args) or not isinstance(ins.outs, tuple) or d.out_index >= len(ins.outs):
+        return False
+    slots = list(slots_in(ins.args[d.argnum]))
+    if not slots or len(slots) != len(list(slots_in(ins.outs[d.out_index]))):
+        return False
+    everything = list(slots_in(ins.args))
+    return all(
+        last_read.get(s) == i and s in written and s not in keep and everything.count(s) == 1
+        for s in slots
+    )
+
+
+def donate_dead_arguments(
+    program: Sequence[Instruction], keep: set[int], donatable: Mapping[ProgramKey, Donatable]
+) -> list[Instruction]:
+    """Pass: a program whose every call is the last reader of an argument donates it.
+
+    Program ``key`` with ``donatable[key] = d`` donates argument ``d.argnum``
+    when, in every `Call` of it, each slot of that argument is written by the
+    step (not a step input or constant), not in ``keep``, passed once, read
+    by nothing after the call, and the argument has as many slots as the
+    result ``d.outs[d.out_index]`` XLA can reuse its buffers for. Then every
+    call of the program runs ``d.donating(...)`` and lists the argument in
+    ``donated``; one program keeps one callable (program sharing and
+    ahead-of-time compilation see the donating one). The `Free` after the
+    call stays: JAX keeps a donated buffer that no result aliases alive (with
+    a warning on one device), and dropping an array already donated costs
+    next to nothing.
+
+    Args:
+      program: the instruction list (after `insert_frees`).
+      keep: slots the step returns.
+      donatable: per program, the argument it could donate.
+
+    Returns:
+      A new list; calls of programs that donate get the donating callable.
+
+    Example:
+      >>> import jax
+      >>> key = ProgramKey("B", stage=1)
+      >>> d = Donatable(1, 0, lambda argnums: jax.jit(lambda a, b: (b * a,), donate_argnums=argnums))
+      >>> program = [Transfer(0, 1, 0, "ct"), Call(0, key, abs, (2, (1,)), ((3,),), "B1.0"), Free((1,))]
+      >>> donate_dead_arguments(program, {3}, {key: d})[1].donated
+      (1,)
+    """
+    last_read, written = _last_reads(program)
+    calls: dict[ProgramKey, list[tuple[int, Call]]] = {}
+    for i, ins in enumerate(program):
+        if isinstance(ins, Call) and ins.program in donatable:
+            calls.setdefault(ins.program, []).append((i, ins))
+    replaced: dict[int, Call] = {}
+    for key, found in calls.items():
+        d = donatable[key]
+        if all(_dead_after(i, ins, d, last_read, written, keep) for i, ins in found):
+            argnums = tuple(sorted({*found[0][1].donated, d.argnum}))
+            fn = d.donating(argnums)
+            for i, ins in found:
+                replaced[i] = dataclasses.replace(ins, fn=fn, donated=argnums)
+    return [replaced.get(i, ins) for i, ins in enumerate(program)]
 
 
 def format_instruction(ins: Instruction) -> str:
@@ -266,7 +358,8 @@ def format_instruction(ins: Instruction) -> str:
         args, outs = (repr(t).replace(" ", "") for t in (ins.args, ins.outs))
         line = f"call {ins.mesh} {ins.program} args={args} outs={outs}"
         line += f" label={shlex.quote(ins.label)}"
-        return line + (f" task={ins.task}" if ins.task is not None else "")
+        line += f" task={ins.task}" if ins.task is not None else ""
+        return line + (f" donate={','.join(map(str, ins.donated))}" if ins.donated else "")
     if isinstance(ins, TransferBatch):
         return "transfers " + " ; ".join(_transfer_text(t) for t in ins.transfers)
     return "transfer " + _transfer_text(ins)
@@ -369,7 +462,8 @@ def _parse_line(line: str, line_no: int, programs: Mapping[str, Any]) -> Instruc
         args = _literal(fields["args"], "args", line_no)
         outs = _literal(fields["outs"], "outs", line_no)
         key = ProgramKey.parse(name)
-        return Call(mesh, key, programs[name], args, outs, fields["label"], task)
+        donated = tuple(int(n) for n in fields["donate"].split(",")) if "donate" in fields else ()
+        return Call(mesh, key, programs[name], args, outs, fields["label"], task, donated)
     if op == "transfer":
         transfer = _parse_transfer(tokens[1:], line_no, line)
         if transfer is not None:

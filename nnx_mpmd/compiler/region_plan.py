@@ -30,7 +30,14 @@ import numpy as np
 
 from nnx_mpmd.compiler.grad_reduction import reduce_gradients_once
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction
-from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
+from nnx_mpmd.compiler.instructions import (
+    Call,
+    Donatable,
+    Instruction,
+    ProgramKey,
+    SlotTable,
+    Transfer,
+)
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
@@ -49,6 +56,7 @@ __all__ = [
     "assign_slots",
     "build_region_program",
     "compile_stage_programs",
+    "donatable_cotangents",
     "dispatch_order",
 ]
 
@@ -64,6 +72,8 @@ class RegionProgram:
     # (pass name, the region's instructions after it), in order; before
     # assign_slots, slots are RegionValue keys.
     passes: list[tuple[str, list[Instruction]]] = dataclasses.field(default_factory=list)
+    # Programs that could donate their received cotangents (`donatable_cotangents`).
+    donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
 
 
 class _LazyInit:
@@ -164,6 +174,49 @@ def compile_stage_programs(
         submesh = submeshes[stage_mesh[k]]
         programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}")
     return programs
+
+
+# The backward kinds' cotangent argument, the ct_xd result it can alias, and the
+# arguments each always donates (as in compile_stage_programs).
+_COTANGENTS: dict[str, tuple[int, int, tuple[int, ...]]] = {
+    "B": (2, 0, (3,)),
+    "BI": (2, 0, ()),
+    "FB": (6, 1, (7, 8)),
+}
+
+
+class _Donating:
+    """``donating(argnums)`` of a `Donatable`: the program jitted to donate those too."""
+
+    def __init__(self, fn: Callable[..., Any], label: str, always: tuple[int, ...]) -> None:
+        self.fn, self.label, self.always = fn, label, always
+        self.made: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, argnums: tuple[int, ...]) -> Any:
+        donate = tuple(sorted({*self.always, *argnums}))
+        if donate not in self.made:
+            self.made[donate] = named_jit(self.fn, self.label, donate_argnums=donate)
+        return self.made[donate]
+
+
+def donatable_cotangents(fns: Sequence[StageFunctions]) -> dict[ProgramKey, Donatable]:
+    """The backward programs (B, BI, FB) that could donate the cotangents they receive.
+
+    A stage qualifies when its cotangents have its input cotangents' types
+    (`StageFunctions.cotangents_fit_inputs`), so XLA writes ``ct_xd`` into the
+    received cotangents' buffers instead of allocating (and the host frees
+    nothing). `nnx_mpmd.compiler.instructions.donate_dead_arguments` decides
+    per program whether its calls allow it.
+    """
+    donatable: dict[ProgramKey, Donatable] = {}
+    for k, f in enumerate(fns):
+        if not f.cotangents_fit_inputs():
+            continue
+        for kind, fn in (("B", f.backward), ("BI", f.backward_input), ("FB", f.fused)):
+            argnum, out_index, always = _COTANGENTS[kind]
+            donating = _Donating(fn, f"{kind}{k}", always)
+            donatable[ProgramKey(kind, k)] = Donatable(argnum, out_index, donating)
+    return donatable
 
 
 @dataclasses.dataclass
@@ -319,4 +372,5 @@ def build_region_program(
         numbered.constants,
         _compiled(programs, ir),
         passes,
+        donatable_cotangents(fns),
     )

@@ -136,6 +136,12 @@ def mean_dtype(dtype: Any) -> Any:
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
 
 
+def _type_key(aval: Any) -> tuple[str, ...]:
+    """An aval's type as comparable text: shape, dtype, weak type, sharding."""
+    sharding = getattr(aval, "sharding", None)
+    return (str(aval.shape), str(aval.dtype), str(aval.weak_type), str(sharding))
+
+
 def _inexact(v: Any) -> bool:
     return bool(jnp.issubdtype(v.aval.dtype, jnp.inexact))
 
@@ -395,3 +401,14 @@ class StageFunctions:
     @property
     def diff_sends(self) -> list[Any]:
         return [v for v in self.yd if v is not self.loss_var]
+
+    def cotangents_fit_inputs(self) -> bool:
+        """Whether the cotangents a backward receives have its input cotangents' types.
+
+        True when the differentiated sends' types (shape, dtype, weak type,
+        sharding) are, as a multiset, the differentiated inputs' types: a
+        backward that receives one cotangent per send can then donate them to
+        its ``ct_xd`` results (`nnx_mpmd.compiler.instructions.donate_dead_arguments`).
+        """
+        sends = sorted(_type_key(v.aval) for v in self.diff_sends)
+        return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)

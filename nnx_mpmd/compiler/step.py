@@ -17,7 +17,10 @@ after it, which ``Lowered.passes`` shows):
    transfer insertion, region outputs; spliced by
 7. the mesh-inference passes (`mesh_inference`): the code outside the region
    placed on the meshes that use its results, with its transfers.
-8. ``insert_frees``: every slot freed after its last read.
+8. ``insert_frees``: every slot freed after its last read; then
+   ``donate_dead_arguments``: backwards that are the last readers of the
+   cotangents they receive donate them (XLA writes their input cotangents
+   there).
 9. ``schedule_ticks``, ``batch_transfers`` and ``merge_frees``
    (`transfer_batching`): the list reordered tick by tick, each tick's
    transfers made as one batched move and its frees as one.
@@ -37,6 +40,7 @@ from nnx_mpmd.compiler.instructions import (
     Call,
     Instruction,
     SlotTable,
+    donate_dead_arguments,
     format_instructions,
     insert_frees,
 )
@@ -382,14 +386,8 @@ def compile_step(
     for name, ir in getattr(outer, "passes", []):
         record(name, lambda ir=ir: _ir_text(ir))
     keep = {slot for locs in outer.output_slots for _, slot in locs}
-    freed = insert_frees(outer.instructions, keep)
-    record("insert_frees", lambda: format_instructions(freed))
-    in_ticks = schedule_ticks(freed)
-    record("schedule_ticks", lambda: format_instructions(in_ticks))
-    batched = batch_transfers(in_ticks)
-    record("batch_transfers", lambda: format_instructions(batched))
-    instructions = merge_frees(batched)
-    record("merge_frees", lambda: format_instructions(instructions))
+    donatable = getattr(region_program, "donatable", {})
+    instructions = _final_passes(outer.instructions, keep, donatable, record)
     programs = dedupe_programs(instructions)
     record("dedupe_programs", lambda: "\n".join(programs))
     input_slots: list[dict[int, int]] = [{} for _ in range(inputs.num_inputs)]
@@ -412,6 +410,26 @@ def compile_step(
         batch_axis=traced.batch_axis,
         passes=passes,
     )
+
+
+def _final_passes(
+    instructions: list[Instruction],
+    keep: set[int],
+    donatable: dict[Any, Any],
+    record: Callable[[str, Callable[[], str]], None],
+) -> list[Instruction]:
+    """``insert_frees``, ``donate_dead_arguments``, then the transfer-batching passes."""
+    freed = insert_frees(instructions, keep)
+    record("insert_frees", lambda: format_instructions(freed))
+    donating = donate_dead_arguments(freed, keep, donatable)
+    record("donate_dead_arguments", lambda: format_instructions(donating))
+    in_ticks = schedule_ticks(donating)
+    record("schedule_ticks", lambda: format_instructions(in_ticks))
+    batched = batch_transfers(in_ticks)
+    record("batch_transfers", lambda: format_instructions(batched))
+    final = merge_frees(batched)
+    record("merge_frees", lambda: format_instructions(final))
+    return final
 
 
 def _ir_text(ir: Any) -> str:

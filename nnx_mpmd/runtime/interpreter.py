@@ -333,10 +333,18 @@ def load_store(
     for slot, value in step.constants.items():
         store[slot] = value if convert is None else convert(value)
     for value, slots_of in zip(inputs, step.input_slots, strict=False):
+        if convert is None and not isinstance(value, _PER_MESH):
+            for slot in slots_of.values():  # the same value on every mesh (value_on)
+                store[slot] = value
+            continue
         for q, slot in slots_of.items():
             loaded = value_on(value, q)
             store[slot] = loaded if convert is None else convert(loaded)
     return store
+
+
+#: Inputs whose copy differs per mesh (`value_on`); any other value is read as is.
+_PER_MESH = (MpmdArray, PlacedAval)
 
 
 def build(store: Any, tree: Any) -> Any:

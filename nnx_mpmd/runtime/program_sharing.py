@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import operator
 import os
 import pathlib
 import pickle
@@ -358,6 +359,9 @@ def _stored_path(key: Any) -> pathlib.Path | None:
     return pathlib.Path(directory) / "nnx_mpmd_shared" / f"{digest}.pkl"
 
 
+_SHARDING = operator.attrgetter("sharding")
+
+
 class SharedProgram:
     """A program's callable that runs executables loaded from another submesh's program.
 
@@ -389,7 +393,11 @@ class SharedProgram:
         self._chosen: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     def __call__(self, *args: Any) -> Any:
-        key = tuple(getattr(a, "sharding", None) for a in jax.tree.leaves(args))
+        leaves = jax.tree.leaves(args)
+        try:  # every leaf an array: one C-level map (this runs once per task)
+            key = tuple(map(_SHARDING, leaves))
+        except AttributeError:
+            key = tuple(getattr(a, "sharding", None) for a in leaves)
         run = self._chosen.get(key)
         if run is None:
             run = self._chosen[key] = self._choose(key)
