@@ -1,13 +1,14 @@
 """Gradient reduction per step: bytes reduced and step time, before and after.
 
-Measures two configurations, each pipelined on 4 meshes x 2 data devices
-(Explicit axes, 1F1B, m=8), with two versions of the code side by side in one
+Measures three configurations, each pipelined on 4 meshes x 2 data devices
+(Explicit axes unless said, 1F1B, m=8), with two versions of the code side by side in one
 run: ``--before`` (a checkout of the code before the change, e.g.
 ``git worktree add /tmp/before-gradred <rev>``) and ``--after`` (default: this
 checkout):
 
 * ``gpt``: GPT ``tiny`` (nnx_mpmd.models, tied embeddings), parameters
   replicated over the data axis (their gradients are all-reduced);
+* ``gpt-auto``: the same on Auto mesh axes (stacked partial sums);
 * ``fsdp``: one 256x256 Linear per stage whose kernel is sharded over the data
   axis (FSDP, ``out_sharding=("data", None)``; its gradient is
   reduce-scattered), the bias replicated.
@@ -26,7 +27,7 @@ after/before is the ratio of the medians over rounds. Prints a table and writes
 ``benchmarks/results/<date>-grad-reduction.json``.
 
 Run: ``.venv/bin/python benchmarks/grad_reduction_bench.py --before /tmp/before-gradred``
-(``--config fsdp`` for the FSDP configuration only).
+(``--config fsdp`` for one configuration only).
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def worker(steps: int, microbatches: int, config: str = "gpt") -> dict:
 
     model, loss_fn, batch = (_fsdp if config == "fsdp" else _gpt)(microbatches)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-    mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
+    types = (
+        jax.sharding.AxisType.Auto if config == "gpt-auto" else jax.sharding.AxisType.Explicit,
+    )
+    mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data"), axis_types=types * 2), "stage")
 
     def step(model, optimizer, batch):
         loss, grads = mp.value_and_grad(loss_fn)(model, batch)
@@ -199,6 +203,7 @@ def run_worker(root: str, steps: int, microbatches: int, config: str) -> dict:
 
 SETUPS = {
     "gpt": "GPT tiny",
+    "gpt-auto": "GPT tiny on Auto axes",
     "fsdp": "4 x Linear(256, 256), kernels FSDP-sharded over data",
 }
 
@@ -218,7 +223,7 @@ def _summary(args: argparse.Namespace, config: str) -> dict:
         summary["after"]["step_s"] / summary["before"]["step_s"]
     )
     summary["setup"] = (
-        f"{SETUPS[config]}, 4 meshes x 2 data (Explicit), 1F1B, m={args.microbatches}, "
+        f"{SETUPS[config]}, 4 meshes x 2 data, 1F1B, m={args.microbatches}, "
         f"CPU 8 devices, {args.steps} steps x {args.rounds} rounds per version, alternating"
     )
     print(f"{config}: {summary['setup']}")

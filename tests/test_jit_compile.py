@@ -169,12 +169,18 @@ def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
     auto = AxisType.Auto
     _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1, axis_types=auto)
 
+    guesses = []
+
     def wrong(self, shape):  # the last dimension sharded: what XLA does not choose here
+        guesses.append(shape)
         return P(*[None] * (len(shape) - 1), "data") if shape and shape[-1] % 2 == 0 else P()
 
     monkeypatch.setattr(precompile._Guess, "spec", wrong)
     lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2, axis_types=auto)
-    assert lowered > 0 and ran > 0 and loss == expected  # the right programs compile late
+    # Receivers compiled for the guess are compiled again for the real sharding at
+    # the first call where it differs (how many depends on which producer's
+    # compilation finished first); the results are right either way.
+    assert guesses and lowered > 0 and loss == expected
 
 
 def test_explicit_axes_need_no_sharding_guess(monkeypatch):
