@@ -176,7 +176,7 @@ def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
         return P(*[None] * (len(shape) - 1), "data") if shape and shape[-1] % 2 == 0 else P()
 
     monkeypatch.setattr(precompile._Guess, "spec", wrong)
-    lowered, ran, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2, axis_types=auto)
+    lowered, _, loss = _compilations(mp.OneFOneB(), 2, compile_threads=2, axis_types=auto)
     # Receivers compiled for the guess are compiled again for the real sharding at
     # the first call where it differs (how many depends on which producer's
     # compilation finished first); the results are right either way.
