@@ -120,8 +120,8 @@ class Head(nnx.Module):
 
 
 class TiedNormModel(mp.PipelinedModel):
-    def __init__(self, *, rngs: nnx.Rngs) -> None:
-        self.first = mp.Stage(NormStage(rngs=rngs), stage=0)
+    def __init__(self, *, rngs: nnx.Rngs, remat: bool = False) -> None:
+        self.first = mp.Stage(NormStage(rngs=rngs), stage=0, remat=remat)
         self.head = mp.Stage(Head(self.first.module.linear, rngs=rngs), stage=1)
 
     def __call__(self, x):

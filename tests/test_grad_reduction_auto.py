@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
+from test_grad_reduction import TiedNormModel
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.grad_reduction import all_reduce_bytes, program_calls, step_all_reduce_bytes
@@ -101,37 +102,6 @@ def test_embedding_and_tied_weights(model_name):
     built = [build(model_name, "adamw", 2) for _ in range(2)]
     batches = [make_batch(kind, MICROBATCHES * 4, seed=s) for s in range(2)]
     _check_equal([b[0] for b in built], [b[1] for b in built], loss_fn, mp.OneFOneB, batches)
-
-
-class NormStage(nnx.Module):
-    """A batch-coupled stage: BatchNorm normalises over the (data-sharded) batch."""
-
-    def __init__(self, *, rngs: nnx.Rngs) -> None:
-        self.linear = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
-        self.norm = nnx.BatchNorm(WIDTH, use_running_average=False, rngs=rngs)
-
-    def __call__(self, x):
-        return jnp.tanh(self.norm(self.linear(x)))
-
-
-class TiedHead(nnx.Module):
-    """The last stage, tied to the first stage's kernel (a parameter on both meshes)."""
-
-    def __init__(self, first: nnx.Linear) -> None:
-        self.first = first
-        self.scale = nnx.Param(jnp.ones((WIDTH,)))
-
-    def __call__(self, x):
-        return (x * self.scale[...]) @ self.first.kernel[...].T
-
-
-class TiedNormModel(mp.PipelinedModel):
-    def __init__(self, *, rngs: nnx.Rngs, remat: bool = False) -> None:
-        self.first = mp.Stage(NormStage(rngs=rngs), stage=0, remat=remat)
-        self.head = mp.Stage(TiedHead(self.first.module.linear), stage=1)
-
-    def __call__(self, x):
-        return self.head(self.first(x))
 
 
 def _loss(model, batch):
