@@ -20,23 +20,11 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
-from test_grad_reduction import TiedNormModel
+from test_grad_reduction import MICROBATCHES, SCHEDULES, TiedNormModel, _param_bytes
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.grad_reduction import all_reduce_bytes, program_calls, step_all_reduce_bytes
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking, split_dims
-
-MICROBATCHES = 4
-SCHEDULES = {
-    "1f1b": (mp.OneFOneB, 2),
-    "gpipe": (mp.GPipe, 2),
-    "zb-h1": (mp.ZeroBubbleH1, 2),
-    "interleaved": (mp.Interleaved1F1B, 4),
-}
-
-
-def _param_bytes(model) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def _step(loss_fn, schedule_cls, axis_type=AxisType.Auto):
