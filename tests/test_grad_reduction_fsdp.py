@@ -118,10 +118,12 @@ def test_fsdp_gradients_reduce_scatter_once_per_step(schedule, axis_type):
     (model, _), (opt, _) = _build(lambda rngs: FsdpMLP(stages, rngs=rngs))
     step = _pipelined(mlp_loss, schedule_cls, axis_type)
     lowered = step.lower(model, opt, make_batch("regression", MICROBATCHES * 4))
-    executables = lowered.compile().executables()
+    compiled = lowered.compile()
+    executables = compiled.executables()
     instructions = lowered.compiled.instructions
     calls = program_calls(instructions)
     ratio = step_reduced_bytes(instructions, executables) / _param_bytes(model)
+    assert compiled.reduce_scatter_bytes() == step_reduce_scatter_bytes(instructions, executables)
     if axis_type == "auto":
         # The FSDP kernels: one reduce-scatter (an all-reduce and a slice on CPU) per
         # microbatch, as before; the replicated biases are summed once per step, in

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from nnx_mpmd.compiler.grad_reduction import step_all_reduce_bytes
+from nnx_mpmd.compiler.collective_bytes import step_all_reduce_bytes, step_reduce_scatter_bytes
 from nnx_mpmd.compiler.instructions import Call, Transfer, TransferBatch, format_instructions
 from nnx_mpmd.compiler.step import CompiledStep, PassRecord
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -207,8 +207,7 @@ class Compiled:
         data axis reduces its gradients once per step, so this is about the
         stages' parameter bytes, not the number of microbatches times them.
         Parameters sharded over the data axis (FSDP) are reduce-scattered
-        instead, and not counted here
-        (``nnx_mpmd.compiler.grad_reduction.step_reduced_bytes`` counts both).
+        instead, and not counted here (see `reduce_scatter_bytes`).
 
         Returns:
           The total over every program the step calls.
@@ -231,6 +230,37 @@ class Compiled:
           0
         """
         return step_all_reduce_bytes(self.lowered.compiled.instructions, self._executables)
+
+    def reduce_scatter_bytes(self) -> int:
+        """Bytes one step reduce-scatters (operand bytes), counted from XLA's compiled HLO.
+
+        Like `all_reduce_bytes`, each program's count times its calls. A stage
+        whose parameters are sharded over an Explicit data axis (FSDP)
+        reduce-scatters their gradients once per step, in its ``reduce{k}``
+        program: about those parameters' full bytes.
+
+        Returns:
+          The total over every program the step calls.
+
+        Example:
+          >>> import jax, optax
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> import nnx_mpmd as mp
+          >>> model = mp.Stage(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), stage=0)
+          >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+          >>> def step(model, opt, x):
+          ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+          ...     opt.update(model, grads)
+          ...     return loss
+          >>> devices = jax.devices()[:1]
+          >>> mesh = mp.MpmdMesh(jax.make_mesh((1,), ("stage",), devices=devices), "stage")
+          >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+          >>> f.lower(model, opt, jnp.ones((4, 4))).compile().reduce_scatter_bytes()
+          0
+        """
+        instructions = self.lowered.compiled.instructions
+        return step_reduce_scatter_bytes(instructions, self._executables)
 
     def as_text(self) -> str:
         """The lowered step's per-mesh instruction lists (`Lowered.as_text`)."""
