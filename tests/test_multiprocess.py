@@ -114,6 +114,14 @@ def test_mp_gather_works_in_a_multi_process_run(training_results):
         assert result[RUNS[0]]["mp_gather"] == "ok"
 
 
+def test_profile_records_every_task_in_a_multi_process_run(training_results):
+    per_process, single = training_results
+    for run in RUNS:
+        assert single[run]["profiled_tasks"]  # the schedule's tasks, once each
+        for result in per_process:
+            assert result[run]["profiled_tasks"] == single[run]["profiled_tasks"]
+
+
 # How /proc/net/tcp{,6} write the loopback address (IPv4, IPv4-mapped IPv6, ::1).
 LOOPBACK_HEX = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
 

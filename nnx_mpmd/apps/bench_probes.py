@@ -193,7 +193,7 @@ def measure_bubble(variant: Variant) -> dict[str, Any]:
     from nnx_mpmd.schedules import Costs, simulate
 
     compiled, _ = _compiled_and_inputs(variant)
-    block(variant.step(*variant.args, variant.batches[0], profile=True))
+    block(variant.step(*variant.args, variant.batches[0], profile="isolated"))
     durations: dict[tuple[int, str], list[float]] = {}
     for _, label, task, start, end in variant.step.last_profile:
         if task is None:

@@ -29,9 +29,9 @@ from nnx_mpmd.frontend.jit import jit, value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.schedules import Task, get_schedule, plot_gantt, simulate
+from nnx_mpmd.schedules import get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
-from nnx_mpmd.schedules.simulate import Timeline
+from nnx_mpmd.schedules.profile import measured_timeline
 
 __all__ = [
     "ARITHMETIC_KEYS",
@@ -87,61 +87,6 @@ def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> j
     loss, grads = value_and_grad(lm_loss)(model, batch)
     optimizer.update(model, grads)
     return loss
-
-
-def measured_timeline(records: list[Any]) -> Timeline:
-    """A `Timeline` of the stage tasks in a profile (``step.last_profile``).
-
-    Records of instructions that are not schedule tasks (the optimizer update,
-    ...) are left out; times are in seconds from the first task's start. A
-    fused forward+backward program (label ``FB...``) is shown as its ``F`` and
-    ``B`` with its time split 1:2, the ratio of the default `Costs`.
-
-    Args:
-      records: ``(mesh, label, task, start_s, end_s)`` tuples.
-
-    Returns:
-      The timeline, ready for `nnx_mpmd.schedules.plot_gantt`.
-
-    Example:
-      >>> tl = measured_timeline([(0, "F0", Task(0, 0, "F"), 0.5, 1.0), (1, "opt", None, 1, 2)])
-      >>> tl.makespan, tl.num_meshes
-      (0.5, 1)
-    """
-    tasks = []
-    for mesh, label, task, start, end in records:
-        if not isinstance(task, Task):
-            continue
-        if str(label).startswith("FB"):
-            # One program ran F and B of this microbatch: split its time 1:2 like Costs().
-            middle = start + (end - start) / 3
-            tasks.append((int(mesh), task, float(start), float(middle)))
-            task, start = Task(task.stage, task.microbatch, "B"), middle
-        tasks.append((int(mesh), task, float(start), float(end)))
-    if not tasks:
-        raise MpmdError("measured_timeline: the profile has no schedule tasks to draw.")
-    origin = min(s for _, _, s, _ in tasks)
-    entries = sorted(((m, t, s - origin, e - origin) for m, t, s, e in tasks), key=lambda x: x[2:])
-    num_meshes = 1 + max(m for m, *_ in entries)
-    makespan = max(e for *_, e in entries)
-    busy = tuple(sum(e - s for m, _, s, e in entries if m == q) for q in range(num_meshes))
-    idle = 1.0 - sum(busy) / (num_meshes * makespan) if makespan > 0 else 0.0
-    peaks = []
-    for q in range(num_meshes):
-        live = peak = 0
-        for m, task, _, _ in entries:
-            if m == q:
-                live += 1 if task.kind == "F" else -1 if task.kind in ("B", "BW") else 0
-                peak = max(peak, live)
-        peaks.append(peak)
-    return Timeline(
-        entries=tuple(entries),
-        num_meshes=num_meshes,
-        makespan=makespan,
-        busy=busy,
-        bubble_fraction=idle,
-        peak_activations=tuple(peaks),
-    )
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
@@ -515,18 +460,11 @@ class Trainer:
         return None
 
     def _draw_profile(self) -> None:
-        records = self.step_fn.last_profile or []
-        timeline = measured_timeline(records)
+        comparison = self.step_fn.last_profile.compare()
+        print(comparison.summary())
         path = self._picture("schedule_measured.png")
-        if path is None:
-            return
-        plot_gantt(
-            timeline,
-            path,
-            title=f"measured {self.schedule!r}: {timeline.makespan * 1e3:.1f} ms, "
-            f"bubble {timeline.bubble_fraction:.1%}",
-            xlabel="time (seconds from the first task)",
-        )
+        if path is not None:
+            comparison.plot(path)
 
     def _val_loss(self, batches: int) -> float | None:
         if not batches:

@@ -22,6 +22,7 @@ from nnx_mpmd.placement.place import place
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.interpreter import forget_prepared
 from nnx_mpmd.runtime.precompile import AwaitedProgram, start_precompile
+from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
 
 __all__ = [
     "MAX_COMPILED_STEPS",
@@ -138,6 +139,22 @@ class _DefaultBatchAxis(str):
 DEFAULT_BATCH_AXIS = _DefaultBatchAxis("data")
 
 
+_PROFILE_MODES = {True: "timeline", "timeline": "timeline", "isolated": "isolated"}
+
+
+def _profile_mode(profile: Any) -> str | None:
+    """``"timeline"``, ``"isolated"`` or None (not profiled) for a call's ``profile=``."""
+    if profile is False or profile is None:
+        return None
+    if isinstance(profile, bool | str) and profile in _PROFILE_MODES:
+        return _PROFILE_MODES[profile]
+    raise CompileError(
+        f"profile={profile!r} is not a profiling mode; use profile=True (or 'timeline': "
+        "meshes overlap as they do unprofiled), profile='isolated' (each program waited "
+        "for before the next is dispatched: clean per-task times) or profile=False."
+    )
+
+
 def _resolve_batch_axis(batch_axis: Any, mesh: MpmdMesh) -> str | None:
     """The batch axis a step uses; a name the submeshes lack is an error, never ignored."""
     if batch_axis is None:
@@ -154,8 +171,11 @@ def _resolve_batch_axis(batch_axis: Any, mesh: MpmdMesh) -> str | None:
 class PipelinedFunction:
     """A step compiled by `jit`; call it like the original function.
 
-    Calling it runs the step (``profile=True`` records per-task timings in
-    ``last_profile``; ``memory=True`` records per-mesh live bytes in
+    Calling it runs the step (``profile=True`` records when each task ran on
+    its mesh in ``last_profile``, a `nnx_mpmd.runtime.timeline_profiler.Profile`
+    whose ``plot(path)`` draws the measured timeline beside the simulated one;
+    ``profile="isolated"`` waits for each program before dispatching the next,
+    for clean per-task times; ``memory=True`` records per-mesh live bytes in
     ``last_memory``); ``lower(*args)`` lowers it without running or moving state, and
     ``lower(*args).compile()`` compiles it ahead of time.
 
@@ -222,7 +242,7 @@ class PipelinedFunction:
         self._compiling: dict[int, tuple[Any, dict[str, AwaitedProgram]]] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self._last_graphdef: tuple[Any, int] = (None, 0)  # (graphdef, its hash): _signature
-        self.last_profile: list[TaskRecord] | None = None
+        self.last_profile: Profile | None = None
         self.last_memory: dict[str, Any] | None = None
 
     def _signature(
@@ -368,27 +388,42 @@ class PipelinedFunction:
             self._compile_programs(compiled, inputs, overlap=True)
         return flat, compiled
 
-    def __call__(self, *args: Any, profile: bool = False, memory: bool = False) -> Any:
+    def __call__(self, *args: Any, profile: bool | str = False, memory: bool = False) -> Any:
+        mode = _profile_mode(profile)
         flat, compiled = self._prepare(args)
         try:
-            return self._run(flat, compiled, profile, memory)
+            return self._run(flat, compiled, mode, memory)
         finally:
             self._finish_compiling(compiled)
 
-    def _run(self, flat: FlatArgs, compiled: CompiledStep, profile: bool, memory: bool) -> Any:
+    def _run(
+        self, flat: FlatArgs, compiled: CompiledStep, profile: str | None, memory: bool
+    ) -> Any:
         inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
-        records: list[TaskRecord] | None = [] if profile else None
+        records: list[TaskRecord] = []
+        profiler: Any = None
+        if profile == "timeline":
+            profiler = TimelineProfiler(records)
+        elif profile == "isolated":
+            profiler = records
         recorder = None
         if self.mesh.is_multi_process:
             from nnx_mpmd.runtime.multi_process import execute_multi_process
 
-            outputs = execute_multi_process(compiled, inputs, self.mesh, self._shardings, records)
+            outputs = execute_multi_process(compiled, inputs, self.mesh, self._shardings, profiler)
         else:
             submeshes = list(self.mesh.submeshes)
             recorder = MemoryRecorder(submeshes) if memory else None
-            outputs = execute(compiled, inputs, submeshes, self._shardings, records, recorder)
-        if profile:
-            self.last_profile = records
+            outputs = execute(compiled, inputs, submeshes, self._shardings, profiler, recorder)
+        if profile is not None:
+            timed = isinstance(profiler, TimelineProfiler)
+            self.last_profile = Profile(
+                records,
+                tasks=compiled.tasks,
+                transfers=profiler.transfers if timed else (),
+                mode=profile,
+                approximate=profiler.approximate if timed else 0,
+            )
         if recorder is not None:
             self.last_memory = recorder.summary()
         user = outputs[: compiled.num_user_outputs]

@@ -286,7 +286,7 @@ def execute(
     inputs: Sequence[Any],
     submeshes: Sequence[Any],
     shardings: Shardings | None = None,
-    profile: list[Any] | None = None,
+    profile: list[Any] | Observer | None = None,
     memory: MemoryRecorder | None = None,
 ) -> list[Any]:
     """Runs ``step`` on ``inputs`` (consts, state leaves, other leaves).
@@ -296,8 +296,9 @@ def execute(
       inputs: one value per input of the step.
       submeshes: the jax Mesh of each mesh id.
       shardings: a sharding cache to reuse across calls.
-      profile: if a list is given, a `TaskRecord` per instruction is appended
-        (each instruction is waited for, so meshes do not overlap).
+      profile: a list to append a `TaskRecord` per call to (each call is waited
+        for, so meshes do not overlap), or an `Observer` that records them
+        (`nnx_mpmd.runtime.timeline_profiler.TimelineProfiler`).
       memory: if given, live bytes per mesh are recorded after every
         instruction (each instruction is waited for).
 
@@ -323,7 +324,7 @@ def execute(
     store = interpreter.load_store(step, inputs)
     observers: list[Observer] = []
     if profile is not None:
-        observers.append(Profiler(profile))
+        observers.append(profile if isinstance(profile, Observer) else Profiler(profile))
     if memory is not None:
         observers.append(memory)
     interpreter.run(prepared, store, observers)

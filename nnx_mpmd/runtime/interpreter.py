@@ -108,6 +108,9 @@ class Observer:
     def after(self, index: int, ins: Instruction, result: Any, store: list[Any]) -> None:
         """Called after the step of instruction ``index`` ran; ``result`` is what it produced."""
 
+    def finish(self, store: list[Any]) -> None:
+        """Called once after the last step, also when a step raised."""
+
 
 class PreparedStep(NamedTuple):
     """A step and the instruction it came from."""
@@ -209,13 +212,18 @@ def run(prepared: Prepared, store: list[Any], observers: Sequence[Observer] = ()
       >>> record
       [0]
     """
-    steps = prepared.steps
-    if observers:
+    if not observers:
+        for step in prepared.steps:
+            step(store)
+        return
+    for observer in observers:
+        observer.start(store)
+    try:
+        for step in tuple(_observed(entry, tuple(observers)) for entry in prepared.entries):
+            step(store)
+    finally:
         for observer in observers:
-            observer.start(store)
-        steps = tuple(_observed(entry, tuple(observers)) for entry in prepared.entries)
-    for step in steps:
-        step(store)
+            observer.finish(store)
 
 
 def _observed(entry: PreparedStep, observers: tuple[Observer, ...]) -> Step:

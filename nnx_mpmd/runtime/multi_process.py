@@ -356,7 +356,7 @@ def execute_multi_process(
     inputs: Sequence[Any],
     mesh: MpmdMesh,
     shardings: Shardings | None = None,
-    profile: list[Any] | None = None,
+    profile: Any = None,
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
@@ -370,8 +370,9 @@ def execute_multi_process(
       inputs: one value per input of the step (consts, state leaves, other leaves).
       mesh: the `MpmdMesh` (its submeshes may span processes).
       shardings: a sharding cache to reuse across calls.
-      profile: if a list is given, a `TaskRecord` per instruction is appended
-        (programs of submeshes without this process's devices take no time here).
+      profile: a list to append a `TaskRecord` per call to, or an `Observer`
+        that records them (programs of submeshes without this process's
+        devices take no time here).
 
     Returns:
       One value per output: user outputs are arrays this process holds whole
@@ -399,7 +400,13 @@ def execute_multi_process(
     where = f"running a step (call {next(_ROUNDS)})"
     store = interpreter.load_store(step, inputs)
     try:
-        interpreter.run(prepared, store, [] if profile is None else [Profiler(profile)])
+        if profile is None:
+            observers = []
+        elif isinstance(profile, interpreter.Observer):
+            observers = [profile]
+        else:
+            observers = [Profiler(profile)]
+        interpreter.run(prepared, store, observers)
     except DistributedError:
         raise
     except Exception:  # a transfer or program refused while a peer was dying: say so

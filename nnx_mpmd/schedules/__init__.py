@@ -13,7 +13,7 @@ Example:
     (0.2727, (4, 3, 2, 1))
 """
 
-from nnx_mpmd.schedules.draw import plot_gantt, to_ascii
+from nnx_mpmd.schedules.draw import plot_gantt, plot_timelines, to_ascii
 from nnx_mpmd.schedules.generators import (
     Custom,
     GPipe,
@@ -22,6 +22,12 @@ from nnx_mpmd.schedules.generators import (
     OneFOneB,
     Schedule,
     order_by_rule,
+)
+from nnx_mpmd.schedules.profile import (
+    ProfileComparison,
+    compare_profile,
+    fit_costs,
+    measured_timeline,
 )
 from nnx_mpmd.schedules.registry import SCHEDULES, get_schedule
 from nnx_mpmd.schedules.simulate import Costs, Timeline, peak_activations, simulate
@@ -47,20 +53,25 @@ __all__ = [
     "Interleaved1F1B",
     "LoopedBFS",
     "OneFOneB",
+    "ProfileComparison",
     "Schedule",
     "Task",
     "TaskLists",
     "Timeline",
     "ZeroBubbleH1",
     "ZeroBubbleV",
+    "compare_profile",
+    "fit_costs",
     "format_grid",
     "format_tasks",
     "get_schedule",
     "looped_placement",
+    "measured_timeline",
     "order_by_rule",
     "parse_tasks",
     "peak_activations",
     "plot_gantt",
+    "plot_timelines",
     "simulate",
     "to_ascii",
     "v_placement",

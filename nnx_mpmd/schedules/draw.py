@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nnx_mpmd.errors import MpmdError, ScheduleError
@@ -23,6 +23,7 @@ __all__ = [
     "PLOTS_INSTALL",
     "matplotlib_missing",
     "plot_gantt",
+    "plot_timelines",
     "time_axis_label",
     "to_ascii",
 ]
@@ -193,28 +194,89 @@ def plot_gantt(
       >>> fig.axes[0].get_xlabel()
       'time (units of one forward, F=1)'
     """
-    if path is not None and os.path.splitext(os.fspath(path))[1].lower() not in _IMAGE_FORMATS:
-        raise ScheduleError(
-            f"cannot save a Gantt chart as {os.fspath(path)!r}; use a file name ending in "
-            f"{', '.join(_IMAGE_FORMATS)}"
-        )
+    _check_image_path(path)
     if xlabel is None:
         given_timeline = isinstance(schedule, Timeline)
         xlabel = "time (units of the simulated task costs)" if given_timeline else None
         xlabel = xlabel or time_axis_label(costs)
     timeline = _as_timeline(schedule, costs)
+    figure = _new_figure(float(timeline.makespan), [timeline.num_meshes])
+    if title is None:
+        title = (
+            f"makespan {float(timeline.makespan):g}, bubble {float(timeline.bubble_fraction):.1%}"
+        )
+    _draw_axes(figure.add_subplot(), timeline, title, xlabel, float(timeline.makespan) or 1.0)
+    return _finish(figure, path)
+
+
+def plot_timelines(
+    panels: Sequence[tuple[str, Timeline]],
+    path: str | os.PathLike[str] | None = None,
+    *,
+    xlabel: str = "time",
+) -> Any:
+    """Draws several timelines one above the other, on one time axis.
+
+    Args:
+      panels: ``(title, timeline)`` per panel, top first.
+      path: if given, save the picture there; ``.png``, ``.svg`` or ``.pdf``.
+      xlabel: the label of every panel's time axis.
+
+    Returns:
+      The ``matplotlib.figure.Figure``.
+
+    Raises:
+      ScheduleError: ``path`` has no image suffix, or ``panels`` is empty.
+      MpmdError: matplotlib is not installed.
+
+    Example:
+      >>> tasks = [["F0.0", "B0.0"], ["F1.0", "B1.0"]]
+      >>> a, b = simulate(tasks), simulate(tasks, Costs(F=2))
+      >>> fig = plot_timelines([("nominal", a), ("slower forwards", b)])
+      >>> [ax.get_title() for ax in fig.axes], [float(x) for x in fig.axes[0].get_xlim()]
+      (['nominal', 'slower forwards'], [0.0, 8.0])
+    """
+    _check_image_path(path)
+    if not panels:
+        raise ScheduleError("plot_timelines: no panels given; pass [(title, timeline), ...]")
+    makespan = max(float(timeline.makespan) for _, timeline in panels) or 1.0
+    figure = _new_figure(makespan, [timeline.num_meshes for _, timeline in panels])
+    for row, (title, timeline) in enumerate(panels):
+        axes = figure.add_subplot(len(panels), 1, row + 1)
+        _draw_axes(axes, timeline, title, xlabel, makespan)
+    return _finish(figure, path)
+
+
+def _check_image_path(path: str | os.PathLike[str] | None) -> None:
+    if path is not None and os.path.splitext(os.fspath(path))[1].lower() not in _IMAGE_FORMATS:
+        raise ScheduleError(
+            f"cannot save a Gantt chart as {os.fspath(path)!r}; use a file name ending in "
+            f"{', '.join(_IMAGE_FORMATS)}"
+        )
+
+
+def _new_figure(makespan: float, meshes_per_panel: Sequence[int]) -> Any:
     missing = matplotlib_missing()
     if missing is not None:
         raise MpmdError(f"cannot draw the Gantt chart: {missing}.")
     from matplotlib.figure import Figure
+
+    width = max(6.0, min(24.0, 0.35 * (makespan or 1.0) + 2))
+    return Figure(figsize=(width, sum(0.6 * n + 1.4 for n in meshes_per_panel)))
+
+
+def _finish(figure: Any, path: str | os.PathLike[str] | None) -> Any:
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(os.fspath(path))
+    return figure
+
+
+def _draw_axes(ax: Any, timeline: Timeline, title: str, xlabel: str, xmax: float) -> None:
+    """One Gantt chart on ``ax``: a row per mesh, boxes coloured by kind."""
     from matplotlib.patches import Patch
 
-    makespan = float(timeline.makespan) or 1.0
-    fig = Figure(
-        figsize=(max(6.0, min(24.0, 0.35 * makespan + 2)), 0.6 * timeline.num_meshes + 1.4)
-    )
-    ax = fig.add_subplot()
-    font = max(5.0, min(9.0, 160.0 / max(makespan, 1.0)))
+    font = max(5.0, min(9.0, 160.0 / max(float(timeline.makespan), 1.0)))
     for mesh, task, start, end in timeline.entries:
         ax.barh(
             mesh,
@@ -236,7 +298,7 @@ def plot_gantt(
         )
     ax.set_yticks(range(timeline.num_meshes), [f"mesh {m}" for m in range(timeline.num_meshes)])
     ax.set_ylim(timeline.num_meshes - 0.5, -0.5)
-    ax.set_xlim(0, makespan)
+    ax.set_xlim(0, xmax)
     ax.set_xlabel(xlabel)
     kinds = [kind for kind in KIND_COLORS if any(t.kind == kind for _, t, _, _ in timeline.entries)]
     ax.legend(
@@ -246,12 +308,4 @@ def plot_gantt(
         ncol=len(kinds),
         frameon=False,
     )
-    if title is None:
-        title = (
-            f"makespan {float(timeline.makespan):g}, bubble {float(timeline.bubble_fraction):.1%}"
-        )
     ax.set_title(title)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(os.fspath(path))
-    return fig

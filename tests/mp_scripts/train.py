@@ -106,7 +106,8 @@ def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
             print(f"killing process {victim} at step {i}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.perf_counter()
-        losses.append(float(step(model, opt, batch)))
+        # The last step is profiled: every process records every schedule task.
+        losses.append(float(step(model, opt, batch, profile=i == steps - 1)))
         if i == 0:
             first_step_s = time.perf_counter() - start
     values = [v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
@@ -127,6 +128,7 @@ def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
         "local_after_gather": all_local,
         "mp_gather": try_mp_gather(opt),
         "first_step_s": first_step_s,
+        "profiled_tasks": sorted(str(t) for _, _, t, _, _ in step.last_profile if t is not None),
     }
 
 
