@@ -10,6 +10,7 @@ from nnx_mpmd import annotate as annotate
 from nnx_mpmd import checkpoint as checkpoint
 from nnx_mpmd import distributed as distributed
 from nnx_mpmd import errors as errors
+from nnx_mpmd import planner as planner
 from nnx_mpmd import schedules as schedules
 from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
 from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning as ReplicatedBatchWarning
@@ -21,6 +22,7 @@ from nnx_mpmd.errors import MeshError as MeshError
 from nnx_mpmd.errors import MpmdError as MpmdError
 from nnx_mpmd.errors import PartitionError as PartitionError
 from nnx_mpmd.errors import PlacementError as PlacementError
+from nnx_mpmd.errors import PlanError as PlanError
 from nnx_mpmd.errors import ScheduleError as ScheduleError
 from nnx_mpmd.frontend.annotate import PipelinedModel as PipelinedModel
 from nnx_mpmd.frontend.annotate import Stage as Stage
@@ -34,6 +36,8 @@ from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
 from nnx_mpmd.placement.place import place as place
+from nnx_mpmd.planner import Plan as Plan
+from nnx_mpmd.planner import plan as plan
 from nnx_mpmd.runtime.compile_cache import enable_compile_cache as enable_compile_cache
 from nnx_mpmd.schedules import Custom as Custom
 from nnx_mpmd.schedules import DualPipeV as DualPipeV
@@ -71,6 +75,8 @@ __all__ = [
     "PipelinedFunction",
     "PipelinedModel",
     "PlacementError",
+    "Plan",
+    "PlanError",
     "ReplicatedBatchWarning",
     "ScheduleError",
     "Stage",
@@ -87,6 +93,7 @@ __all__ = [
     "gather",
     "jit",
     "place",
+    "plan",
     "schedules",
     "value_and_grad",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "MpmdError",
     "PartitionError",
     "PlacementError",
+    "PlanError",
     "ScheduleError",
 ]
 
@@ -56,3 +57,7 @@ class CheckpointError(MpmdError):
 
 class DistributedError(MpmdError):
     """A multi-process run failed: a peer died, timed out, or disagrees."""
+
+
+class PlanError(MpmdError):
+    """The planner found no configuration: nothing fits the memory budget, or nothing runs."""

@@ -1,4 +1,4 @@
-"""The ``nnx-mpmd`` command line: ``train``, ``schedule``, ``bench``, ``launch``.
+"""The ``nnx-mpmd`` command line: ``train``, ``schedule``, ``bench``, ``launch``, ``plan``.
 
 Each subcommand lives in its own module and is imported only when used, so
 ``nnx-mpmd schedule`` starts without importing JAX.
@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("nnx_mpmd.schedules.cli", "print, simulate and draw a pipeline schedule"),
     "bench": ("nnx_mpmd.apps.bench", "benchmark pipelined steps against SPMD baselines"),
     "launch": ("nnx_mpmd.apps.launch", "start N local processes under jax.distributed"),
+    "plan": ("nnx_mpmd.apps.plan", "choose split, schedule, microbatches and remat by measuring"),
 }
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "TrainConfig",
+    "apply_plan_file",
     "build_parser",
     "config_from_args",
     "configure_compile_cache",
@@ -94,6 +95,7 @@ class TrainConfig(argparse.Namespace):
     val_batches: int
     compile_cache: str | None
     no_compile_cache: bool
+    plan: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -207,7 +209,46 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile every program, without reading or writing the compilation cache",
     )
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="FILE",
+        help="a plan written by `nnx-mpmd plan`: its schedule, stages, microbatches, "
+        "layer split and remat replace --schedule, --stages and --microbatches",
+    )
     return p
+
+
+def apply_plan_file(cfg: TrainConfig) -> None:
+    """Takes the schedule, stages and microbatches of ``cfg.plan`` (a plan's JSON).
+
+    The layer split and remat are applied to the model later, by the trainer.
+
+    Raises:
+      MpmdError: the file cannot be read, or was planned for other meshes or batch size.
+    """
+    import json
+
+    from nnx_mpmd.errors import MpmdError
+
+    try:
+        with open(cfg.plan, encoding="utf-8") as f:
+            data = json.load(f)
+        best = data["best"]
+        planned = (int(data["num_meshes"]), int(data["batch_size"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MpmdError(
+            f"--plan {cfg.plan}: cannot read a plan ({e}); write one with "
+            "`nnx-mpmd plan --out FILE`."
+        ) from None
+    if planned != (cfg.meshes, cfg.batch_size):
+        raise MpmdError(
+            f"--plan {cfg.plan} was made for --meshes {planned[0]} --batch-size {planned[1]}, "
+            f"not --meshes {cfg.meshes} --batch-size {cfg.batch_size}; pass those, or plan again."
+        )
+    cfg.schedule = best["schedule"]
+    cfg.stages = int(best["num_stages"])
+    cfg.microbatches = int(best["num_microbatches"])
 
 
 def config_from_args(argv: list[str]) -> TrainConfig:
@@ -229,6 +270,8 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.errors import MpmdError
 
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    if cfg.plan is not None:
+        apply_plan_file(cfg)
     positive = ("meshes", "data", "microbatches", "batch_size", "steps", "devices", "keep")
     positive += ("log_every",)
     for name in positive:

@@ -29,6 +29,7 @@ from nnx_mpmd.frontend.jit import jit, value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.planner.plan import Plan
 from nnx_mpmd.schedules import get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
 from nnx_mpmd.schedules.profile import measured_timeline
@@ -201,6 +202,8 @@ class Trainer:
         self.model = build_model(
             cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
         )
+        if getattr(cfg, "plan", None):
+            Plan.load(cfg.plan).apply(self.model)
         max_len = self.model.config.max_len
         self.seq_len = cfg.seq_len or max_len
         if not 1 <= self.seq_len <= max_len:

@@ -8,7 +8,8 @@ inherits the metadata of the parameter it belongs to.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flax import nnx
@@ -16,10 +17,44 @@ from flax import nnx
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend import markers
 
-__all__ = ["STAGES_KEY", "STAGE_KEY", "Stage", "tag_stage", "variable_stage"]
+__all__ = [
+    "STAGES_KEY",
+    "STAGE_KEY",
+    "Stage",
+    "recording_stage_calls",
+    "tag_stage",
+    "variable_stage",
+]
 
 STAGE_KEY = "mpmd_stage"
 STAGES_KEY = "mpmd_stages"
+
+
+# Lists that `recording_stage_calls` blocks append every called Stage to (innermost last).
+_RECORDERS: list[list[Any]] = []
+
+
+@contextlib.contextmanager
+def recording_stage_calls() -> Iterator[list[Any]]:
+    """Records every `Stage` called inside the block, in call order.
+
+    Returns:
+      A context manager giving the list it fills.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0)
+      >>> with recording_stage_calls() as calls:
+      ...     _ = layer(jax.numpy.ones((1, 2)))
+      >>> calls == [layer]
+      True
+    """
+    calls: list[Any] = []
+    _RECORDERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDERS.remove(calls)
 
 
 def variable_stage(variable: nnx.Variable) -> int | None:
@@ -117,6 +152,8 @@ class Stage(nnx.Module):
         tag_stage(module, stage)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _RECORDERS:
+            _RECORDERS[-1].append(self)
         return markers.call_stage(
             self.stage,
             self.module,

@@ -1,0 +1,145 @@
+"""``nnx-mpmd plan``: choose the pipeline configuration of a model-zoo run.
+
+Takes the options of ``nnx-mpmd train`` (model, preset, meshes, data, batch
+size, ...), builds that run's model, mesh, optimizer and first batch, and
+runs `nnx_mpmd.planner.plan` on them: every layer is timed and measured on one
+submesh, then the split, schedule, microbatches and remat are searched with
+the simulator. It prints the best configurations, optionally runs the top K
+(``--verify K``: predicted against measured, and the fastest measured comes
+first), and writes the plan for ``nnx-mpmd train --plan FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from typing import Any
+
+from nnx_mpmd.apps.train import (
+    TrainConfig,
+    configure_compile_cache,
+    set_cpu_devices,
+)
+from nnx_mpmd.apps.train import (
+    build_parser as build_train_parser,
+)
+
+__all__ = ["build_parser", "main"]
+
+
+def _names(text: str | None) -> list[str] | None:
+    return None if text is None else [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``nnx-mpmd train``'s options plus the planner's.
+
+    Returns:
+      The parser.
+
+    Example:
+      >>> build_parser().parse_args(["--verify", "2", "--budget-mib", "64"]).verify
+      2
+    """
+    p = build_train_parser()
+    p.prog = "nnx-mpmd plan"
+    p.description = (
+        "Choose the layer split, schedule, microbatches and remat of a model-zoo run by "
+        "measuring its layers on the real devices and simulating every schedule."
+    )
+    g = p.add_argument_group("planner")
+    g.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
+    g.add_argument("--budget-mib", type=float, default=None, help="memory per device, MiB")
+    g.add_argument("--schedules", default=None, help="comma-separated names (default: all)")
+    g.add_argument(
+        "--candidate-microbatches",
+        default=None,
+        help="comma-separated counts (default: 1, 2 and 4 times --meshes where they divide)",
+    )
+    g.add_argument("--no-remat", action="store_true", help="never recompute a stage's forward")
+    g.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K and compare")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per layer profile")
+    return p
+
+
+def _verification_table(verifications: list[Any]) -> str:
+    lines = [
+        "| schedule | stages | m | predicted ms | measured ms | time error | predicted peak MiB "
+        "| measured peak MiB | memory error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v in verifications:
+        c = v.candidate
+        lines.append(
+            f"| {c.schedule} | {c.num_stages} | {c.num_microbatches} | {1e3 * c.step_s:.2f} | "
+            f"{1e3 * v.measured_step_s:.2f} | {v.time_error:+.0%} | "
+            f"{max(c.peak_bytes) / 2**20:.2f} | {max(v.measured_peak_bytes) / 2**20:.2f} | "
+            f"{v.memory_error:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: Any) -> Any:
+    """Plans the run ``cfg`` describes and writes ``cfg.out``.
+
+    Args:
+      cfg: parsed options (`build_parser`).
+
+    Returns:
+      The `nnx_mpmd.planner.Plan` written.
+    """
+    from nnx_mpmd.apps.train_loop import Trainer
+    from nnx_mpmd.models import lm_loss
+    from nnx_mpmd.planner import plan, verify
+
+    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="nnx-mpmd-plan-"))
+    batch = next(trainer.batches)
+    tx = trainer.optimizer.tx
+    counts = _names(cfg.candidate_microbatches)
+    budget = None if cfg.budget_mib is None else int(cfg.budget_mib * 2**20)
+    planned = plan(
+        trainer.model, lm_loss, batch, trainer.mesh, tx,
+        schedules=_names(cfg.schedules),
+        num_microbatches=None if counts is None else [int(c) for c in counts],
+        memory_budget=budget, remat=not cfg.no_remat, repeats=cfg.repeats,
+    )  # fmt: skip
+    print(planned.summary())
+    if cfg.verify:
+        checked = verify(planned, trainer.model, lm_loss, batch, trainer.mesh, tx, top=cfg.verify)
+        print(_verification_table(checked))
+        planned = planned.with_measurements(checked)
+    planned.save(cfg.out)
+    best = planned.best
+    print(
+        f"wrote {cfg.out}: {best.schedule}, {best.num_stages} stages, {best.num_microbatches} "
+        f"microbatches; train with: nnx-mpmd train --plan {cfg.out} --meshes {cfg.meshes} "
+        f"--data {cfg.data} --batch-size {cfg.batch_size}"
+    )
+    return planned
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``nnx-mpmd plan``.
+
+    Args:
+      argv: the arguments after ``plan`` (default: ``sys.argv[1:]``).
+
+    Returns:
+      The exit status: 0 on success, 2 on bad input.
+    """
+    from nnx_mpmd.errors import MpmdError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    if cfg.verify < 0 or cfg.repeats < 1:
+        print("nnx-mpmd plan: error: --verify must be >= 0 and --repeats >= 1", file=sys.stderr)
+        return 2
+    set_cpu_devices(cfg.devices)
+    configure_compile_cache(cfg)
+    try:
+        run(cfg)
+    except MpmdError as e:
+        print(f"nnx-mpmd plan: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0

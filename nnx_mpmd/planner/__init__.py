@@ -1,0 +1,29 @@
+"""The planner: choose the pipeline configuration from measurements.
+
+`plan` times and measures each unit of a model (its `Stage` wrappers) on the
+real devices (`profile_units`), then searches the layer-to-stage split, the
+schedule, the number of microbatches and per-stage remat under a per-device
+memory budget, with the schedule simulator as the cost model (`search`). The
+result is a `Plan`: the chosen configuration with its predicted step time and
+peak memory, the runners-up, JSON to save, `Plan.apply(model)` to use it, and
+`verify` to run the top configurations and compare predicted with measured.
+"""
+
+from nnx_mpmd.planner.plan import Plan, Verification, plan, verify
+from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
+from nnx_mpmd.planner.search import Candidate, predict, search
+from nnx_mpmd.planner.units import restage, stage_units
+
+__all__ = [
+    "Candidate",
+    "Plan",
+    "UnitCosts",
+    "Verification",
+    "plan",
+    "predict",
+    "profile_units",
+    "restage",
+    "search",
+    "stage_units",
+    "verify",
+]

@@ -1,0 +1,383 @@
+"""`plan`: profile the units on the real devices, search, and return a `Plan`.
+
+A `Plan` is the chosen configuration (schedule, stage count, microbatches,
+the stage of every unit, remat per stage), its predicted step time and peak
+memory per device, and the runners-up. It saves to JSON (``nnx-mpmd train
+--plan FILE`` loads it), applies itself to a model (`Plan.apply`), builds the
+schedule (`Plan.schedule`), and `verify` runs the top configurations and
+reports predicted against measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from nnx_mpmd.errors import PlanError
+from nnx_mpmd.frontend.jit import jit, value_and_grad
+from nnx_mpmd.frontend.stage import Stage
+from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
+from nnx_mpmd.planner.search import Candidate, search
+from nnx_mpmd.planner.units import restage
+from nnx_mpmd.schedules import Schedule, get_schedule
+
+__all__ = ["Plan", "Verification", "plan", "verify"]
+
+_FORMAT = "nnx-mpmd-plan/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A chosen pipeline configuration, its prediction, and the runners-up.
+
+    Attributes:
+      best: the fastest predicted configuration that fits.
+      runners_up: the next ones, fastest first.
+      unit_paths: the units' paths, in call order (``best.unit_stages`` follows it).
+      num_meshes: the meshes it is planned for.
+      batch_size: rows per step.
+      memory_budget: bytes per device it had to fit (None: no limit).
+      costs: the measured unit costs it was planned with.
+      measured: measured step seconds of configurations run by `verify`
+        (`Plan.with_measurements`), as ``(candidate, seconds)`` pairs.
+      calibration: measured / predicted step time, the median over
+        ``measured`` (1.0 before any measurement). The simulator assumes
+        meshes that do not share compute and a host that is never late; this
+        factor is what that costs on this machine.
+
+    Example:
+      >>> best = Candidate("1f1b", 2, 4, (0, 1), (False, False), 0.5, (10, 10))
+      >>> p = Plan(best, (), ("a", "b"), 2, 8)
+      >>> Plan.from_json(p.to_json()) == p, p.schedule()
+      (True, OneFOneB())
+    """
+
+    best: Candidate
+    runners_up: tuple[Candidate, ...]
+    unit_paths: tuple[str, ...]
+    num_meshes: int
+    batch_size: int
+    memory_budget: int | None = None
+    costs: tuple[UnitCosts, ...] = ()
+    measured: tuple[tuple[Candidate, float], ...] = ()
+    calibration: float = 1.0
+
+    @property
+    def num_stages(self) -> int:
+        """The best configuration's stage count."""
+        return self.best.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        """The best configuration's microbatch count."""
+        return self.best.num_microbatches
+
+    def schedule(self) -> Schedule:
+        """The best configuration's schedule object."""
+        return get_schedule(self.best.schedule)
+
+    def apply(self, model: Any, candidate: Candidate | None = None) -> Any:
+        """Renumbers ``model``'s `Stage` wrappers (and remat flags) as planned.
+
+        Args:
+          model: a model with the planned units (the same architecture).
+          candidate: the configuration to apply (default: ``best``).
+
+        Returns:
+          ``model``, changed in place.
+
+        Raises:
+          PlanError: a planned unit path is not a `Stage` of ``model``.
+        """
+        chosen = candidate or self.best
+        stages = {
+            ".".join(map(str, p)): n for p, n in nnx.iter_graph(model) if isinstance(n, Stage)
+        }
+        missing = [path for path in self.unit_paths if path not in stages]
+        if missing:
+            raise PlanError(
+                f"the plan moves the Stage wrappers {missing[:3]}, which {type(model).__name__} "
+                f"does not have (its Stage paths: {sorted(stages)[:6]}); apply the plan to the "
+                "model architecture it was made for."
+            )
+        units = [(path, stages[path]) for path in self.unit_paths]
+        restage(units, chosen.unit_stages, chosen.remat)
+        return model
+
+    def summary(self) -> str:
+        """The best configuration and the runners-up as a small table."""
+        measured = dict(self.measured)
+        lines = [
+            "| rank | schedule | stages | m | remat stages | predicted ms | calibrated ms "
+            "| measured ms | predicted peak MiB/device |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for rank, c in enumerate((self.best, *self.runners_up), start=1):
+            remat = ",".join(str(s) for s, r in enumerate(c.remat) if r) or "-"
+            ran = f"{1e3 * measured[c]:.2f}" if c in measured else "-"
+            lines.append(
+                f"| {rank} | {c.schedule} | {c.num_stages} | {c.num_microbatches} | {remat} | "
+                f"{1e3 * c.step_s:.2f} | {1e3 * c.step_s * self.calibration:.2f} | {ran} | "
+                f"{max(c.peak_bytes) / 2**20:.2f} |"
+            )
+        return "\n".join(lines)
+
+    def with_measurements(self, verifications: Sequence[Verification]) -> Plan:
+        """The plan closed over measurements: the fastest *measured* configuration first.
+
+        The configurations `verify` ran are ranked by their measured step time
+        and put first (fastest measured becomes ``best``); the others follow
+        in predicted order. The measured times are kept (``measured``), and
+        ``calibration`` becomes the median of measured / predicted.
+
+        Args:
+          verifications: from `verify`.
+
+        Returns:
+          The re-ranked plan.
+        """
+        ran = sorted(verifications, key=lambda v: v.measured_step_s)
+        order = [v.candidate for v in ran]
+        rest = [c for c in (self.best, *self.runners_up) if c not in order]
+        ranked = order + rest
+        measured = tuple((v.candidate, v.measured_step_s) for v in ran)
+        ratios = [v.measured_step_s / v.candidate.step_s for v in ran if v.candidate.step_s > 0]
+        return dataclasses.replace(
+            self,
+            best=ranked[0],
+            runners_up=tuple(ranked[1:]),
+            measured=measured,
+            calibration=statistics.median(ratios) if ratios else self.calibration,
+        )
+
+    def to_json(self) -> str:
+        """The plan as JSON text (`from_json` reads it back)."""
+        data = {
+            "format": _FORMAT,
+            "best": self.best.to_dict(),
+            "runners_up": [c.to_dict() for c in self.runners_up],
+            "unit_paths": list(self.unit_paths),
+            "num_meshes": self.num_meshes,
+            "batch_size": self.batch_size,
+            "memory_budget": self.memory_budget,
+            "costs": [c.to_dict() for c in self.costs],
+            "measured": [[c.to_dict(), seconds] for c, seconds in self.measured],
+            "calibration": self.calibration,
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Reads `to_json`'s output.
+
+        Raises:
+          PlanError: the text is not a plan of this format.
+        """
+        try:
+            data = json.loads(text)
+            if data.get("format") != _FORMAT:
+                raise ValueError(f"format {data.get('format')!r}")
+            return cls(
+                best=Candidate.from_dict(data["best"]),
+                runners_up=tuple(Candidate.from_dict(c) for c in data["runners_up"]),
+                unit_paths=tuple(data["unit_paths"]),
+                num_meshes=int(data["num_meshes"]),
+                batch_size=int(data["batch_size"]),
+                memory_budget=data["memory_budget"],
+                costs=tuple(UnitCosts.from_dict(c) for c in data["costs"]),
+                measured=tuple(
+                    (Candidate.from_dict(c), float(t)) for c, t in data.get("measured", [])
+                ),
+                calibration=float(data.get("calibration", 1.0)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PlanError(
+                f"cannot read a plan ({_FORMAT}) from this text: {e}; write it with "
+                "Plan.save / `nnx-mpmd plan --out FILE`."
+            ) from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes `to_json` to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Reads a plan written by `save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def _default_microbatches(batch_size: int, num_meshes: int, data: int) -> list[int]:
+    counts = [num_meshes * k for k in (1, 2, 4)]
+    return [m for m in counts if batch_size % m == 0 and (batch_size // m) % data == 0]
+
+
+def plan(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    batch: Any,
+    mesh: MpmdMesh,
+    tx: optax.GradientTransformation,
+    *,
+    schedules: Sequence[str] | None = None,
+    num_microbatches: Sequence[int] | None = None,
+    memory_budget: int | None = None,
+    remat: bool = True,
+    keep: int = 5,
+    repeats: int = 3,
+) -> Plan:
+    """Chooses the split, schedule, microbatches and remat for ``model`` on ``mesh``.
+
+    Each unit (a `Stage` wrapper of the model) is timed and measured on one of
+    ``mesh``'s submeshes (`profile_units`); every registered schedule (or
+    those named), stage count and microbatch count is then simulated with
+    those costs (`search`). The model is not changed: apply the plan with
+    `Plan.apply`.
+
+    Args:
+      model: the model; its `Stage` wrappers are the units the plan moves.
+      loss_fn: ``loss_fn(model, microbatch) -> loss`` (as for `value_and_grad`).
+      batch: one step's batch (leaves split along axis 0).
+      mesh: the `MpmdMesh` to plan for.
+      tx: the optimizer's transformation (its state counts as memory).
+      schedules: registered schedule names to consider (default: all).
+      num_microbatches: microbatch counts to consider (default: 1, 2 and 4
+        times the number of meshes, where the batch divides).
+      memory_budget: bytes per device that each mesh must fit (None: no limit).
+      remat: also consider recomputing stages' forwards (needs a second profile).
+      keep: how many runners-up to keep.
+      repeats: timed runs per profile (medians are kept).
+
+    Returns:
+      The `Plan`.
+
+    Raises:
+      PlanError: nothing fits ``memory_budget`` (the message names the smallest
+        budget that fits), or no microbatch count divides the batch.
+
+    Example:
+      >>> # p = mp.plan(model, loss_fn, batch, mesh, optax.adamw(1e-3)); p.apply(model)
+      >>> callable(plan)
+      True
+    """
+    batch_size = int(jax.tree.leaves(batch)[0].shape[0])
+    data = int(mesh.submeshes[0].devices.size)
+    counts = list(num_microbatches or _default_microbatches(batch_size, mesh.num_meshes, data))
+    bad = [m for m in counts if m < 1 or batch_size % m or (batch_size // m) % data]
+    if not counts or bad:
+        raise PlanError(
+            f"no usable microbatch count for a batch of {batch_size} rows on submeshes of "
+            f"{data} devices (asked {counts}); give num_microbatches that divide the batch "
+            f"into microbatches whose rows divide by {data}."
+        )
+    costs = profile_units(
+        model, loss_fn, batch, mesh, tx,
+        microbatch_sizes=sorted({batch_size // m for m in counts}),
+        remat=(False, True) if remat else (False,), repeats=repeats,
+    )  # fmt: skip
+    found = search(
+        costs, mesh.num_meshes, batch_size, schedules=schedules,
+        num_microbatches=counts, memory_budget=memory_budget,
+    )  # fmt: skip
+    return Plan(
+        best=found[0],
+        runners_up=tuple(found[1 : 1 + keep]),
+        unit_paths=costs[0].paths,
+        num_meshes=mesh.num_meshes,
+        batch_size=batch_size,
+        memory_budget=memory_budget,
+        costs=tuple(costs),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """A configuration's predicted and measured step time and peak memory.
+
+    Attributes:
+      candidate: the configuration run.
+      measured_step_s: the median of the timed steps.
+      measured_peak_bytes: per mesh, the peak live bytes per device (`memory=True`).
+    """
+
+    candidate: Candidate
+    measured_step_s: float
+    measured_peak_bytes: tuple[int, ...]
+
+    @property
+    def time_error(self) -> float:
+        """(predicted - measured) / measured step time."""
+        return self.candidate.step_s / self.measured_step_s - 1.0
+
+    @property
+    def memory_error(self) -> float:
+        """(predicted - measured) / measured, of the highest peak over meshes."""
+        return max(self.candidate.peak_bytes) / max(self.measured_peak_bytes) - 1.0
+
+
+def verify(
+    planned: Plan,
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    batch: Any,
+    mesh: MpmdMesh,
+    tx: optax.GradientTransformation,
+    *,
+    top: int = 3,
+    steps: int = 5,
+) -> list[Verification]:
+    """Runs the plan's ``top`` configurations and measures them.
+
+    Each runs on a copy of ``model``: one step to compile, ``steps`` timed
+    steps (the median counts), and one with ``memory=True``.
+
+    Args:
+      planned: the `Plan`.
+      model: the model given to `plan` (it is not changed).
+      loss_fn: the loss given to `plan`.
+      batch: one step's batch.
+      mesh: the `MpmdMesh` planned for.
+      tx: the optimizer's transformation.
+      top: how many configurations to run (the best first).
+      steps: timed steps per configuration.
+
+    Returns:
+      One `Verification` per configuration run.
+    """
+    results = []
+    for candidate in (planned.best, *planned.runners_up)[:top]:
+        copy = planned.apply(nnx.clone(model), candidate)
+        optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
+
+        def train_step(model: Any, optimizer: Any, batch: Any) -> Any:
+            loss, grads = value_and_grad(loss_fn)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        step = jit(
+            train_step,
+            mesh=mesh,
+            schedule=get_schedule(candidate.schedule),
+            num_microbatches=candidate.num_microbatches,
+        )
+        jax.block_until_ready(step(copy, optimizer, batch))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(step(copy, optimizer, batch))
+            times.append(time.perf_counter() - start)
+        jax.block_until_ready(step(copy, optimizer, batch, memory=True))
+        peaks = tuple(int(b) for b in step.last_memory["peak_bytes"])
+        results.append(Verification(candidate, statistics.median(times), peaks))
+    return results

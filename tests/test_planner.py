@@ -1,0 +1,266 @@
+"""The planner: units, prediction, search under a budget, plans applied and verified."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+
+import nnx_mpmd as mp
+from nnx_mpmd.apps.train import config_from_args
+from nnx_mpmd.frontend.stage import variable_stage
+from nnx_mpmd.planner import (
+    Candidate,
+    Plan,
+    UnitCosts,
+    plan,
+    predict,
+    restage,
+    search,
+    stage_units,
+    verify,
+)
+from nnx_mpmd.schedules import Costs, get_schedule, simulate
+
+
+def _units(n, F=1.0, BI=1.0, BW=1.0, kept=10, state=100, params=50, size=4, remat=False):
+    def each(value):
+        return tuple(value) if isinstance(value, list | tuple) else (value,) * n
+
+    return UnitCosts(
+        paths=tuple(f"u{i}" for i in range(n)), microbatch_size=size, remat=remat,
+        F=each(F), BI=each(BI), BW=each(BW), kept_bytes=each(kept), split_bytes=each(0),
+        state_bytes=each(state), param_bytes=each(params),
+    )  # fmt: skip
+
+
+def test_stage_units_are_in_call_order():
+    model, _, loss_fn, kind = build("lm_tied", "sgd", 2)
+    paths = [path for path, _ in stage_units(model, loss_fn, make_batch(kind, 2))]
+    assert paths == ["embed", "pos", "blocks.0", "blocks.1", "head"]
+
+
+def test_stage_units_errors():
+    plain = nnx.Dict(a=nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(mp.PartitionError, match=r"calls no Stage.*mp.assign_stages"):
+        stage_units(plain, lambda m, x: jnp.mean(m["a"](x)), jnp.ones((2, 2)))
+    twice = nnx.Dict(a=mp.Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0))
+    with pytest.raises(mp.PartitionError, match=r"calls the Stage at 'a' twice"):
+        stage_units(twice, lambda m, x: jnp.mean(m["a"](m["a"](x))), jnp.ones((2, 2)))
+
+
+def test_restage_retags_tied_parameters_and_sets_remat():
+    model, _, loss_fn, kind = build("lm_tied", "sgd", 2)
+    units = stage_units(model, loss_fn, make_batch(kind, 2))
+    restage(units, [0, 0, 0, 1, 2], remat=[False, True, False])
+    assert mp.annotate.num_stages(model) == 3
+    assert [unit.stage for _, unit in units] == [0, 0, 0, 1, 2]
+    assert model.blocks[1].remat and not model.blocks[0].remat
+    assert variable_stage(model.blocks[1].module.mlp.kernel) == 1
+    # The tied embedding is reached from stage 0 and the head's stage 2 only.
+    assert set(mp.annotate.shared_variables(model).values()) == {(0, 2)}
+
+
+@pytest.mark.parametrize(
+    "stages,remat,match",
+    [
+        ([0, 0, 1], None, r"5 units need a non-decreasing stage"),
+        ([0, 0, 2, 2, 3], None, r"no gap, got \[0, 0, 2, 2, 3\]"),
+        ([1, 1, 1, 1, 1], None, r"starting at 0"),
+        ([0, 0, 0, 1, 1], [True], r"2 stages need one remat flag each, got 1"),
+    ],
+)
+def test_restage_rejects_bad_splits(stages, remat, match):
+    model, _, loss_fn, kind = build("lm", "sgd", 2)
+    units = stage_units(model, loss_fn, make_batch(kind, 2))
+    with pytest.raises(mp.PartitionError, match=match):
+        restage(units, stages, remat)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+def test_predict_is_the_simulator_with_summed_unit_costs(schedule):
+    unit = _units(4, F=[1.0, 2.0, 1.0, 3.0], BI=[1.0, 1.0, 2.0, 1.0], BW=0.5, kept=[8, 4, 2, 1])
+    split = [0, 0, 1, 1] if schedule != "interleaved" else [0, 1, 2, 3]
+    num_stages = max(split) + 1
+    got = predict(schedule, 2, 4, split, [False] * num_stages, unit)
+    per_stage = {}
+    for u, s in enumerate(split):
+        costs = per_stage.setdefault(s, {"F": 0.0, "BI": 0.0, "BW": 0.0})
+        for kind in ("F", "BI", "BW"):
+            costs[kind] += getattr(unit, kind)[u]
+    for costs in per_stage.values():
+        costs["B"] = costs["BI"] + costs["BW"]
+    tasks = get_schedule(schedule).tasks(num_stages, 2, 4)
+    assert got.step_s == pytest.approx(simulate(tasks, Costs(per_stage=per_stage)).makespan)
+    # Memory: each mesh's state and gradients, plus the larger of the forward outputs held
+    # at once (a forward right before its own B runs fused and holds nothing) and the
+    # optimizer's new state.
+    kept = [sum(unit.kept_bytes[u] for u in range(4) if split[u] == s) for s in range(num_stages)]
+    for mesh, row in enumerate(tasks):
+        live = peak = 0
+        for i, task in enumerate(row):
+            nxt = row[i + 1] if i + 1 < len(row) else None
+            fused = nxt is not None and nxt.kind == "B" and nxt.stage == task.stage
+            fused = fused and nxt.microbatch == task.microbatch
+            live += kept[task.stage] if task.kind == "F" and not fused else 0
+            peak = max(peak, live)
+            prev = row[i - 1] if i else None
+            was_fused = prev is not None and prev.kind == "F" and prev.stage == task.stage
+            was_fused = was_fused and prev.microbatch == task.microbatch
+            live -= kept[task.stage] if task.kind == "BW" else 0
+            live -= kept[task.stage] if task.kind == "B" and not was_fused else 0
+        units_here = [u for u in range(4) if split[u] in {task.stage for task in row}]
+        state, grads = 100 * len(units_here), 50 * len(units_here)
+        assert got.peak_bytes[mesh] == state + grads + max(peak, state)
+
+
+def test_search_balances_measured_time_and_drops_duplicates():
+    unit = _units(4, F=[1.0, 1.0, 1.0, 3.0], BI=[1.0, 1.0, 1.0, 3.0], BW=[1.0, 1.0, 1.0, 3.0])
+    found = search([unit], 2, 16, schedules=["gpipe", "looped-bfs", "1f1b"], num_microbatches=[4])
+    assert all(c.unit_stages == (0, 0, 0, 1) for c in found if c.num_stages == 2)
+    keys = [(get_schedule(c.schedule).tasks(c.num_stages, 2, 4), c.unit_stages) for c in found]
+    assert len(keys) == len(set(keys))  # looped-bfs with 2 stages on 2 meshes is gpipe: kept once
+    assert [c.step_s for c in found] == sorted(c.step_s for c in found)
+
+
+def test_a_budget_turns_on_remat_where_memory_is_short():
+    plain = _units(2, kept=1000, state=100, params=0, size=4)
+    rematted = _units(2, F=1.0, BI=2.0, kept=10, state=100, params=0, size=4, remat=True)
+    free = search([plain, rematted], 2, 16, schedules=["gpipe"], num_microbatches=[4])[0]
+    assert free.remat == (False, False) and max(free.peak_bytes) == 100 + 4 * 1000
+    fitted = search(
+        [plain, rematted], 2, 16, schedules=["gpipe"], num_microbatches=[4], memory_budget=1000
+    )[0]
+    assert any(fitted.remat) and max(fitted.peak_bytes) <= 1000
+    assert fitted.step_s > free.step_s  # recomputing costs time
+
+
+def test_nothing_fits_names_the_smallest_budget():
+    plain = _units(2, kept=1000, state=100, params=0)
+    rematted = _units(2, kept=10, state=100, params=0, remat=True)
+    with pytest.raises(mp.PlanError, match=r"budget of 50 bytes.*smallest predicted peak is 200"):
+        search(
+            [plain, rematted], 2, 16, schedules=["gpipe"], num_microbatches=[4], memory_budget=50
+        )
+    with pytest.raises(mp.PlanError, match=r"no schedule of \['1f1b'\] accepts"):
+        search([plain], 4, 16, schedules=["1f1b"], num_microbatches=[4])
+
+
+def _plan_mlp(mesh, num_microbatches=(2, 4)):
+    model, _, loss_fn, kind = build("mlp", "sgd", 4)
+    batch = make_batch(kind, 16)
+    planned = plan(
+        model, loss_fn, batch, mesh, optax.sgd(0.1),
+        schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=num_microbatches, repeats=1,
+    )  # fmt: skip
+    return model, loss_fn, batch, planned
+
+
+def test_a_planned_step_trains_like_the_reference():
+    mesh = make_mesh(2, 2)
+    model, loss_fn, batch, planned = _plan_mlp(mesh)
+    assert planned.unit_paths == ("layers.0", "layers.1", "layers.2", "layers.3")
+    assert planned.best.num_stages == 2 and planned.best.step_s > 0
+    planned.apply(model)
+    assert mp.annotate.num_stages(model) == 2
+    reference, ref_opt, _, _ = build("mlp", "sgd", 4)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    m = planned.num_microbatches
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=mesh, schedule=planned.schedule(), num_microbatches=m
+    )
+    ref_step = nnx.jit(train_step_fn(loss_fn, num_microbatches=m))
+    for seed in range(2):
+        batch = make_batch("regression", 16, seed=seed)
+        loss = float(jax.device_get(step(model, optimizer, batch)))
+        assert loss == pytest.approx(float(ref_step(reference, ref_opt, batch)), rel=1e-6)
+    got, want = params_of(mp.gather(model)), params_of(reference)
+    for path, value in want.items():
+        np.testing.assert_allclose(got[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_verify_measures_memory_within_ten_percent_and_reranks():
+    mesh = make_mesh(2, 2)
+    model, loss_fn, batch, planned = _plan_mlp(mesh)
+    checked = verify(planned, model, loss_fn, batch, mesh, optax.sgd(0.1), top=2, steps=2)
+    assert [v.candidate for v in checked] == [planned.best, planned.runners_up[0]]
+    for v in checked:
+        assert v.measured_step_s > 0
+        assert abs(v.memory_error) <= 0.10, (v.candidate, v.measured_peak_bytes)
+    closed = planned.with_measurements(checked)
+    fastest = min(checked, key=lambda v: v.measured_step_s)
+    assert closed.best == fastest.candidate and dict(closed.measured)[fastest.candidate] > 0
+    assert "measured ms" in closed.summary()
+    ratios = sorted(v.measured_step_s / v.candidate.step_s for v in checked)
+    assert closed.calibration == pytest.approx(sum(ratios) / 2)  # the median of two
+
+
+def test_plan_json_round_trip_and_wrong_model(tmp_path):
+    best = Candidate("1f1b", 2, 4, (0, 0, 1, 1), (False, True), 0.25, (100, 200))
+    planned = Plan(best, (), ("layers.0", "layers.1", "layers.2", "layers.3"), 2, 16,
+                   costs=(_units(4),), measured=((best, 0.3),), calibration=1.2)  # fmt: skip
+    planned.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == planned
+    model, _, _, _ = build("mlp", "sgd", 4)
+    again.apply(model)
+    assert [layer.stage for layer in model.layers] == [0, 0, 1, 1]
+    assert [layer.remat for layer in model.layers] == [False, False, True, True]
+    lm, _, _, _ = build("lm", "sgd", 2)
+    with pytest.raises(mp.PlanError, match=r"does not have .*apply the plan to the model"):
+        again.apply(lm)
+    with pytest.raises(mp.PlanError, match=r"cannot read a plan \(nnx-mpmd-plan/1\)"):
+        Plan.from_json(json.dumps({"format": "other"}))
+
+
+def test_plan_rejects_microbatch_counts_that_do_not_split():
+    with pytest.raises(mp.PlanError, match=r"no usable microbatch count.*rows divide by 2"):
+        _plan_mlp(make_mesh(2, 2), num_microbatches=[16])
+
+
+def test_train_takes_its_layout_from_a_plan_file(tmp_path):
+    best = Candidate("gpipe", 2, 4, (0, 0, 0, 1, 1, 1), (False, False), 0.1, (1, 1))
+    path = tmp_path / "plan.json"
+    Plan(best, (), ("embed",), 2, 16).save(path)
+    cfg = config_from_args(["--plan", str(path), "--meshes", "2", "--batch-size", "16"])
+    assert (cfg.schedule, cfg.stages, cfg.microbatches) == ("gpipe", 2, 4)
+    with pytest.raises(mp.MpmdError, match=r"made for --meshes 2 --batch-size 16, not --meshes 4"):
+        config_from_args(["--plan", str(path), "--meshes", "4", "--batch-size", "16"])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(mp.MpmdError, match=r"cannot read a plan.*nnx-mpmd plan --out"):
+        config_from_args(["--plan", str(tmp_path / "bad.json")])
+
+
+def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=str(tmp_path / "cache"))
+    common = ["--meshes", "2", "--data", "1", "--batch-size", "8", "--seq-len", "16"]
+    common += ["--corpus-bytes", "50000", "--layers", "2"]
+    planned = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", "plan", *common, "--out", str(tmp_path / "p.json"),
+         "--schedules", "gpipe,1f1b", "--candidate-microbatches", "2,4", "--repeats", "1",
+         "--verify", "1"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-3000:]
+    assert "| schedule | stages | m | predicted ms | measured ms" in planned.stdout
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["unit_paths"] == ["embed", "blocks.0", "blocks.1", "head"]
+    trained = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", "train", *common, "--plan", str(tmp_path / "p.json"),
+         "--steps", "1", "--ckpt-every", "0", "--val-batches", "0", "--sample-tokens", "0",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
+    assert f"{data['best']['num_microbatches']} microbatches" in trained.stdout
