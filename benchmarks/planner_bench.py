@@ -107,7 +107,8 @@ def main() -> None:
     print("| default split, m=8 | measured ms |")
     print("| --- | --- |")
     for name, seconds in defaults.items():
-        print(f"| {name} | {'-' if seconds is None else f'{1e3 * seconds:.1f}'} |")
+        why = "- (more stages than the preset has blocks)"
+        print(f"| {name} | {why if seconds is None else f'{1e3 * seconds:.1f}'} |")
     best_default = min(s for s in defaults.values() if s is not None)
     planned = min(v.measured_step_s for v in checked)
     print(f"planned (fastest measured of the top {args.verify}) / best default: "
