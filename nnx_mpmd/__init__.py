@@ -25,6 +25,7 @@ from nnx_mpmd.errors import PlacementError as PlacementError
 from nnx_mpmd.errors import PlanError as PlanError
 from nnx_mpmd.errors import ScheduleError as ScheduleError
 from nnx_mpmd.frontend.annotate import PipelinedModel as PipelinedModel
+from nnx_mpmd.frontend.annotate import ScanStack as ScanStack
 from nnx_mpmd.frontend.annotate import Stage as Stage
 from nnx_mpmd.frontend.annotate import assign_stages as assign_stages
 from nnx_mpmd.frontend.annotate import auto_stage as auto_stage
@@ -78,6 +79,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ReplicatedBatchWarning",
+    "ScanStack",
     "ScheduleError",
     "Stage",
     "Task",

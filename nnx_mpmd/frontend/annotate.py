@@ -22,6 +22,7 @@ __all__ = [
     "STAGE_KEY",
     "STAGES_KEY",
     "PipelinedModel",
+    "ScanStack",
     "Stage",
     "assign_stages",
     "auto_stage",
@@ -35,6 +36,7 @@ __all__ = [
     "variable_stage",
 ]
 
+from nnx_mpmd.frontend.scan_stack import ScanStack, split_scan_stacks
 from nnx_mpmd.frontend.stage import (
     STAGE_KEY,
     STAGES_KEY,
@@ -605,6 +607,7 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
       >>> len(tower["layers"]), [layer.stage for layer in tower["layers"]]
       (3, [0, 0, 0])
     """
+    mapping = split_scan_stacks(model, mapping)
     nodes = _assignable_nodes(model)
     chosen: dict[str, tuple[int, str]] = {}
     for pattern, stage in mapping.items():

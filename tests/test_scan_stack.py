@@ -1,0 +1,116 @@
+"""A ScanStack (layers stacked and run with nnx.scan) split across stages by ranges."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import WIDTH, make_batch, make_mesh
+
+import nnx_mpmd as mp
+from nnx_mpmd.frontend.scan_stack import split_scan_stacks
+
+NUM_LAYERS = 8
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        self.mlp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.mlp(self.norm(x)))
+
+
+class StackedNet(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+        self.blocks = mp.ScanStack(Block, NUM_LAYERS, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def train_step(num_microbatches=None):
+    def step(model, optimizer, batch):
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=num_microbatches)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+# (schedule, meshes, {range pattern: stage}, head stage)
+LAYOUTS = [
+    (mp.OneFOneB(), 2, {"blocks[0:4]": 0, "blocks[4:8]": 1}, 1),
+    (mp.GPipe(), 2, {"blocks[:3]": 0, "blocks[3:]": 1}, 1),
+    (mp.OneFOneB(), 4, {"blocks[0:2]": 0, "blocks[2:4]": 1, "blocks[4:6]": 2, "blocks[6:]": 3}, 3),
+    (mp.Interleaved1F1B(), 2, {"blocks[0:2]": 0, "blocks[2:5]": 1, "blocks[5:7]": 2,
+                               "blocks[7:8]": 3}, 3),
+    (mp.ZeroBubbleH1(), 2, {"blocks[0:4]": 0, "blocks[4:8]": 1}, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule,meshes,ranges,head", LAYOUTS, ids=["1f1b-2", "gpipe-2", "1f1b-4", "inter-4", "zb-2"]
+)
+def test_split_stack_trains_like_the_unsplit_reference(schedule, meshes, ranges, head):
+    model, reference = StackedNet(nnx.Rngs(0)), StackedNet(nnx.Rngs(0))
+    mp.assign_stages(model, {**ranges, "head": head})
+    assert [chunk.stage for chunk in model.blocks.chunks] == sorted(set(ranges.values()))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
+    step = mp.jit(
+        train_step(), mesh=make_mesh(meshes, 8 // meshes), schedule=schedule, num_microbatches=4
+    )
+    ref_step = nnx.jit(train_step(4))
+    for seed in range(3):
+        batch = make_batch("regression", 16, seed=seed)
+        loss = float(jax.device_get(step(model, optimizer, batch)))
+        np.testing.assert_allclose(loss, float(ref_step(reference, ref_optimizer, batch)), 1e-5)
+    mp.gather(model)
+    probe = make_batch("regression", 4, seed=9)["x"]
+    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-6)
+
+
+def test_split_slices_every_variable_and_can_split_again():
+    stack = mp.ScanStack(Block, NUM_LAYERS, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, WIDTH))
+    whole, kernel = stack(x), np.asarray(stack.chunks[0].layers.mlp.kernel.get_value())
+    stack.split({(0, 3): 0, (3, 8): 1})
+    assert [c.module.layers.mlp.kernel.shape[0] for c in stack.chunks] == [3, 5]
+    np.testing.assert_array_equal(stack.chunks[1].module.layers.mlp.kernel.get_value(), kernel[3:])
+    assert mp.annotate.variable_stage(stack.chunks[1].module.layers.mlp.kernel) == 1
+    stack.split({(0, 6): 0, (6, 8): 2})  # re-cut: the chunks are joined first
+    assert [(c.stage, c.module.num_layers) for c in stack.chunks] == [(0, 6), (2, 2)]
+    assert mp.annotate.variable_stage(stack.chunks[0].module.layers.mlp.kernel) == 0
+    np.testing.assert_allclose(stack(x), whole, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "ranges,match",
+    [
+        ({"blocks[0:3]": 0, "blocks[4:8]": 1}, r"do not cut the stack's 8 layers.*at layer 3"),
+        ({"blocks[0:5]": 0, "blocks[4:8]": 1}, r"consecutive non-empty pieces"),
+        ({"blocks[0:4]": 0}, r"cover layers 0\.\.4 of 8; add \[4:8\]"),
+        ({"blocks[0:4]": 0, "blocks[4:8]": -1}, r"maps to stage -1"),
+        ({"embed[0:1]": 0}, r"'embed', which is not an mp.ScanStack \(the model's ScanStacks: blocks\)"),
+    ],
+)  # fmt: skip
+def test_bad_ranges_are_errors(ranges, match):
+    model = StackedNet(nnx.Rngs(0))
+    with pytest.raises(mp.PartitionError, match=match):
+        split_scan_stacks(model, ranges)
+
+
+def test_scan_stack_needs_layers():
+    with pytest.raises(mp.PartitionError, match=r"num_layers=0.*int >= 1"):
+        mp.ScanStack(Block, 0, rngs=nnx.Rngs(0))
