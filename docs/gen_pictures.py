@@ -30,9 +30,11 @@ IMG_DIR = pathlib.Path(__file__).resolve().parent / "img"
 SCHEDULES: tuple[tuple[str, str], ...] = (
     ("gpipe", "GPipe"),
     ("1f1b", "1F1B"),
+    ("eager-1f1b", "Eager 1F1B"),
     ("interleaved", "Interleaved 1F1B"),
     ("looped-bfs", "Looped BFS"),
     ("zb-h1", "ZB-H1"),
+    ("zb-h2", "ZB-H2"),
     ("zb-v", "ZB-V"),
     ("dualpipev", "DualPipeV"),
 )

@@ -42,12 +42,14 @@ from nnx_mpmd.planner import plan as plan
 from nnx_mpmd.runtime.compile_cache import enable_compile_cache as enable_compile_cache
 from nnx_mpmd.schedules import Custom as Custom
 from nnx_mpmd.schedules import DualPipeV as DualPipeV
+from nnx_mpmd.schedules import Eager1F1B as Eager1F1B
 from nnx_mpmd.schedules import GPipe as GPipe
 from nnx_mpmd.schedules import Interleaved1F1B as Interleaved1F1B
 from nnx_mpmd.schedules import LoopedBFS as LoopedBFS
 from nnx_mpmd.schedules import OneFOneB as OneFOneB
 from nnx_mpmd.schedules import Task as Task
 from nnx_mpmd.schedules import ZeroBubbleH1 as ZeroBubbleH1
+from nnx_mpmd.schedules import ZeroBubbleH2 as ZeroBubbleH2
 from nnx_mpmd.schedules import ZeroBubbleV as ZeroBubbleV
 
 try:  # the installed distribution's version, so it cannot drift from pyproject.toml
@@ -62,6 +64,7 @@ __all__ = [
     "Custom",
     "DistributedError",
     "DualPipeV",
+    "Eager1F1B",
     "GPipe",
     "Interleaved1F1B",
     "LoopedBFS",
@@ -84,6 +87,7 @@ __all__ = [
     "Stage",
     "Task",
     "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "ZeroBubbleV",
     "annotate",
     "assign_stages",

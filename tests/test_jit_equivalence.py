@@ -20,6 +20,8 @@ CONFIGS = [
     (schedules.Interleaved1F1B, 4, 8, 8, 2),
     (schedules.LoopedBFS, 2, 4, 4, 2),
     (schedules.ZeroBubbleH1, 4, 4, 8, 2),
+    (schedules.ZeroBubbleH2, 4, 4, 8, 2),
+    (schedules.Eager1F1B, 2, 2, 4, 2),
     (schedules.ZeroBubbleV, 2, 4, 4, 2),
     (schedules.DualPipeV, 2, 4, 4, 2),
 ]

@@ -11,11 +11,13 @@ from nnx_mpmd.schedules import (
     Costs,
     Custom,
     DualPipeV,
+    Eager1F1B,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
     OneFOneB,
     ZeroBubbleH1,
+    ZeroBubbleH2,
     ZeroBubbleV,
     get_schedule,
     parse_tasks,
@@ -76,6 +78,39 @@ def test_zb_h1_makespan_and_memory(p, m):
         assert timeline.bubble_fraction == Fraction(p - 1, 3 * m + p - 1)
     else:  # too few microbatches to fill the pipe: the critical path decides
         assert timeline.makespan == 2 * (m + p) - 1
+
+
+TRANSFERS = [Fraction(0), Fraction(1, 2), Fraction(1)]
+
+
+@pytest.mark.parametrize("t", TRANSFERS)
+@pytest.mark.parametrize("p", MESHES)
+@pytest.mark.parametrize("m", MICROBATCHES)
+def test_eager_1f1b_hides_transfers_in_the_steady_state(p, m, t):
+    # Every mesh has its next forward's input before it needs it, so a transfer delay t is
+    # paid only on the fill (p - 1 forward hops) and the drain (p - 1 backward hops).
+    costs = Costs(F=Fraction(1), B=Fraction(2), transfer=t)
+    eager = simulate(Eager1F1B().tasks(p, p, m), costs)
+    assert eager.makespan == (m + p - 1) * 3 + 2 * (p - 1) * t
+    assert eager.peak_activations == tuple(min(m, 2 * (p - r) - 1) for r in range(p))
+    assert eager.makespan <= simulate(OneFOneB().tasks(p, p, m), costs).makespan
+
+
+@pytest.mark.parametrize("t", TRANSFERS)
+@pytest.mark.parametrize("p", MESHES)
+@pytest.mark.parametrize("m", MICROBATCHES)
+def test_zb_h2_makespan_and_memory(p, m, t):
+    costs = Costs(F=Fraction(1), B=Fraction(2), BI=Fraction(1), BW=Fraction(1), transfer=t)
+    h2 = simulate(ZeroBubbleH2().tasks(p, p, m), costs)
+    h1 = simulate(ZeroBubbleH1().tasks(p, p, m), costs)
+    assert h2.peak_activations == tuple(min(m, 2 * p - r - 1) for r in range(p))
+    assert h2.makespan <= h1.makespan
+    if m >= p:
+        assert h2.makespan == 3 * m + p - 1 + 2 * (p - 1) * t
+        if t == 0:  # within one step the first mesh still waits p - 1 for the last
+            assert h2.makespan == h1.makespan
+        elif m > p > 1:  # the eager warm-up needs more microbatches than meshes to matter
+            assert h2.makespan < h1.makespan
 
 
 @pytest.mark.parametrize("p", MESHES)

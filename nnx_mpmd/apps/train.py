@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        help="gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-v or dualpipev",
+        help="gpipe, 1f1b, eager-1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v or dualpipev",
     )
     p.add_argument("--meshes", type=int, default=4, help="pipeline submeshes")
     p.add_argument("--data", type=int, default=2, help="data-parallel devices per submesh")
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan",
         default=None,
         metavar="FILE",
-        help="a plan written by `nnx-mpmd plan`: its schedule, stages, microbatches, "
+        help="a plan written by 'nnx-mpmd plan': its schedule, stages, microbatches, "
         "layer split and remat replace --schedule, --stages and --microbatches",
     )
     return p

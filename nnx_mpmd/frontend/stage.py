@@ -42,10 +42,11 @@ def recording_stage_calls() -> Iterator[list[Any]]:
       A context manager giving the list it fills.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> layer = Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=0)
       >>> with recording_stage_calls() as calls:
-      ...     _ = layer(jax.numpy.ones((1, 2)))
+      ...     _ = layer(jnp.ones((1, 2)))
       >>> calls == [layer]
       True
     """

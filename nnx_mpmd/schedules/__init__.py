@@ -16,6 +16,7 @@ Example:
 from nnx_mpmd.schedules.draw import plot_gantt, plot_timelines, to_ascii
 from nnx_mpmd.schedules.generators import (
     Custom,
+    Eager1F1B,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
@@ -41,7 +42,7 @@ from nnx_mpmd.schedules.tasks import (
     v_placement,
 )
 from nnx_mpmd.schedules.validate import format_grid, validate
-from nnx_mpmd.schedules.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleV
+from nnx_mpmd.schedules.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV
 
 __all__ = [
     "KINDS",
@@ -49,6 +50,7 @@ __all__ = [
     "Costs",
     "Custom",
     "DualPipeV",
+    "Eager1F1B",
     "GPipe",
     "Interleaved1F1B",
     "LoopedBFS",
@@ -59,6 +61,7 @@ __all__ = [
     "TaskLists",
     "Timeline",
     "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "ZeroBubbleV",
     "compare_profile",
     "fit_costs",

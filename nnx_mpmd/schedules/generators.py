@@ -243,6 +243,42 @@ class OneFOneB(Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
+class Eager1F1B(Schedule):
+    """Eager 1F1B (JaxPP's ``Eager1F1B``): 1F1B with twice the warm-up forwards.
+
+    Mesh ``r`` of ``p`` runs ``2(p - r) - 1`` forwards before its first
+    backward (1F1B runs ``p - r``), then alternates. The extra forwards are
+    ready before the mesh needs them, so in the steady state a mesh never
+    waits for an activation or a gradient in flight: with a transfer delay
+    ``t`` the makespan is ``(m + p - 1)(F + B) + 2(p - 1)t`` (only the fill
+    and the drain pay the transfers), against more for 1F1B. The price is
+    memory: mesh ``r`` holds up to ``min(m, 2(p - r) - 1)`` microbatches'
+    activations. One stage per mesh; any microbatch count.
+
+    Example:
+      >>> " ".join(map(str, Eager1F1B().tasks(2, 2, 4)[0]))
+      'F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3'
+    """
+
+    name: ClassVar[str] = "eager-1f1b"
+
+    def check(self, num_stages: int, num_meshes: int, num_microbatches: int) -> None:
+        super().check(num_stages, num_meshes, num_microbatches)
+        _one_stage_per_mesh(self.name, num_stages, num_meshes)
+
+    def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
+        mbs = range(num_microbatches)
+        return tuple(
+            one_f_one_b_order(
+                [Task(r, mb, "F") for mb in mbs],
+                [Task(r, mb, "B") for mb in mbs],
+                2 * (num_meshes - r - 1),
+            )
+            for r in range(num_meshes)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Interleaved1F1B(Schedule):
     """Megatron's interleaved 1F1B: ``v`` stages per mesh, looped placement.
 

@@ -10,21 +10,33 @@ from typing import Any
 
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.schedules.generators import (
+    Eager1F1B,
     GPipe,
     Interleaved1F1B,
     LoopedBFS,
     OneFOneB,
     Schedule,
 )
-from nnx_mpmd.schedules.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleV
+from nnx_mpmd.schedules.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV
 
 __all__ = ["SCHEDULES", "get_schedule"]
 
 SCHEDULES: dict[str, type[Schedule]] = {
     cls.name: cls
-    for cls in (GPipe, OneFOneB, Interleaved1F1B, LoopedBFS, ZeroBubbleH1, ZeroBubbleV, DualPipeV)
+    for cls in (
+        GPipe,
+        OneFOneB,
+        Eager1F1B,
+        Interleaved1F1B,
+        LoopedBFS,
+        ZeroBubbleH1,
+        ZeroBubbleH2,
+        ZeroBubbleV,
+        DualPipeV,
+    )
 }
-"""Schedule classes by name: gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-v, dualpipev."""
+"""Schedule classes by name: gpipe, 1f1b, eager-1f1b, interleaved, looped-bfs, zb-h1, zb-h2,
+zb-v, dualpipev."""
 
 
 def get_schedule(name: str | Schedule, **params: Any) -> Schedule:

@@ -18,7 +18,7 @@ from nnx_mpmd.schedules.generators import Schedule, one_f_one_b_order
 from nnx_mpmd.schedules.tasks import Task, TaskLists, stages_by_mesh, v_placement
 from nnx_mpmd.schedules.validate import dependencies
 
-__all__ = ["DualPipeV", "ZeroBubbleH1", "ZeroBubbleV"]
+__all__ = ["DualPipeV", "ZeroBubbleH1", "ZeroBubbleH2", "ZeroBubbleV"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +57,70 @@ class ZeroBubbleH1(Schedule):
                 [Task(r, mb, "BI") for mb in mbs],
                 num_meshes - r - 1,
             )
-            with_weights: list[Task] = []
-            for task in order:
-                with_weights.append(task)
-                if task.kind == "BI" and task.microbatch >= r:
-                    with_weights.append(Task(r, task.microbatch - r, "BW"))
-            late = max(0, num_microbatches - r)
-            with_weights += [Task(r, mb, "BW") for mb in range(late, num_microbatches)]
-            lists.append(tuple(with_weights))
+            lists.append(_with_deferred_weights(order, r, num_microbatches))
         return tuple(lists)
+
+
+def _with_deferred_weights(
+    order: tuple[Task, ...], mesh: int, num_microbatches: int
+) -> tuple[Task, ...]:
+    """Puts each ``BW`` ``mesh`` backwards after its ``BI``, the rest at the end."""
+    with_weights: list[Task] = []
+    for task in order:
+        with_weights.append(task)
+        if task.kind == "BI" and task.microbatch >= mesh:
+            with_weights.append(Task(mesh, task.microbatch - mesh, "BW"))
+    late = max(0, num_microbatches - mesh)
+    with_weights += [Task(mesh, mb, "BW") for mb in range(late, num_microbatches)]
+    return tuple(with_weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleH2(Schedule):
+    """ZB-H2 (Qi et al., "Zero Bubble Pipeline Parallelism"): ZB-H1 with eager warm-up.
+
+    Mesh ``r`` of ``p`` runs ``2(p - r) - 1`` forwards before its first
+    ``BI`` (ZB-H1 runs ``p - r``), then ``F``/``BI`` in turn, each ``BW``
+    ``r`` backwards late and the rest at the end, as ZB-H1 does. The extra
+    forwards fill the warm-up bubble and keep every transfer off the steady
+    state: with ``F = BI = BW`` and ``m >= p`` the makespan is
+    ``3m + p - 1 + 2(p - 1)t`` for a transfer delay ``t`` (ZB-H1 pays the
+    delay on every microbatch). Within one step the first stage still waits
+    ``p - 1`` for the last, so at ``t = 0`` the makespan equals ZB-H1's; the
+    paper's zero bubble also overlaps consecutive steps, which a step here
+    does not. Memory: mesh ``r`` holds up to ``min(m, 2p - r - 1)``
+    microbatches' activations. One stage per mesh; any microbatch count.
+
+    Example:
+      >>> " ".join(map(str, ZeroBubbleH2().tasks(2, 2, 3)[0]))
+      'F0.0 F0.1 F0.2 BI0.0 BW0.0 BI0.1 BW0.1 BI0.2 BW0.2'
+    """
+
+    name: ClassVar[str] = "zb-h2"
+    split_backward: ClassVar[bool] = True
+
+    def check(self, num_stages: int, num_meshes: int, num_microbatches: int) -> None:
+        super().check(num_stages, num_meshes, num_microbatches)
+        if num_stages != num_meshes:
+            raise ScheduleError(
+                f"{self.name} runs one stage per mesh, got {num_stages} stages on {num_meshes} "
+                f"meshes; use {num_meshes} stages, or 'zb-v' for two stages per mesh"
+            )
+
+    def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
+        mbs = range(num_microbatches)
+        return tuple(
+            _with_deferred_weights(
+                one_f_one_b_order(
+                    [Task(r, mb, "F") for mb in mbs],
+                    [Task(r, mb, "BI") for mb in mbs],
+                    2 * (num_meshes - r - 1),
+                ),
+                r,
+                num_microbatches,
+            )
+            for r in range(num_meshes)
+        )
 
 
 def _greedy_v_schedule(num_meshes: int, num_microbatches: int, limit: int) -> TaskLists:
