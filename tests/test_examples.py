@@ -19,6 +19,7 @@ CASES = [
     ("04_checkpoint_resume.py", ["--steps", "4"], "resumed losses match"),
     ("05_annotate_existing_model.py", ["--steps", "3"], "equal to nnx.jit at every step"),
     ("06_custom_schedule.py", ["--steps", "5"], "equals the unpipelined reference"),
+    ("07_token_weighted_loss.py", ["--steps", "2"], "equals the whole-batch token-weighted"),
     ("09_plan.py", ["--steps", "2"], "equal the unpipelined run"),
 ]
 

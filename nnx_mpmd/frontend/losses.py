@@ -1,0 +1,121 @@
+"""How `value_and_grad` combines the microbatches' losses: mean, sum, or token mean.
+
+The pipelined region always computes the mean over microbatches of the
+loss, the aux values and the gradient (`nnx_mpmd.compiler.region`). The other
+reductions are built on it, with ordinary operations after the region that
+the outer compiler places on every mesh:
+
+* ``"mean"`` (default): the loss returns its microbatch's mean; the result is
+  the mean of those means, ``(1/m) Σ L_i``, and its gradient. With equal
+  microbatches of a per-example mean this is the full batch's mean.
+* ``"sum"``: the loss returns its microbatch's *sum*; the result is ``Σ S_i``
+  and ``Σ ∇S_i`` (the region's means times ``m``).
+* ``"token_mean"``: the loss returns ``(sum, count)`` for its microbatch, e.g.
+  the masked sum of per-token losses and the number of real tokens; the result
+  is ``Σ S_i / Σ c_i`` and its gradient ``Σ ∇S_i / Σ c_i`` (the count is not
+  differentiated). With padded, variable-length sequences this is the full
+  batch's token-weighted mean, whatever the microbatches' token counts; the
+  division happens once, after the region.
+
+Aux values (``has_aux=True``) are averaged over the microbatches in every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from nnx_mpmd.errors import CompileError
+
+__all__ = ["REDUCTIONS", "check_reduction", "combine", "region_loss"]
+
+REDUCTIONS = ("mean", "sum", "token_mean")
+"""The reductions `value_and_grad` accepts."""
+
+
+def check_reduction(reduction: Any) -> str:
+    """``reduction`` if it is one of `REDUCTIONS`, else a `CompileError` naming them.
+
+    Example:
+      >>> check_reduction("sum")
+      'sum'
+    """
+    if reduction not in REDUCTIONS:
+        raise CompileError(
+            f"value_and_grad(reduction={reduction!r}) is not a reduction; use 'mean' (mean of "
+            "the microbatches' mean losses), 'sum' (the loss returns a sum) or 'token_mean' "
+            "(the loss returns (sum, count))."
+        )
+    return reduction
+
+
+def _scalar(value: Any, what: str) -> Any:
+    shape = jnp.shape(value)
+    if shape != ():
+        raise CompileError(
+            f"value_and_grad(reduction='token_mean'): the loss's {what} has shape {shape}; "
+            f"return a scalar {what}, e.g. (jnp.sum(mask * nll), jnp.sum(mask))."
+        )
+    return value
+
+
+def region_loss(
+    loss_fn: Callable[..., Any], reduction: str, has_aux: bool
+) -> tuple[Callable[..., Any], bool]:
+    """The loss function and ``has_aux`` the region traces for ``reduction``.
+
+    For ``"token_mean"`` the region's loss is the microbatch's sum and its aux
+    is ``(count, user aux)``; the other reductions trace ``loss_fn`` as it is.
+
+    Args:
+      loss_fn: the user's loss function.
+      reduction: one of `REDUCTIONS`.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+      ``(function, has_aux)`` for the region.
+    """
+    if reduction != "token_mean":
+        return loss_fn, has_aux
+
+    def summed(model: Any, batch: Any) -> Any:
+        out = loss_fn(model, batch)
+        pair, aux = out if has_aux else (out, None)
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise CompileError(
+                "value_and_grad(reduction='token_mean') needs the loss to return (sum, count) "
+                f"for its microbatch{' and then aux' if has_aux else ''}, got "
+                f"{type(pair).__name__}; e.g. return jnp.sum(mask * nll), jnp.sum(mask)."
+            )
+        total, count = _scalar(pair[0], "sum"), _scalar(pair[1], "count")
+        return total, (jax.lax.stop_gradient(jnp.asarray(count, jnp.float32)), aux)
+
+    return summed, True
+
+
+def combine(out: Any, reduction: str, has_aux: bool, num_microbatches: int) -> Any:
+    """The user's ``(loss, grads)`` (or ``((loss, aux), grads)``) from the region's means.
+
+    Args:
+      out: what the region returned for `region_loss`'s function.
+      reduction: one of `REDUCTIONS`.
+      has_aux: whether the user's loss has aux values.
+      num_microbatches: ``m``.
+
+    Returns:
+      The reduced loss (and aux) and gradients.
+    """
+    if reduction == "mean":
+        return out
+    if reduction == "sum":
+        (loss, aux), grads = out if has_aux else ((out[0], None), out[1])
+        loss = loss * num_microbatches
+        grads = jax.tree.map(lambda g: g * num_microbatches, grads)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+    (mean_sum, (mean_count, aux)), grads = out
+    loss = mean_sum / mean_count  # the 1/m of both means cancels
+    grads = jax.tree.map(lambda g: g / mean_count.astype(g.dtype), grads)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
