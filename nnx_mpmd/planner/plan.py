@@ -23,10 +23,10 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.jit import jit, value_and_grad
+from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.stage import Stage
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
+from nnx_mpmd.planner.profile_units import UnitCosts, profile_units, train_step_of
 from nnx_mpmd.planner.search import Candidate, search
 from nnx_mpmd.planner.units import restage
 from nnx_mpmd.schedules import Schedule, get_schedule
@@ -359,14 +359,8 @@ def verify(
     for candidate in (planned.best, *planned.runners_up)[:top]:
         copy = planned.apply(nnx.clone(model), candidate)
         optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
-
-        def train_step(model: Any, optimizer: Any, batch: Any) -> Any:
-            loss, grads = value_and_grad(loss_fn)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
         step = jit(
-            train_step,
+            train_step_of(loss_fn),
             mesh=mesh,
             schedule=get_schedule(candidate.schedule),
             num_microbatches=candidate.num_microbatches,

@@ -82,6 +82,17 @@ class UnitCosts:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
+def train_step_of(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    """The plain train step of ``loss_fn``: value and grad, then the optimizer update."""
+
+    def train_step(model: Any, optimizer: Any, batch: Any) -> Any:
+        loss, grads = value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step
+
+
 def one_submesh(mesh: MpmdMesh) -> MpmdMesh:
     """An `MpmdMesh` of one submesh: the devices of ``mesh``'s first one."""
     sub = mesh.submeshes[0]
@@ -231,14 +242,8 @@ def _profile_one(
         raise PartitionError("the model has no Stage to profile")
     restage(units, list(range(len(units))), remat=[remat] * len(units))
     optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
-
-    def train_step(model: Any, optimizer: Any, batch: Any) -> Any:
-        loss, grads = value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
     step = jit(
-        train_step,
+        train_step_of(loss_fn),
         mesh=one_submesh(mesh),
         schedule=_profile_schedule(len(units)),
         num_microbatches=1,

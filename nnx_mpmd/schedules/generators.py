@@ -186,6 +186,33 @@ def one_f_one_b_order(forwards: list[Task], backwards: list[Task], warmup: int) 
     return tuple(order)
 
 
+def one_f_one_b_lists(
+    num_meshes: int, num_microbatches: int, warmup: Callable[[int], int], backward: str = "B"
+) -> TaskLists:
+    """One stage per mesh, each mesh in 1F1B order with ``warmup(r)`` warm-up forwards.
+
+    Args:
+      num_meshes: the meshes, one stage each.
+      num_microbatches: the microbatches.
+      warmup: mesh ``r`` -> its forwards before the first backward, minus one.
+      backward: the backward kind, ``"B"`` (or ``"BI"`` for a split backward).
+
+    Returns:
+      The per-mesh task lists.
+
+    Example:
+      >>> [" ".join(map(str, row)) for row in one_f_one_b_lists(2, 2, lambda r: 1 - r)]
+      ['F0.0 F0.1 B0.0 B0.1', 'F1.0 B1.0 F1.1 B1.1']
+    """
+    mbs = range(num_microbatches)
+    return tuple(
+        one_f_one_b_order(
+            [Task(r, mb, "F") for mb in mbs], [Task(r, mb, backward) for mb in mbs], warmup(r)
+        )
+        for r in range(num_meshes)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class GPipe(Schedule):
     """GPipe: every mesh runs all forwards, then all backwards. Any microbatch count.
@@ -231,15 +258,7 @@ class OneFOneB(Schedule):
         _one_stage_per_mesh(self.name, num_stages, num_meshes)
 
     def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
-        mbs = range(num_microbatches)
-        return tuple(
-            one_f_one_b_order(
-                [Task(r, mb, "F") for mb in mbs],
-                [Task(r, mb, "B") for mb in mbs],
-                num_meshes - r - 1,
-            )
-            for r in range(num_meshes)
-        )
+        return one_f_one_b_lists(num_meshes, num_microbatches, lambda r: num_meshes - r - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,15 +286,7 @@ class Eager1F1B(Schedule):
         _one_stage_per_mesh(self.name, num_stages, num_meshes)
 
     def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
-        mbs = range(num_microbatches)
-        return tuple(
-            one_f_one_b_order(
-                [Task(r, mb, "F") for mb in mbs],
-                [Task(r, mb, "B") for mb in mbs],
-                2 * (num_meshes - r - 1),
-            )
-            for r in range(num_meshes)
-        )
+        return one_f_one_b_lists(num_meshes, num_microbatches, lambda r: 2 * (num_meshes - r - 1))
 
 
 @dataclasses.dataclass(frozen=True)

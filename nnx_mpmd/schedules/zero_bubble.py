@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 from nnx_mpmd.errors import ScheduleError
-from nnx_mpmd.schedules.generators import Schedule, one_f_one_b_order
+from nnx_mpmd.schedules.generators import Schedule, one_f_one_b_lists
 from nnx_mpmd.schedules.tasks import Task, TaskLists, stages_by_mesh, v_placement
 from nnx_mpmd.schedules.validate import dependencies
 
@@ -42,23 +43,28 @@ class ZeroBubbleH1(Schedule):
 
     def check(self, num_stages: int, num_meshes: int, num_microbatches: int) -> None:
         super().check(num_stages, num_meshes, num_microbatches)
-        if num_stages != num_meshes:
-            raise ScheduleError(
-                f"{self.name} runs one stage per mesh, got {num_stages} stages on {num_meshes} "
-                f"meshes; use {num_meshes} stages, or 'zb-v' for two stages per mesh"
-            )
+        _one_split_stage_per_mesh(self.name, num_stages, num_meshes)
 
     def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
-        lists = []
-        for r in range(num_meshes):
-            mbs = range(num_microbatches)
-            order = one_f_one_b_order(
-                [Task(r, mb, "F") for mb in mbs],
-                [Task(r, mb, "BI") for mb in mbs],
-                num_meshes - r - 1,
-            )
-            lists.append(_with_deferred_weights(order, r, num_microbatches))
-        return tuple(lists)
+        return _deferred_weight_lists(num_meshes, num_microbatches, lambda r: num_meshes - r - 1)
+
+
+def _one_split_stage_per_mesh(name: str, num_stages: int, num_meshes: int) -> None:
+    if num_stages != num_meshes:
+        raise ScheduleError(
+            f"{name} runs one stage per mesh, got {num_stages} stages on {num_meshes} "
+            f"meshes; use {num_meshes} stages, or 'zb-v' for two stages per mesh"
+        )
+
+
+def _deferred_weight_lists(
+    num_meshes: int, num_microbatches: int, warmup: Callable[[int], int]
+) -> TaskLists:
+    """1F1B order with ``BI`` for ``B`` and ``warmup(r)`` warm-up forwards; ``BW`` deferred."""
+    return tuple(
+        _with_deferred_weights(row, r, num_microbatches)
+        for r, row in enumerate(one_f_one_b_lists(num_meshes, num_microbatches, warmup, "BI"))
+    )
 
 
 def _with_deferred_weights(
@@ -101,25 +107,11 @@ class ZeroBubbleH2(Schedule):
 
     def check(self, num_stages: int, num_meshes: int, num_microbatches: int) -> None:
         super().check(num_stages, num_meshes, num_microbatches)
-        if num_stages != num_meshes:
-            raise ScheduleError(
-                f"{self.name} runs one stage per mesh, got {num_stages} stages on {num_meshes} "
-                f"meshes; use {num_meshes} stages, or 'zb-v' for two stages per mesh"
-            )
+        _one_split_stage_per_mesh(self.name, num_stages, num_meshes)
 
     def _generate(self, num_stages: int, num_meshes: int, num_microbatches: int) -> TaskLists:
-        mbs = range(num_microbatches)
-        return tuple(
-            _with_deferred_weights(
-                one_f_one_b_order(
-                    [Task(r, mb, "F") for mb in mbs],
-                    [Task(r, mb, "BI") for mb in mbs],
-                    2 * (num_meshes - r - 1),
-                ),
-                r,
-                num_microbatches,
-            )
-            for r in range(num_meshes)
+        return _deferred_weight_lists(
+            num_meshes, num_microbatches, lambda r: 2 * (num_meshes - r - 1)
         )
 
 
