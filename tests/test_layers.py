@@ -84,7 +84,12 @@ def test_private_jax_only_in_jax_compat(path):
 FLOORS = [
     ("nnx_mpmd.errors", "nnx_mpmd._jax_compat"),
     ("nnx_mpmd.schedules",),
-    ("nnx_mpmd.frontend.stage", "nnx_mpmd.frontend.annotate", "nnx_mpmd.frontend.markers"),
+    (
+        "nnx_mpmd.frontend.stage",
+        "nnx_mpmd.frontend.annotate",
+        "nnx_mpmd.frontend.markers",
+        "nnx_mpmd.frontend.scan_stack",
+    ),
     ("nnx_mpmd.placement",),
     ("nnx_mpmd.compiler",),
     ("nnx_mpmd.runtime",),
