@@ -1,8 +1,9 @@
 """Pipelined generation: train GPT ``tiny`` briefly, then decode with the pipeline.
 
 The prompts are split into microbatches that are in flight through the 4
-stages together; greedy and sampled decoding are checked token for token
-against the same model decoding unpipelined on one device.
+stages together, each stage keeping its layers' KV cache on its own submesh;
+greedy and sampled decoding are checked token for token against the same model
+decoding unpipelined on one device.
 
 Run:  python examples/08_generate.py --steps 20
 """
@@ -23,7 +24,7 @@ from flax import nnx
 
 import nnx_mpmd as mp
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus
-from nnx_mpmd.models import build_model, lm_loss
+from nnx_mpmd.models import build_model, kv_cache, lm_loss
 
 
 def main() -> None:
@@ -66,7 +67,9 @@ def main() -> None:
         )
         kind = "greedy" if temperature == 0 else f"T={temperature}, top-{top_k}"
         print(f"{kind}: {tokenizer.decode(tokens[0])!r}")
+    print(f"{generator.num_compiled_steps} compiled steps (prefill and one token, KV-cached)")
     print("pipelined tokens equal the one-device decoding, greedy and sampled")
+    kv_cache.drop_cache(model)  # before training or checkpointing the model again
 
 
 if __name__ == "__main__":

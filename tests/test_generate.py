@@ -14,29 +14,38 @@ from nnx_mpmd.models import build_model
 VOCAB = 64
 
 
-def _model(stages):
-    return build_model("gpt", "tiny", num_stages=stages, rngs=nnx.Rngs(0), vocab_size=VOCAB)
+def _model(stages, family="gpt"):
+    return build_model(family, "tiny", num_stages=stages, rngs=nnx.Rngs(0), vocab_size=VOCAB)
 
 
 def _prompts(rows, length=6, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, size=(rows, length)).astype(np.int32)
 
 
-# (schedule, stages, meshes, microbatches, temperature, top_k)
+# (schedule, stages, meshes, microbatches, temperature, top_k, model, KV cache)
 CASES = [
-    (mp.OneFOneB, 2, 2, 2, 0.0, None),
-    (mp.GPipe, 4, 4, 4, 0.0, None),
-    (mp.OneFOneB, 4, 4, 4, 0.8, 5),
-    (mp.Interleaved1F1B, 4, 2, 2, 1.0, None),
-    (mp.ZeroBubbleH1, 2, 2, 4, 0.7, 3),
+    (mp.OneFOneB, 2, 2, 2, 0.0, None, "gpt", True),
+    (mp.OneFOneB, 2, 2, 2, 0.0, None, "gpt", False),
+    (mp.GPipe, 4, 4, 4, 0.0, None, "gpt", True),
+    (mp.OneFOneB, 4, 4, 4, 0.8, 5, "gpt", True),
+    (mp.OneFOneB, 4, 4, 4, 0.8, 5, "gpt", False),
+    (mp.Interleaved1F1B, 4, 2, 2, 1.0, None, "gpt", True),
+    (mp.ZeroBubbleH1, 2, 2, 4, 0.7, 3, "gpt", True),
+    (mp.Interleaved1F1B, 4, 2, 4, 0.0, None, "llama", True),
+    (mp.GPipe, 2, 2, 2, 0.9, 4, "llama", True),
 ]
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: f"{c[0].__name__}-S{c[1]}-M{c[2]}-m{c[3]}-T{c[4]}-k{c[5]}"
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"{c[0].__name__}-S{c[1]}-M{c[2]}-m{c[3]}-T{c[4]}-k{c[5]}-{c[6]}"
+        + ("-cache" if c[7] else "-window")
+    ),
 )
 def test_pipelined_tokens_equal_unpipelined_tokens(case):
-    schedule, stages, meshes, m, temperature, top_k = case
+    schedule, stages, meshes, m, temperature, top_k, family, kv_cache = case
     generator = mp.Generator(
         mesh=make_mesh(meshes, 2 if meshes == 2 else 1),
         schedule=schedule(),
@@ -44,26 +53,85 @@ def test_pipelined_tokens_equal_unpipelined_tokens(case):
         window=64,
         temperature=temperature,
         top_k=top_k,
+        kv_cache=kv_cache,
     )
     prompts = _prompts(8)
-    got = generator(_model(stages), prompts, 10, seed=7)
-    want = generator.reference(_model(stages), prompts, 10, seed=7)
+    got = generator(_model(stages, family), prompts, 10, seed=7)
+    want = generator.reference(_model(stages, family), prompts, 10, seed=7)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got[:, :6], prompts)
     if temperature:  # sampling draws different tokens for different seeds
-        other = generator.reference(_model(stages), prompts, 10, seed=8)
+        other = generator.reference(_model(stages, family), prompts, 10, seed=8)
         assert (other != want).any()
 
 
-def test_one_compilation_for_every_token_and_call():
+@pytest.mark.parametrize("kv_cache,steps", [(True, 2), (False, 1)], ids=["cache", "window"])
+@pytest.mark.parametrize("data", [1, 2])
+def test_no_compilation_after_the_first_call(kv_cache, steps, data):
     generator = mp.Generator(
-        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=64
+        mesh=make_mesh(2, data),
+        schedule=mp.OneFOneB(),
+        num_microbatches=2,
+        window=64,
+        kv_cache=kv_cache,
     )
     model = _model(2)
     generator(model, _prompts(4), 3)
     with count_compilations() as counter:
         generator(model, _prompts(4, seed=1), 8)
-    assert counter.count == 0 and generator.num_compiled_steps == 1
+    assert counter.count == 0 and generator.num_compiled_steps == steps
+
+
+@pytest.mark.parametrize("data", [1, 2])
+def test_each_cache_stays_on_its_stage_sharded_like_the_microbatches(data):
+    mesh = make_mesh(2, data)
+    generator = mp.Generator(mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=2, window=64)
+    model = _model(2)
+    generator(model, _prompts(4), 4)
+    for block, stage in zip(model.blocks, model.block_stages, strict=True):
+        for cache in (block.attn.cached_key, block.attn.cached_value):
+            sharding = cache.get_value().sharding
+            assert set(sharding.device_set) == set(mesh.submesh(stage).devices.flat)
+            assert tuple(sharding.spec)[:2] == ((None, "data") if data > 1 else (None, None))
+    assert cache.get_metadata()["mpmd_stage"] == stage == 1
+
+
+def test_cached_tokens_are_the_recomputed_window_tokens():
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=64
+    )
+    cached = generator(_model(2), _prompts(4), 12)
+    window = mp.Generator(
+        mesh=make_mesh(2, 1),
+        schedule=mp.OneFOneB(),
+        num_microbatches=2,
+        window=64,
+        kv_cache=False,
+    )(_model(2), _prompts(4), 12)
+    np.testing.assert_array_equal(cached, window)
+
+
+class _NoCacheLM(nnx.Module):
+    def __init__(self):
+        self.embed = mp.Stage(nnx.Embed(VOCAB, 8, rngs=nnx.Rngs(0)), stage=0)
+        self.head = mp.Stage(nnx.Linear(8, VOCAB, rngs=nnx.Rngs(1)), stage=1)
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def test_kv_cache_modes():
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=16
+    )
+    assert generator.uses_cache(_model(2)) and not generator.uses_cache(_NoCacheLM())
+    out = generator(_NoCacheLM(), _prompts(4, 3), 2)  # no cache: the window is recomputed
+    assert out.shape == (4, 5) and generator.num_compiled_steps == 1
+    required = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=16, kv_cache=True
+    )
+    with pytest.raises(mp.CompileError, match=r"_NoCacheLM has no init_cache\(batch_size\)"):
+        required(_NoCacheLM(), _prompts(4, 3), 2)
 
 
 @pytest.mark.parametrize(
@@ -85,12 +153,21 @@ def test_bad_prompts_are_errors(prompts, new, match):
         generator(_model(2), prompts, new)
 
 
+def test_window_longer_than_the_cache_is_an_error():
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=256
+    )
+    with pytest.raises(mp.CompileError, match=r"window=256\) is longer than the model's max_len"):
+        generator(_model(2), _prompts(4), 2)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
         ({"temperature": -1.0}, r"temperature=-1.0\): use 0 \(greedy\) or more"),
         ({"top_k": 0}, r"top_k=0\): use an int >= 1"),
         ({"window": 0}, r"window=0\): use the model's context length"),
+        ({"kv_cache": "yes"}, r"kv_cache='yes'\): use True, False or None"),
     ],
 )
 def test_bad_settings_are_errors(kwargs, match):

@@ -14,8 +14,19 @@ once and every later token reuses it.
 ``nnx.jit`` on one device with the same keys, so pipelined and unpipelined
 decoding give the same tokens.
 
-The context is recomputed for every new token (no KV cache yet): a stage keeps
-its parameters, not its attention keys and values, between tokens.
+With a KV cache (the default for models that have one, like the zoo's `GPT`
+and `Llama`), a first *prefill* step feeds the prompts and writes their keys
+and values into every attention layer's cache; each later step feeds one
+token per sequence. The caches are ``nnx.Cache`` Variables of their stage,
+updated in place by each microbatch on its own rows, so they stay on their
+stage's submesh between tokens. Two step signatures are compiled (prefill and
+one-token decode). Without a cache, the whole window is recomputed per token.
+
+A model decodes with a cache when it has ``init_cache(batch_size, *,
+num_microbatches, batch_axis)`` and its
+``__call__`` takes ``positions=`` and ``cache_rows=`` (``[batch]`` ints: each
+row's first position in the call, and its row in the cache); see
+`nnx_mpmd.models.kv_cache`.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from nnx_mpmd.errors import CompileError
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.placement.mesh import MpmdMesh
 
-__all__ = ["Generator", "next_tokens"]
+__all__ = ["Generator", "next_tokens", "next_tokens_cached"]
 
 
 def next_tokens(
@@ -66,6 +77,57 @@ def next_tokens(
       (2,)
     """
     logits = model(window)
+    return _pick(logits, index, key_data, temperature, top_k)
+
+
+def next_tokens_cached(
+    model: Any,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache_rows: jax.Array,
+    index: jax.Array,
+    key_data: jax.Array,
+    *,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
+    """Like `next_tokens`, reading and writing the model's KV cache.
+
+    Args:
+      model: a causal language model with a cache (``init_cache`` called).
+      tokens: ``[B, L]`` int32, the tokens after what the cache holds.
+      positions: ``[B]`` int32 position of each row's first token.
+      cache_rows: ``[B]`` int32 row of the cache each row uses.
+      index: ``[B]`` int32 position, within ``tokens``, of the token to continue.
+      key_data: ``[B, ...]`` raw PRNG key data, one key per row.
+      temperature: 0 for greedy decoding, else the softmax temperature.
+      top_k: sample among the ``top_k`` most likely tokens only (None: all).
+
+    Returns:
+      ``[B]`` int32 tokens.
+
+    Example:
+      >>> from nnx_mpmd.models import build_model
+      >>> model = build_model("gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0), vocab_size=8)
+      >>> model.init_cache(2)
+      >>> keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
+      >>> zeros = jnp.zeros((2,), jnp.int32)
+      >>> next_tokens_cached(model, jnp.zeros((2, 3), jnp.int32), zeros, jnp.arange(2),
+      ...                    zeros + 2, keys, temperature=0.0, top_k=None).shape
+      (2,)
+    """
+    logits = model(tokens, positions=positions, cache_rows=cache_rows)
+    return _pick(logits, index, key_data, temperature, top_k)
+
+
+def _pick(
+    logits: jax.Array,
+    index: jax.Array,
+    key_data: jax.Array,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
+    """Each row's next token from its logits at ``index``: argmax or a sample."""
     last = jnp.take_along_axis(logits, index[:, None, None], axis=1)[:, 0].astype(jnp.float32)
     if temperature == 0.0:
         return jnp.argmax(last, axis=-1).astype(jnp.int32)
@@ -88,10 +150,13 @@ class Generator:
       window: the context length fed to the model (its ``max_len``).
       temperature: 0 for greedy decoding, else the sampling temperature.
       top_k: sample among the ``top_k`` most likely tokens (None: all).
+      kv_cache: decode with the model's KV cache (True), recompute the window
+        for every token (False), or use the cache when the model has one
+        (None, the default: a model with ``init_cache``).
 
     Raises:
       CompileError: a negative temperature, a ``top_k`` below 1 or a window
-        below 1.
+        below 1; at the call, ``kv_cache=True`` for a model without a cache.
 
     Example:
       >>> import nnx_mpmd as mp
@@ -101,8 +166,8 @@ class Generator:
       ...                    devices=jax.devices()[:2]), "stage")
       >>> gen = mp.Generator(mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=2, window=16)
       >>> out = gen(model, np.ones((4, 3), np.int32), max_new_tokens=5)
-      >>> out.shape, gen.num_compiled_steps
-      ((4, 8), 1)
+      >>> out.shape, gen.num_compiled_steps  # prefill and one-token steps, KV-cached
+      ((4, 8), 2)
     """
 
     def __init__(
@@ -114,6 +179,7 @@ class Generator:
         window: int,
         temperature: float = 0.0,
         top_k: int | None = None,
+        kv_cache: bool | None = None,
     ) -> None:
         if not temperature >= 0:
             raise CompileError(f"Generator(temperature={temperature}): use 0 (greedy) or more.")
@@ -124,16 +190,44 @@ class Generator:
                 f"Generator(window={window!r}): use the model's context length, e.g. "
                 "model.config.max_len."
             )
+        if kv_cache not in (None, True, False):
+            raise CompileError(f"Generator(kv_cache={kv_cache!r}): use True, False or None.")
         self.window = window
         self.num_microbatches = num_microbatches
-        self._fn = functools.partial(next_tokens, temperature=float(temperature), top_k=top_k)
-        self._step = jit(self._fn, mesh=mesh, schedule=schedule, num_microbatches=num_microbatches)
-        self._reference = nnx.jit(self._fn)
+        self.kv_cache = kv_cache
+        pick = {"temperature": float(temperature), "top_k": top_k}
+        pipelined = functools.partial(
+            jit, mesh=mesh, schedule=schedule, num_microbatches=num_microbatches
+        )
+        window_fn = functools.partial(next_tokens, **pick)
+        cached_fn = functools.partial(next_tokens_cached, **pick)
+        self._steps = {False: pipelined(window_fn), True: pipelined(cached_fn)}
+        # The cache is sharded like the microbatches: over the batch axis, if it splits them.
+        axis = self._steps[True].batch_axis
+        self._cache_axis = axis if axis and mesh.submesh(0).shape[axis] > 1 else None
+        self._references = {False: nnx.jit(window_fn), True: nnx.jit(cached_fn)}
 
     @property
     def num_compiled_steps(self) -> int:
-        """Input signatures compiled so far (1 for any number of tokens and calls)."""
-        return self._step.num_compiled_steps
+        """Input signatures compiled so far: 1 without a KV cache, 2 with one
+        (prefill and one token), for any number of tokens and calls with
+        prompts of one shape."""
+        return sum(step.num_compiled_steps for step in self._steps.values())
+
+    def uses_cache(self, model: Any) -> bool:
+        """Whether decoding ``model`` uses its KV cache (see ``kv_cache``).
+
+        Raises:
+          CompileError: ``kv_cache=True`` and the model has no ``init_cache``.
+        """
+        has = callable(getattr(model, "init_cache", None))
+        if self.kv_cache and not has:
+            raise CompileError(
+                f"Generator(kv_cache=True): {type(model).__name__} has no init_cache(batch_size) "
+                "method; use a model with a KV cache (nnx_mpmd.models GPT or Llama) or "
+                "kv_cache=False to recompute the window per token."
+            )
+        return has if self.kv_cache is None else self.kv_cache
 
     def __call__(
         self, model: Any, prompts: Any, max_new_tokens: int, *, seed: int = 0
@@ -155,7 +249,8 @@ class Generator:
             window with the new tokens, rows that do not split into the
             microbatches) or a negative ``max_new_tokens``.
         """
-        return self._decode(self._step, model, prompts, max_new_tokens, seed)
+        cached = self.uses_cache(model)
+        return self._decode(self._steps[cached], cached, model, prompts, max_new_tokens, seed)
 
     def reference(
         self, model: Any, prompts: Any, max_new_tokens: int, *, seed: int = 0
@@ -166,12 +261,16 @@ class Generator:
         gathered first (`nnx_mpmd.gather`). Arguments and result as for calling
         the generator.
         """
-        return self._decode(self._reference, model, prompts, max_new_tokens, seed)
+        cached = self.uses_cache(model)
+        return self._decode(self._references[cached], cached, model, prompts, max_new_tokens, seed)
 
     def _decode(
-        self, step: Any, model: Any, prompts: Any, max_new_tokens: int, seed: int
+        self, step: Any, cached: bool, model: Any, prompts: Any, max_new_tokens: int, seed: int
     ) -> np.ndarray:
         prompts = self._check(prompts, max_new_tokens)
+        if cached:
+            self._check_cache_length(model)
+            return self._decode_cached(step, model, prompts, max_new_tokens, seed)
         batch, length = prompts.shape
         tokens = np.zeros((batch, self.window), np.int32)
         tokens[:, :length] = prompts
@@ -182,6 +281,36 @@ class Generator:
             new = step(model, tokens, index, jax.random.key_data(keys))
             tokens[:, position] = np.asarray(jax.device_get(new))
         return tokens[:, : length + max_new_tokens].copy()
+
+    def _decode_cached(
+        self, step: Any, model: Any, prompts: np.ndarray, max_new_tokens: int, seed: int
+    ) -> np.ndarray:
+        batch, length = prompts.shape
+        out = np.zeros((batch, length + max_new_tokens), np.int32)
+        out[:, :length] = prompts
+        if not max_new_tokens:
+            return out
+        # init_cache keeps a cache of this layout: stale entries are never read.
+        model.init_cache(batch, num_microbatches=self.num_microbatches, batch_axis=self._cache_axis)
+        rows = np.arange(batch, dtype=np.int32)
+        tokens, first, index = prompts, np.zeros_like(rows), np.full_like(rows, length - 1)
+        base = jax.random.key(seed)
+        for position in range(length, length + max_new_tokens):
+            keys = jax.random.split(jax.random.fold_in(base, position), batch)
+            new = step(model, tokens, first, rows, index, jax.random.key_data(keys))
+            out[:, position] = np.asarray(jax.device_get(new))
+            tokens, first = out[:, position : position + 1], np.full_like(rows, position)
+            index = np.zeros_like(rows)
+        return out
+
+    def _check_cache_length(self, model: Any) -> None:
+        max_len = getattr(getattr(model, "config", None), "max_len", None)
+        if isinstance(max_len, int) and self.window > max_len:
+            raise CompileError(
+                f"Generator(window={self.window}) is longer than the model's max_len={max_len}: "
+                f"positions past it have no cache entry or position embedding. Use "
+                f"window={max_len} (model.config.max_len)."
+            )
 
     def _check(self, prompts: Any, max_new_tokens: int) -> np.ndarray:
         prompts = np.asarray(prompts)

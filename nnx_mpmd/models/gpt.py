@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
-from nnx_mpmd.models import layers
+from nnx_mpmd.models import kv_cache, layers
 from nnx_mpmd.models.presets import GPT_PRESETS
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "GPTEmbedding"]
@@ -73,9 +73,11 @@ class GPTEmbedding(nnx.Module):
             cfg, cfg.max_len, cfg.d_model, (None, "fsdp"), rngs=rngs, stddev=0.01
         )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        positions = jnp.arange(tokens.shape[1])
-        return self.token(tokens) + self.position(positions)[None]
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        if positions is None:
+            return self.token(tokens) + self.position(jnp.arange(tokens.shape[1]))[None]
+        at = kv_cache.query_positions(positions, tokens.shape[1])
+        return self.token(tokens) + self.position(at)
 
 
 class GPTBlock(nnx.Module):
@@ -95,8 +97,10 @@ class GPTBlock(nnx.Module):
         self.mlp_norm = layers.LayerNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.mlp = layers.GeluMLP(cfg, cfg.ffn_dim, rngs=rngs, out_stddev=out_stddev)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, cache_rows: jax.Array | None = None
+    ) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, cache_rows)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -109,7 +113,10 @@ class GPT(PipelinedModel):
 
     Returns:
       Calling the model on int tokens ``[batch, seq]`` returns float32 logits
-      ``[batch, seq, vocab_size]``.
+      ``[batch, seq, vocab_size]``. With ``positions=`` and ``cache_rows=``
+      (``[batch]`` ints) it decodes with the KV cache of `init_cache`: the
+      tokens sit at ``positions[r]`` onwards and attend to the cached context
+      (see `nnx_mpmd.models.kv_cache`).
 
     Example:
       >>> model = GPT(GPTConfig.preset("tiny", num_stages=2), rngs=nnx.Rngs(0))
@@ -131,9 +138,29 @@ class GPT(PipelinedModel):
         tied = embedding.token if cfg.tie_embeddings else None
         self.head = Stage(layers.LMHead(cfg, norm, rngs=rngs, tied_embedding=tied), stage=last)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache_rows: jax.Array | None = None,
+    ) -> jax.Array:
         layers._check_sequence(tokens, self.config)
-        x = self.embed(tokens)
+        if positions is None:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+        x = self.embed(tokens, positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions, cache_rows)
         return self.head(x)
+
+    def init_cache(self, batch_size: int, **layout: Any) -> None:
+        """Gives every block a KV cache for ``batch_size`` sequences.
+
+        Args:
+          batch_size: the number of sequences decoded together.
+          **layout: ``num_microbatches`` and ``batch_axis`` (see `kv_cache.init_cache`).
+        """
+        kv_cache.init_cache(self, batch_size, **layout)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from nnx_mpmd.errors import MpmdError, PartitionError
 from nnx_mpmd.frontend.annotate import auto_stage
+from nnx_mpmd.models import kv_cache
 
 __all__ = [
     "Attention",
@@ -371,7 +372,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
 
     Args:
       x: ``[batch, seq, heads, head_dim]`` with an even ``head_dim``.
-      positions: ``[seq]`` integer positions.
+      positions: ``[seq]`` integer positions, or ``[batch, seq]`` (one row each).
       theta: the RoPE base.
 
     Returns:
@@ -384,9 +385,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
     """
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [(batch,) seq, half]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     first, second = x32[..., :half], x32[..., half:]
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
@@ -435,6 +438,12 @@ class Attention(nnx.Module):
       rope_theta: apply rotary embeddings with this base, or None for none.
       out_stddev: initializer scale of the output projection.
 
+    Calling it on ``x [batch, seq, d_model]`` attends causally within ``x``.
+    With ``positions`` and ``cache_rows`` (``[batch]`` ints, see
+    `nnx_mpmd.models.kv_cache`) it writes the keys and values of ``x`` into its
+    cache (`kv_cache.init_cache`) at those positions and attends to everything
+    cached up to each query: decoding one token at a time.
+
     Example:
       >>> from nnx_mpmd.models.layers import ModelConfig
       >>> attn = Attention(ModelConfig(d_model=8, n_heads=2), rngs=nnx.Rngs(0))
@@ -456,6 +465,7 @@ class Attention(nnx.Module):
         self.n_kv_heads = n_kv_heads or cfg.n_heads
         self.head_dim = cfg.head_dim
         self.rope_theta = rope_theta
+        self.cache_dtype = cfg.dtype
         d, kv_width = cfg.d_model, self.n_kv_heads * cfg.head_dim
         up = ("fsdp", "tensor")
         self.query = Dense(cfg, d, d, up, rngs=rngs, use_bias=use_bias)
@@ -465,17 +475,47 @@ class Attention(nnx.Module):
             cfg, d, d, ("tensor", "fsdp"), rngs=rngs, use_bias=use_bias, stddev=out_stddev
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        cache_rows: jax.Array | None = None,
+    ) -> jax.Array:
         batch, seq, _ = x.shape
         q = self.query(x).reshape(batch, seq, self.n_heads, self.head_dim)
         k = self.key(x).reshape(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.value(x).reshape(batch, seq, self.n_kv_heads, self.head_dim)
+        at = jnp.arange(seq) if positions is None else kv_cache.query_positions(positions, seq)
         if self.rope_theta is not None:
-            positions = jnp.arange(seq)
-            q = apply_rope(q, positions, self.rope_theta)
-            k = apply_rope(k, positions, self.rope_theta)
-        out = causal_attention(q, k, v)
+            q = apply_rope(q, at, self.rope_theta)
+            k = apply_rope(k, at, self.rope_theta)
+        if positions is None:
+            out = causal_attention(q, k, v)
+        else:
+            out = self._attend_cached(q, k, v, at, cache_rows)
         return self.out(out.reshape(batch, seq, self.n_heads * self.head_dim))
+
+    def _attend_cached(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, at: jax.Array, cache_rows: Any
+    ) -> jax.Array:
+        if getattr(self, "cached_key", None) is None:
+            raise MpmdError(
+                "Attention was called with positions (KV-cache decoding) but has no cache; "
+                "call nnx_mpmd.models.kv_cache.init_cache(model, batch_size) first."
+            )
+        if cache_rows is None:
+            raise MpmdError(
+                "Attention was called with positions but without cache_rows; pass both "
+                "(cache_rows: the [batch] rows of the cache the call's rows use)."
+            )
+        first = at[:, 0]
+        self.cached_key[...], keys = kv_cache.write_cache(
+            self.cached_key[...], cache_rows, first, k
+        )
+        self.cached_value[...], values = kv_cache.write_cache(
+            self.cached_value[...], cache_rows, first, v
+        )
+        return kv_cache.cached_attention(q, keys, values, at)
 
 
 class GeluMLP(nnx.Module):

@@ -8,14 +8,14 @@ light as possible (see `nnx_mpmd.models.layers.assign_block_stages`).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
-from nnx_mpmd.models import layers
+from nnx_mpmd.models import kv_cache, layers
 from nnx_mpmd.models.presets import LLAMA_PRESETS
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
@@ -84,8 +84,10 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = layers.RMSNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.mlp = layers.SwiGLU(cfg, cfg.d_ff, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(
+        self, x: jax.Array, positions: jax.Array | None = None, cache_rows: jax.Array | None = None
+    ) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, cache_rows)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -98,7 +100,9 @@ class Llama(PipelinedModel):
 
     Returns:
       Calling the model on int tokens ``[batch, seq]`` returns float32 logits
-      ``[batch, seq, vocab_size]``.
+      ``[batch, seq, vocab_size]``. With ``positions=`` and ``cache_rows=``
+      (``[batch]`` ints) it decodes with the KV cache of `init_cache` (see
+      `nnx_mpmd.models.kv_cache`).
 
     Example:
       >>> model = Llama(LlamaConfig.preset("tiny", num_stages=4), rngs=nnx.Rngs(0))
@@ -120,9 +124,24 @@ class Llama(PipelinedModel):
         norm = layers.RMSNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.head = Stage(layers.LMHead(cfg, norm, rngs=rngs), stage=cfg.num_stages - 1)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache_rows: jax.Array | None = None,
+    ) -> jax.Array:
         layers._check_sequence(tokens, self.config)
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if positions is None else block(x, positions, cache_rows)
         return self.head(x)
+
+    def init_cache(self, batch_size: int, **layout: Any) -> None:
+        """Gives every block a KV cache for ``batch_size`` sequences.
+
+        Args:
+          batch_size: the number of sequences decoded together.
+          **layout: ``num_microbatches`` and ``batch_axis`` (see `kv_cache.init_cache`).
+        """
+        kv_cache.init_cache(self, batch_size, **layout)
