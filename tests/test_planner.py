@@ -264,3 +264,36 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     )  # fmt: skip
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
     assert f"{data['best']['num_microbatches']} microbatches" in trained.stdout
+
+
+def test_contention_scales_the_simulated_step_at_its_mean_busy_meshes():
+    from nnx_mpmd.planner.profile_units import UnitCosts
+    from nnx_mpmd.planner.search import predict
+
+    def unit(contention):
+        return UnitCosts(
+            ("a", "b"), 4, False, F=(1.0, 1.0), BI=(1.0, 1.0), BW=(1.0, 1.0),
+            kept_bytes=(0, 0), split_bytes=(0, 0), state_bytes=(0, 0), param_bytes=(0, 0),
+            other_s=2.0, contention=contention,
+        )  # fmt: skip
+
+    alone = predict("gpipe", 2, 2, [0, 1], [False, False], unit((1.0, 1.0)))
+    shared = predict("gpipe", 2, 2, [0, 1], [False, False], unit((1.0, 2.0)))
+    # GPipe, 2 meshes, m = 2: makespan 9, busy 12 -> 4/3 meshes busy on average -> x4/3;
+    # the update (2 s for all units on one submesh) runs on both meshes at once, x2 / 2.
+    assert alone.step_s == pytest.approx(9.0 + 2.0 / 2)
+    assert shared.step_s == pytest.approx(9.0 * (1 + 1 / 3) + 2.0)
+    assert unit((1.0, 3.0, 4.0)).slowdown(2.5) == pytest.approx(3.5)
+    assert unit((1.0, 3.0)).slowdown(0.5) == 1.0
+
+
+def test_contention_is_measured_per_number_of_busy_submeshes():
+    from nnx_mpmd.planner.profile_units import contention, one_submesh
+
+    mesh = make_mesh(2, 2)
+    _, loss_fn, batch, planned = _plan_mlp(mesh, num_microbatches=(2,))
+    factors = planned.costs[0].contention
+    assert len(factors) == mesh.num_meshes and factors[0] == 1.0 and min(factors) >= 1.0
+    assert all(c.contention == factors for c in planned.costs)
+    model, _, _, _ = build("mlp", "sgd", 4)
+    assert contention(model, loss_fn, batch, one_submesh(mesh), optax.sgd(0.1)) == (1.0,)

@@ -8,12 +8,19 @@ program is timed alone (``profile="isolated"``), medians over a few runs; the
 memory recorder gives the bytes each forward keeps for its backward (per
 device) and the bytes of parameters and optimizer state. One run per
 microbatch size and remat setting asked for.
+
+Alone, a task can run faster than it will in the pipeline, where every
+submesh works at once and the meshes may share compute (CPU cores, host
+threads, memory bandwidth). `contention` measures that once: the same
+profiling step on 1, 2, ... submeshes at once against one submesh alone.
+Where the submeshes share nothing (separate accelerators), it is about 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +37,7 @@ from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.units import restage, stage_units
 from nnx_mpmd.schedules import Custom, Task
 
-__all__ = ["UnitCosts", "profile_units"]
+__all__ = ["UnitCosts", "contention", "profile_units"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,9 @@ class UnitCosts:
       batch_bytes: per unit, the bytes per device of the microbatch leaves it
         is the first to read (the inputs go to the first unit, the targets
         to the loss's).
+      contention: how much slower the tasks run with 1, 2, ... submeshes
+        busy at once than alone (`contention`); the planner scales the
+        simulated step by it, at the step's mean number of busy meshes.
     """
 
     paths: tuple[str, ...]
@@ -71,6 +81,22 @@ class UnitCosts:
     param_bytes: tuple[int, ...]
     other_s: float = 0.0
     batch_bytes: tuple[int, ...] = ()
+    contention: tuple[float, ...] = (1.0,)
+
+    def slowdown(self, busy_meshes: float) -> float:
+        """The contention factor with ``busy_meshes`` submeshes busy on average
+        (linear between the measured counts, the last one beyond them).
+
+        Example:
+          >>> costs = UnitCosts((), 1, False, (), (), (), (), (), (), (), contention=(1.0, 3.0))
+          >>> costs.slowdown(1.5), costs.slowdown(4)
+          (2.0, 3.0)
+        """
+        factors = self.contention or (1.0,)
+        at = min(max(busy_meshes, 1.0), float(len(factors))) - 1.0
+        low = int(at)
+        high = min(low + 1, len(factors) - 1)
+        return factors[low] + (at - low) * (factors[high] - factors[low])
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (`from_dict` reads it back)."""
@@ -93,9 +119,9 @@ def train_step_of(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any
     return train_step
 
 
-def one_submesh(mesh: MpmdMesh) -> MpmdMesh:
-    """An `MpmdMesh` of one submesh: the devices of ``mesh``'s first one."""
-    sub = mesh.submeshes[0]
+def one_submesh(mesh: MpmdMesh, index: int = 0) -> MpmdMesh:
+    """An `MpmdMesh` of one submesh: the devices of ``mesh``'s submesh ``index``."""
+    sub = mesh.submeshes[index]
     devices = np.asarray(sub.devices)[None]
     names = (mesh.mpmd_axis, *sub.axis_names)
     types = (sub.axis_types[0] if sub.axis_types else None, *sub.axis_types)
@@ -125,16 +151,42 @@ def _owned_param_bytes(units: Sequence[tuple[str, Any]]) -> list[int]:
     return owned
 
 
-def _medians(profiles: Sequence[Any], num_units: int) -> dict[str, tuple[float, ...]]:
+def _medians(
+    profiles: Sequence[Any], num_units: int, latency: float = 0.0
+) -> dict[str, tuple[float, ...]]:
+    """Per task kind and unit, the median time less ``latency`` (kept at least half)."""
     times: dict[tuple[int, str], list[float]] = {}
     for records in profiles:
         for _, _, task, start, end in records:
             if isinstance(task, Task):
                 times.setdefault((task.stage, task.kind), []).append(end - start)
+
+    def net(samples: list[float]) -> float:
+        median = statistics.median(samples)
+        return max(median - latency, median / 2)
+
     return {
-        kind: tuple(statistics.median(times.get((u, kind), [0.0])) for u in range(num_units))
+        kind: tuple(net(times.get((u, kind), [0.0])) for u in range(num_units))
         for kind in ("F", "BI", "BW")
     }
+
+
+def _sync_latency(mesh: MpmdMesh, repeats: int) -> float:
+    """The median time to dispatch a trivial program on ``mesh``'s submesh and wait for it.
+
+    Timing a task alone adds this to its compute; in a running pipeline,
+    dispatch overlaps the device's work, so the profile subtracts it.
+    """
+    sharding = jax.sharding.NamedSharding(mesh.submeshes[0], jax.sharding.PartitionSpec())
+    x = jax.device_put(np.zeros((8,), np.float32), sharding)
+    bump = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(bump(x))
+    samples = []
+    for _ in range(max(5, 4 * repeats)):
+        start = time.perf_counter()
+        jax.block_until_ready(bump(x))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def _batch_split(step: Any) -> int:
@@ -222,7 +274,77 @@ def profile_units(
     for size in microbatch_sizes:
         for flag in remat:
             results.append(_profile_one(model, loss_fn, batch, mesh, tx, size, flag, repeats))
-    return results
+    factor = contention(model, loss_fn, _rows(batch, max(microbatch_sizes)), mesh, tx, repeats)
+    return [dataclasses.replace(r, contention=factor) for r in results]
+
+
+def _profiling_step(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    rows: Any,
+    mesh: MpmdMesh,
+    tx: optax.GradientTransformation,
+    remat: bool,
+) -> tuple[Any, Any, Any, list[tuple[str, Any]]]:
+    """A copy of ``model`` with every unit its own stage, its optimizer, and its step on
+    ``mesh`` (one submesh): forwards, then split backwards, one microbatch."""
+    copy = nnx.clone(model)
+    units = stage_units(copy, loss_fn, rows)
+    if not units:  # stage_units raises first; kept for type checkers
+        raise PartitionError("the model has no Stage to profile")
+    restage(units, list(range(len(units))), remat=[remat] * len(units))
+    optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
+    step = jit(
+        train_step_of(loss_fn), mesh=mesh, schedule=_profile_schedule(len(units)),
+        num_microbatches=1,
+    )  # fmt: skip
+    return step, copy, optimizer, units
+
+
+def contention(
+    model: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    rows: Any,
+    mesh: MpmdMesh,
+    tx: optax.GradientTransformation,
+    repeats: int = 3,
+) -> tuple[float, ...]:
+    """How much slower the profiling step runs on k submeshes at once than on one.
+
+    The same step (every unit its own stage, one microbatch of ``rows``) is
+    compiled for each submesh of ``mesh``; for k = 1, 2, ... submeshes, the
+    median wall time of dispatching it on the first k and waiting for all, over
+    the median time on the first submesh alone. Each factor is at least 1.
+
+    Args:
+      model: the model (copied, not changed).
+      loss_fn: ``loss_fn(model, microbatch) -> loss``.
+      rows: one microbatch.
+      mesh: the pipeline's mesh.
+      tx: the optimizer's transformation.
+      repeats: timed runs of each (medians are kept).
+
+    Returns:
+      One factor per number of busy submeshes, starting at ``(1.0, ...)``.
+    """
+    if mesh.num_meshes == 1:
+        return (1.0,)
+    runs = [
+        _profiling_step(model, loss_fn, rows, one_submesh(mesh, i), tx, remat=False)[:3]
+        for i in range(mesh.num_meshes)
+    ]
+    for step, copy, optimizer in runs:
+        jax.block_until_ready(step(copy, optimizer, rows))  # compiles
+
+    def wall(chosen: Sequence[Any]) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready([step(copy, opt, rows) for step, copy, opt in chosen])
+        return time.perf_counter() - start
+
+    medians = [
+        statistics.median(wall(runs[:k]) for _ in range(repeats)) for k in range(1, len(runs) + 1)
+    ]
+    return tuple(max(1.0, t / medians[0]) for t in medians)
 
 
 def _profile_one(
@@ -236,17 +358,8 @@ def _profile_one(
     repeats: int,
 ) -> UnitCosts:
     rows = _rows(batch, size)
-    copy = nnx.clone(model)
-    units = stage_units(copy, loss_fn, rows)
-    if not units:  # stage_units raises first; kept for type checkers
-        raise PartitionError("the model has no Stage to profile")
-    restage(units, list(range(len(units))), remat=[remat] * len(units))
-    optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
-    step = jit(
-        train_step_of(loss_fn),
-        mesh=one_submesh(mesh),
-        schedule=_profile_schedule(len(units)),
-        num_microbatches=1,
+    step, copy, optimizer, units = _profiling_step(
+        model, loss_fn, rows, one_submesh(mesh), tx, remat
     )
     jax.block_until_ready(step(copy, optimizer, rows))  # compiles
     profiles = []
@@ -255,7 +368,7 @@ def _profile_one(
         profiles.append(list(step.last_profile))
     jax.block_until_ready(step(copy, optimizer, rows, memory=True))
     memory = step.last_memory
-    medians = _medians(profiles, len(units))
+    medians = _medians(profiles, len(units), _sync_latency(one_submesh(mesh), repeats))
     params = _owned_param_bytes(units)
     total_params = sum(params) or 1
     static = int(memory["initial_bytes"][0])

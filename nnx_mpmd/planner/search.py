@@ -167,7 +167,13 @@ def predict(
             "B": stage["BI"][s] + stage["BW"][s]}
         for s in range(num_stages)
     }  # fmt: skip
-    makespan = simulate(tasks, Costs(per_stage=per_stage)).makespan
+    timeline = simulate(tasks, Costs(per_stage=per_stage))
+    # Tasks slow down as other meshes run at once (shared compute): scale the step by the
+    # contention at its mean number of busy meshes. The update (profiled for every unit
+    # on one submesh) runs on all meshes at once, each on its share of the units.
+    busy = sum(timeline.busy) / timeline.makespan if timeline.makespan else 1.0
+    makespan = plain.slowdown(busy) * timeline.makespan
+    update = plain.other_s * plain.slowdown(num_meshes) / num_meshes
     mesh_of = [sched.mesh_of(s, num_stages, num_meshes) for s in range(num_stages)]
     return Candidate(
         schedule=sched.name,
@@ -175,7 +181,7 @@ def predict(
         num_microbatches=num_microbatches,
         unit_stages=tuple(int(s) for s in unit_stages),
         remat=tuple(bool(r) for r in remat),
-        step_s=float(makespan + plain.other_s),
+        step_s=float(makespan + update),
         peak_bytes=_peak_bytes(tasks, mesh_of, stage, num_microbatches),
     )
 
