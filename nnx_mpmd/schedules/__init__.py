@@ -38,6 +38,7 @@ from nnx_mpmd.schedules.tasks import (
     TaskLists,
     format_tasks,
     looped_placement,
+    overlap_groups,
     parse_tasks,
     v_placement,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "looped_placement",
     "measured_timeline",
     "order_by_rule",
+    "overlap_groups",
     "parse_tasks",
     "peak_activations",
     "plot_gantt",

@@ -12,6 +12,11 @@ per task, so a schedule can be written by hand::
     mesh 0: F0.0 F0.1 B0.0 B0.1
     mesh 1: F1.0 F1.1 B1.0 B1.1
 
+Tasks joined by ``+`` (``F0.3+BI3.1+BW3.1``) run *overlapped*: as one program,
+so that the device can overlap one task's communication with another's compute
+(DualPipe's overlapped forward and backward chunks). In the IR each task of
+such a group but the last has ``with_next=True``.
+
 This module is pure Python: it imports neither JAX nor Flax.
 """
 
@@ -31,6 +36,7 @@ __all__ = [
     "format_tasks",
     "looped_placement",
     "normalize_tasks",
+    "overlap_groups",
     "parse_tasks",
     "stages_by_mesh",
     "v_placement",
@@ -54,22 +60,37 @@ class Task:
       stage: the pipeline stage, numbered in the direction the data flows.
       microbatch: the microbatch index.
       kind: ``"F"``, ``"B"``, ``"BI"`` or ``"BW"``.
+      with_next: the task runs overlapped with the next task of its mesh, in
+        one program (text form: the two tokens joined by ``+``). It is not part
+        of the task's identity: equality, hashing and ordering ignore it.
 
     Example:
       >>> t = Task(0, 3, "F")
       >>> str(t), Task.parse("BW2.1")
       ('F0.3', Task(stage=2, microbatch=1, kind='BW'))
+      >>> Task(0, 3, "F", with_next=True) == t
+      True
     """
 
     stage: int
     microbatch: int
     kind: str
+    with_next: bool = dataclasses.field(default=False, compare=False)
+
+    def __repr__(self) -> str:
+        text = f"Task(stage={self.stage}, microbatch={self.microbatch}, kind={self.kind!r}"
+        return text + (", with_next=True)" if self.with_next else ")")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(
                 f"task kind {self.kind!r} (stage {self.stage}, microbatch {self.microbatch}) "
                 f"is unknown; use one of {', '.join(KINDS)}"
+            )
+        if not isinstance(self.with_next, bool):
+            raise ScheduleError(
+                f"task {self.kind}{self.stage}.{self.microbatch}: with_next must be a bool, "
+                f"got {self.with_next!r}"
             )
         for field in ("stage", "microbatch"):
             value = getattr(self, field)
@@ -138,8 +159,9 @@ def normalize_tasks(tasks: Iterable[Iterable[Task | str]]) -> TaskLists:
         row = []
         for task in mesh_tasks:
             if isinstance(task, str):
-                task = Task.parse(task)
-            elif not isinstance(task, Task):
+                row.extend(_parse_group(task))
+                continue
+            if not isinstance(task, Task):
                 raise ScheduleError(
                     f"mesh {len(result)} lists {task!r}, which is not a Task; use "
                     "Task(stage, microbatch, kind) or a token such as 'F0.3'"
@@ -149,10 +171,55 @@ def normalize_tasks(tasks: Iterable[Iterable[Task | str]]) -> TaskLists:
     return tuple(result)
 
 
+def _parse_group(token: str) -> tuple[Task, ...]:
+    """``F0.3+BI3.1`` -> the tasks, each but the last ``with_next``."""
+    parts = token.split("+")
+    if len(parts) > 1 and not all(parts):
+        raise ScheduleError(
+            f"cannot read the overlapped tasks {token!r}: join whole tokens with '+', "
+            "e.g. 'F0.3+BI3.1+BW3.1'"
+        )
+    tasks = [Task.parse(part) for part in parts]
+    return tuple(
+        dataclasses.replace(task, with_next=True) if n < len(tasks) - 1 else task
+        for n, task in enumerate(tasks)
+    )
+
+
+def overlap_groups(mesh_tasks: Sequence[Task]) -> tuple[tuple[Task, ...], ...]:
+    """One mesh's tasks in groups that run as one program (a lone task is a group of one).
+
+    A group is a run of tasks each of which but the last has ``with_next``;
+    a ``with_next`` on the mesh's last task is ignored here (`validate`
+    reports it).
+
+    Args:
+      mesh_tasks: one mesh's ordered tasks.
+
+    Returns:
+      The groups, in order.
+
+    Example:
+      >>> [len(g) for g in overlap_groups(parse_tasks("F0.0 F0.1+BI1.0+BW1.0 B0.0")[0])]
+      [1, 3, 1]
+    """
+    groups: list[tuple[Task, ...]] = []
+    current: list[Task] = []
+    for task in mesh_tasks:
+        current.append(task)
+        if not task.with_next:
+            groups.append(tuple(current))
+            current = []
+    if current:
+        groups.append(tuple(current))
+    return tuple(groups)
+
+
 def parse_tasks(text: str) -> TaskLists:
     """Reads the text form: one line per mesh, tokens ``{kind}{stage}.{microbatch}``.
 
-    ``#`` starts a comment; blank lines are skipped. A line may start with
+    Tokens joined by ``+`` (``F0.3+BI3.1+BW3.1``) are tasks that run
+    overlapped, as one program (`Task.with_next`). ``#`` starts a comment; blank lines are skipped. A line may start with
     ``mesh N:``; if one line has such a prefix, all must, and they must number
     the meshes 0, 1, 2, ... in some order without gaps. A mesh with no tasks is
     written ``mesh N:`` with nothing after it.
@@ -179,7 +246,7 @@ def parse_tasks(text: str) -> TaskLists:
         prefix = _MESH_PREFIX.match(line)
         body = prefix.group(2) if prefix else line
         try:
-            row = tuple(Task.parse(token) for token in body.split())
+            row = tuple(task for token in body.split() for task in _parse_group(token))
         except ScheduleError as e:
             raise ScheduleError(f"line {line_number}: {e}") from None
         if prefix is None:
@@ -219,10 +286,12 @@ def format_tasks(tasks: Iterable[Iterable[Task | str]], *, prefix: bool = True) 
     Example:
       >>> print(format_tasks([[Task(0, 0, "F"), Task(0, 0, "B")]]), end="")
       mesh 0: F0.0 B0.0
+      >>> print(format_tasks([[Task(0, 1, "F", with_next=True), Task(1, 0, "B")]]), end="")
+      mesh 0: F0.1+B1.0
     """
     lines = []
     for mesh, mesh_tasks in enumerate(normalize_tasks(tasks)):
-        body = " ".join(str(task) for task in mesh_tasks)
+        body = "".join(f"{task}{'+' if task.with_next else ' '}" for task in mesh_tasks).rstrip()
         lines.append(f"mesh {mesh}: {body}".rstrip() if prefix else body)
     return "\n".join(lines) + "\n"
 
