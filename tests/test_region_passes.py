@@ -237,7 +237,7 @@ def test_lower_schedule_rejects_a_task_on_another_mesh():
 
 def test_lower_task_and_dispatch_order_reject_unknown_task_kinds():
     plan, fns, ctx = chain()
-    odd = SimpleNamespace(stage=0, microbatch=0, kind="X")
+    odd = SimpleNamespace(stage=0, microbatch=0, kind="X", with_next=False)
     with pytest.raises(mp.CompileError, match=r"unknown task kind 'X'"):
         lower_task(ctx, 0, odd)
     with pytest.raises(mp.ScheduleError, match=r"unknown task kind 'X'"):
@@ -502,6 +502,7 @@ def test_build_region_program_composes_the_passes():
     names = [name for name, _ in region.passes]
     assert names == [
         "lower_schedule",
+        "overlap_tasks",
         "fuse_forward_backward",
         "insert_transfers",
         "region_outputs",
@@ -509,7 +510,7 @@ def test_build_region_program_composes_the_passes():
     ]
     assert region.passes[-1][1] == region.instructions
     assert "call 1 FB1 args=((input1,),(),(),idx.mb0,(act0.mb0,)" in format_instructions(
-        region.passes[1][1]
+        region.passes[2][1]
     )
     assert region.output_slots == [[(1, 2)], [(0, 0)], [(1, 1)]]  # loss, two gradients
     assert sorted(region.compiled) == sorted(f"{kind}{k}" for kind in KINDS for k in range(2))

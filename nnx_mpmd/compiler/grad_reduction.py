@@ -589,8 +589,9 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
         return list(program)
     last: dict[int, int] = {}
     for n, ins in enumerate(program):
-        if isinstance(ins, Call) and ins.program.kind in ("B", "BW", "FB"):
-            last[ins.program.stage] = n
+        for part in ins.program.parts() if isinstance(ins, Call) else ():
+            if part.kind in ("B", "BW", "FB"):
+                last[part.stage] = n
     after: dict[int, Call] = {}
     for k, n in last.items():
         if ctx.fns[k].param_inputs:

@@ -60,19 +60,37 @@ class ProgramKey:
     makes. The text form (``F0``, ``init1``, ``post.L0.mesh2``) is the program's
     name in `format_instructions` and its XLA module's name (``jit_F0``).
 
+    A program that runs several stage tasks overlapped (`Task.with_next`) has
+    ``members``, the keys of the programs it runs, and the text form joins
+    theirs with ``+`` (``F0+B7``); its ``kind`` joins their kinds (``F+B``).
+
     Example:
       >>> str(ProgramKey("post", index=0, mesh=2))
       'post.L0.mesh2'
       >>> ProgramKey.parse("BW1")
       ProgramKey(kind='BW', stage=1, mesh=None, index=None)
+      >>> [str(k) for k in ProgramKey.parse("F0+B7").parts()]
+      ['F0', 'B7']
     """
 
     kind: str
     stage: int | None = None
     mesh: int | None = None
     index: int | None = None
+    members: tuple[ProgramKey, ...] = dataclasses.field(default=(), repr=False)
+
+    @classmethod
+    def overlapped(cls, members: Sequence[ProgramKey]) -> ProgramKey:
+        """The key of a program that runs ``members`` in one program, in order."""
+        return cls("+".join(m.kind for m in members), members=tuple(members))
+
+    def parts(self) -> tuple[ProgramKey, ...]:
+        """The stage programs this program runs: its ``members``, or itself."""
+        return self.members or (self,)
 
     def __str__(self) -> str:
+        if self.members:
+            return "+".join(map(str, self.members))
         text = self.kind + ("" if self.stage is None else str(self.stage))
         text += "" if self.index is None else f".L{self.index}"
         return text + ("" if self.mesh is None else f".mesh{self.mesh}")
@@ -80,6 +98,8 @@ class ProgramKey:
     @classmethod
     def parse(cls, text: str) -> ProgramKey:
         """Reads the text form; raises `CompileError` for anything else."""
+        if "+" in text:
+            return cls.overlapped([cls.parse(part) for part in text.split("+")])
         match = _KEY_TEXT.match(text)
         if match is None:
             raise CompileError(
@@ -109,7 +129,7 @@ class Call:
     args: tuple[Any, ...]
     outs: Any
     label: str
-    task: Any = None  # the schedule Task, for stage tasks
+    task: Any = None  # the schedule Task (a tuple of them for overlapped tasks)
     donated: tuple[int, ...] = ()  # arguments donated by `donate_dead_arguments`
 
     def reads(self) -> list[int]:
@@ -358,11 +378,21 @@ def format_instruction(ins: Instruction) -> str:
         args, outs = (repr(t).replace(" ", "") for t in (ins.args, ins.outs))
         line = f"call {ins.mesh} {ins.program} args={args} outs={outs}"
         line += f" label={shlex.quote(ins.label)}"
-        line += f" task={ins.task}" if ins.task is not None else ""
+        line += f" task={_task_text(ins.task)}" if ins.task is not None else ""
         return line + (f" donate={','.join(map(str, ins.donated))}" if ins.donated else "")
     if isinstance(ins, TransferBatch):
         return "transfers " + " ; ".join(_transfer_text(t) for t in ins.transfers)
     return "transfer " + _transfer_text(ins)
+
+
+def _task_text(task: Any) -> str:
+    """A task's token; an overlapped call's tasks joined by ``+``."""
+    return "+".join(map(str, task)) if isinstance(task, tuple) else str(task)
+
+
+def _parse_task(text: str) -> Any:
+    tasks = tuple(Task.parse(t) for t in text.split("+"))
+    return tasks if len(tasks) > 1 else tasks[0]
 
 
 def _transfer_text(ins: Transfer) -> str:
@@ -458,7 +488,7 @@ def _parse_line(line: str, line_no: int, programs: Mapping[str, Any]) -> Instruc
                 f"instruction line {line_no} calls program {name!r}, which is not among the "
                 f"programs given ({', '.join(sorted(programs)) or 'none'}); pass it in programs."
             )
-        task = Task.parse(fields["task"]) if "task" in fields else None
+        task = _parse_task(fields["task"]) if "task" in fields else None
         args = _literal(fields["args"], "args", line_no)
         outs = _literal(fields["outs"], "outs", line_no)
         key = ProgramKey.parse(name)

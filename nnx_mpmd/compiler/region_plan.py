@@ -6,7 +6,9 @@ its own tests, its result kept in `RegionProgram.passes`):
 1. `schedule_lowering.lower_schedule`: accumulator ``init`` calls, then one
    `Call` per task in `schedule_lowering.dispatch_order`, every argument a
    `RegionValue` on the task's own mesh;
-2. `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
+2. `overlap.overlap_tasks`: each group of overlapped tasks (joined by ``+``
+   in the schedule) -> one call of one program;
+   `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
    the backward directly follows;
    `grad_reduction.reduce_gradients_once` (data-parallel stages only, on
    Explicit or Auto data axes): one ``reduce`` call per stage after its last backward;
@@ -39,6 +41,7 @@ from nnx_mpmd.compiler.instructions import (
     Transfer,
 )
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
+from nnx_mpmd.compiler.overlap import overlap_tasks
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
@@ -47,7 +50,7 @@ from nnx_mpmd.compiler.schedule_lowering import (
     fuse_forward_backward,
     lower_schedule,
 )
-from nnx_mpmd.compiler.stage_programs import StageFunctions
+from nnx_mpmd.compiler.stage_programs import STAGE_PROGRAMS, StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan
 
 __all__ = [
@@ -159,16 +162,9 @@ def compile_stage_programs(
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
-        jitted = [
-            ("F", f.forward, {"donate_argnums": (6,)}),
-            ("B", f.backward, {"donate_argnums": (3,)}),
-            ("FB", f.fused, {"donate_argnums": (7, 8)}),
-            ("BI", f.backward_input, {}),
-            ("Fwd", f.forward_only, {}),
-            ("BW", f.backward_weight, {"donate_argnums": (3,)}),
-        ]
-        for kind, fn, kwargs in jitted:
-            programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", **kwargs)
+        for kind, (method, donated) in STAGE_PROGRAMS.items():
+            fn = getattr(f, method)
+            programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", donate_argnums=donated)
         if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
             programs[ProgramKey("reduce", k)] = _LazyReduce(f, f"reduce{k}")
         submesh = submeshes[stage_mesh[k]]
@@ -355,6 +351,8 @@ def build_region_program(
     passes: list[tuple[str, list[Instruction]]] = []
     ir = lower_schedule(ctx, tasks)
     passes.append(("lower_schedule", ir))
+    ir = overlap_tasks(ir, ctx)
+    passes.append(("overlap_tasks", ir))
     ir = fuse_forward_backward(ir, ctx)
     passes.append(("fuse_forward_backward", ir))
     if getattr(plan.info, "reduces_once", False):

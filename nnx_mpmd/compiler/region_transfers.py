@@ -43,14 +43,25 @@ def _producers(program: Sequence[Instruction]) -> dict[RegionValue, tuple[int, R
     return producers
 
 
-def _stage_of(call: Instruction, value: RegionValue) -> int:
+def _stage_of(call: Instruction, value: RegionValue, ctx: RegionContext, making: bool) -> int:
+    """The stage of ``call`` that makes (or reads) ``value``."""
     task = getattr(call, "task", None)
     if task is None:
         raise CompileError(
             f"{value!r} moves between meshes for {getattr(call, 'label', call)!r}, which is not "
             "a stage task: only stage tasks exchange activations and cotangents."
         )
-    return task.stage
+    if not isinstance(task, tuple):
+        return task.stage
+    # Overlapped tasks: an activation is made by its producer stage and read by
+    # a consumer among the members; a cotangent ("ct", (value, sender)) is made
+    # by its sender and read by the value's producer.
+    var = ctx.boundary_vars[value.ident[0]]
+    if value.kind == "ct":
+        return value.ident[1] if making else ctx.plan.producer[var]
+    if making:
+        return ctx.plan.producer[var]
+    return min({t.stage for t in task} & set(ctx.plan.consumers[var]))
 
 
 def _transfer(
@@ -62,7 +73,7 @@ def _transfer(
             f"on mesh {src.mesh}: only activations and cotangents move between meshes inside "
             "the schedule. This is a bug in the region's lowering; please report it."
         )
-    k, c = _stage_of(producer, src), _stage_of(reader, dst)
+    k, c = _stage_of(producer, src, ctx, True), _stage_of(reader, dst, ctx, False)
     label = f"{_MOVED[src.kind]} s{k}->s{c} mb{src.microbatch}"
     nbytes = var_bytes(ctx.boundary_vars[src.ident[0]])
     return Transfer(

@@ -116,7 +116,7 @@ class RegionContext:
     plan: StagePlan
     fns: Sequence[StageFunctions]
     stage_mesh: Sequence[int]
-    programs: Mapping[ProgramKey, Callable[..., Any]]
+    programs: dict[ProgramKey, Callable[..., Any]]  # overlap_tasks adds programs
     boundary_vars: Sequence[Any]  # boundary value number -> its jaxpr var
     boundary_numbers: Mapping[Any, int]  # jaxpr var -> boundary value number
 
@@ -126,7 +126,7 @@ class RegionContext:
         plan: StagePlan,
         fns: Sequence[StageFunctions],
         stage_mesh: Sequence[int],
-        programs: Mapping[ProgramKey, Callable[..., Any]],
+        programs: dict[ProgramKey, Callable[..., Any]],
     ) -> RegionContext:
         """The context; boundary values are numbered in the plan's order."""
         numbers = {v: n for n, v in enumerate(plan.consumers)}

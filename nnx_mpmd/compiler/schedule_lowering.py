@@ -17,6 +17,8 @@ Three passes, in order:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +27,7 @@ from nnx_mpmd.compiler.region_values import RegionContext
 from nnx_mpmd.compiler.stage_programs import StageFunctions
 from nnx_mpmd.compiler.stages import StagePlan
 from nnx_mpmd.errors import CompileError, ScheduleError
+from nnx_mpmd.schedules.tasks import overlap_groups
 
 __all__ = [
     "dispatch_order",
@@ -39,7 +42,7 @@ def _producers(plan: StagePlan, stage: int) -> set[int]:
     return {plan.producer[v] for v in plan.stages[stage].boundary_in}
 
 
-def _dependencies(plan: StagePlan, task: Any, fns: Sequence[StageFunctions]) -> list[tuple]:
+def _dependencies(plan: StagePlan, task: Any, *, fns: Sequence[StageFunctions]) -> list[tuple]:
     s, i, kind = task.stage, task.microbatch, task.kind
     if kind == "F":
         return [(p, i, "F") for p in _producers(plan, s)]
@@ -58,10 +61,21 @@ def _done_key(task: Any) -> tuple:
     return (task.stage, task.microbatch, kind)
 
 
+def _ready(group: Sequence[Any], done: set[tuple], deps: Callable[[Any], list[tuple]]) -> bool:
+    """Whether a group's dependencies are done; a BW may depend on its BI in the group."""
+    inside = {(t.stage, t.microbatch, "BI") for t in group if t.kind == "BI"}
+    return all(d in done or (t.kind == "BW" and d in inside) for t in group for d in deps(t))
+
+
 def dispatch_order(
     plan: StagePlan, tasks: Any, fns: Sequence[StageFunctions]
 ) -> list[tuple[int, Any]]:
     """A global order of ``(mesh, task)`` consistent with every mesh's list.
+
+    Tasks that run overlapped (`Task.with_next`) are one unit: the group is
+    dispatched when every dependency of its members is done (a ``BW`` may
+    depend on its own ``BI`` in the group), and its members come out
+    consecutively.
 
     Args:
       plan: the region cut into stages (for the tasks' dependencies).
@@ -70,33 +84,40 @@ def dispatch_order(
 
     Returns:
       ``(mesh, task)`` pairs: each round advances every mesh whose next task's
-      dependencies are done, meshes in order.
+      (or group's) dependencies are done, meshes in order.
 
     Raises:
-      ScheduleError: if the task lists deadlock (no mesh can advance).
+      ScheduleError: if the task lists deadlock (no mesh can advance), for
+        instance when a member of a group depends on another member.
     """
-    pos = [0] * len(tasks)
+    groups = [overlap_groups(mesh_tasks) for mesh_tasks in tasks]
+    pos = [0] * len(groups)
     done: set[tuple] = set()
     order: list[tuple[int, Any]] = []
-    total = sum(len(t) for t in tasks)
-    while len(order) < total:
+    total = sum(len(g) for g in groups)
+    deps = functools.partial(_dependencies, plan, fns=fns)
+    dispatched = 0
+    while dispatched < total:
         progressed = False
-        for mesh, mesh_tasks in enumerate(tasks):
-            if pos[mesh] >= len(mesh_tasks):
+        for mesh, mesh_groups in enumerate(groups):
+            if pos[mesh] >= len(mesh_groups):
                 continue
-            task = mesh_tasks[pos[mesh]]
-            if all(d in done for d in _dependencies(plan, task, fns)):
-                order.append((mesh, task))
-                done.add(_done_key(task))
-                if task.kind == "BI":
-                    done.add((task.stage, task.microbatch, "BI"))
+            group = mesh_groups[pos[mesh]]
+            if _ready(group, done, deps):
+                for task in group:
+                    order.append((mesh, task))
+                    done.add(_done_key(task))
+                    if task.kind == "BI":
+                        done.add((task.stage, task.microbatch, "BI"))
                 pos[mesh] += 1
+                dispatched += 1
                 progressed = True
         if not progressed:
-            stuck = [str(t[p]) for t, p in zip(tasks, pos) if p < len(t)]
+            stuck = ["+".join(map(str, g[p])) for g, p in zip(groups, pos) if p < len(g)]
             raise ScheduleError(
                 f"the schedule deadlocks: no mesh can run its next task ({', '.join(stuck)}). "
-                "Check the task order with mp.schedules.validate."
+                "Check the task order with mp.schedules.validate; tasks joined by '+' run "
+                "as one program and must not depend on each other."
             )
     return order
 
@@ -198,8 +219,11 @@ def lower_schedule(ctx: RegionContext, tasks: Any) -> list[Instruction]:
       ScheduleError: the task lists deadlock.
       CompileError: a task runs on a mesh other than its stage's.
     """
-    if not ctx.with_grad:  # inference: the schedule's forwards, in its order
-        tasks = tuple(tuple(t for t in mesh_tasks if t.kind == "F") for mesh_tasks in tasks)
+    if not ctx.with_grad:  # inference: the schedule's forwards, in its order, one by one
+        tasks = tuple(
+            tuple(dataclasses.replace(t, with_next=False) for t in mesh_tasks if t.kind == "F")
+            for mesh_tasks in tasks
+        )
     program = init_accumulators(ctx)
     for mesh, task in dispatch_order(ctx.plan, tasks, ctx.fns):
         program.append(lower_task(ctx, mesh, task))

@@ -35,7 +35,24 @@ from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
 from nnx_mpmd.placement.mesh import MpmdMesh
 
-__all__ = ["StageFunctions", "check_mesh_context", "mean_dtype", "submesh_tracing"]
+__all__ = [
+    "STAGE_PROGRAMS",
+    "StageFunctions",
+    "check_mesh_context",
+    "mean_dtype",
+    "submesh_tracing",
+]
+
+# Per stage task kind: the `StageFunctions` method it runs, and the arguments it
+# always donates (accumulators).
+STAGE_PROGRAMS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "F": ("forward", (6,)),
+    "B": ("backward", (3,)),
+    "FB": ("fused", (7, 8)),
+    "BI": ("backward_input", ()),
+    "Fwd": ("forward_only", ()),
+    "BW": ("backward_weight", (3,)),
+}
 
 
 def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:

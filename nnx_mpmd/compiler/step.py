@@ -13,8 +13,9 @@ after it, which ``Lowered.passes`` shows):
 4. ``split_backward`` (zero-bubble schedules only): each backward split into BI
    (input cotangents) and BW (weight gradients).
 5. ``schedule``: the schedule's per-mesh task lists for this model.
-6. the region's lowering passes (`region_plan`): schedule lowering, fusion,
-   transfer insertion, region outputs; spliced by
+6. the region's lowering passes (`region_plan`): schedule lowering,
+   overlapped tasks as one program, fusion, transfer insertion, region
+   outputs; spliced by
 7. the mesh-inference passes (`mesh_inference`): the code outside the region
    placed on the meshes that use its results, with its transfers.
 8. ``insert_frees``: every slot freed after its last read; then
