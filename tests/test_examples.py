@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from nnx_mpmd.schedules.draw import matplotlib_missing
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 # (script, small flags, a line its own assertions print only when they passed)
@@ -22,6 +24,8 @@ CASES = [
     ("07_token_weighted_loss.py", ["--steps", "2"], "equals the whole-batch token-weighted"),
     ("08_generate.py", ["--steps", "2", "--new-tokens", "6"], "equal the one-device decoding"),
     ("09_plan.py", ["--steps", "2"], "equal the unpipelined run"),
+    ("10_scan_stack.py", ["--steps", "3"], "every step's loss equals the unpipelined reference"),
+    ("11_measured_timeline.py", ["--steps", "2"], "profiled step included"),
 ]
 
 
@@ -37,6 +41,8 @@ def test_example_runs(script, flags, expected, tmp_path):
     }
     if script == "04_checkpoint_resume.py":
         flags = [*flags, "--dir", str(tmp_path)]
+    if script == "11_measured_timeline.py":
+        flags = [*flags, "--out", str(tmp_path / "pictures" / "timeline.png")]
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *flags],
         capture_output=True,
@@ -50,6 +56,10 @@ def test_example_runs(script, flags, expected, tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     # Each example turns JAX's persistent compilation cache on (here: under tmp_path).
     assert list((tmp_path / "cache").glob("*-cache")), "the example wrote no compilation cache"
+    if script == "11_measured_timeline.py" and matplotlib_missing() is None:
+        # One picture per schedule; without matplotlib the example skips them.
+        pictures = sorted(p.name for p in (tmp_path / "pictures").glob("*.png"))
+        assert pictures == ["timeline-1f1b.png", "timeline-zb-h1.png"], pictures
 
 
 def test_annotate_example_shows_the_paths_next_to_a_wrong_one(tmp_path):
