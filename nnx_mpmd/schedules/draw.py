@@ -78,12 +78,13 @@ def time_axis_label(costs: Costs | None) -> str:
     costs = Costs() if costs is None else costs
     if costs == Costs():
         return "time (units of one forward, F=1)"
+    # float(): Fractions have no 'g' format before Python 3.12.
     values = (
-        f"F={costs.F:g}, B={costs.B:g}, BI={costs.BI:g}, BW={costs.BW:g}, "
-        f"transfer={costs.transfer:g}"
+        f"F={float(costs.F):g}, B={float(costs.B):g}, BI={float(costs.BI):g}, "
+        f"BW={float(costs.BW):g}, transfer={float(costs.transfer):g}"
     )
     if costs.overlap:
-        values += f", overlap={costs.overlap:g}"
+        values += f", overlap={float(costs.overlap):g}"
     if costs.per_stage:
         values += ", per-stage overrides"
     if costs.F == 1:
