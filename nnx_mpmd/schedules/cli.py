@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=positive_int, help="number of microbatches m (default: 8)"
     )
     parser.add_argument(
-        "--costs", default="", help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0 (the defaults)"
+        "--costs",
+        default="",
+        help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0,overlap=0 (the defaults); overlap "
+        "is the time hidden when tasks run overlapped in one program (dualpipev's pairs)",
     )
     parser.add_argument(
         "--text", metavar="FILE", help="read a hand-written schedule (one line per mesh)"
@@ -183,7 +186,7 @@ def _run(argv: list[str]) -> int:
     print(
         f"schedule {schedule.name}: {meshes} meshes, {stages} stages, {microbatches} "
         f"microbatches; costs F={costs.F:g} B={costs.B:g} BI={costs.BI:g} BW={costs.BW:g} "
-        f"transfer={costs.transfer:g}"
+        f"transfer={costs.transfer:g}" + (f" overlap={costs.overlap:g}" if costs.overlap else "")
     )
     print(to_ascii(timeline, slot=args.slot))
     print(

@@ -78,10 +78,13 @@ def time_axis_label(costs: Costs | None) -> str:
     costs = Costs() if costs is None else costs
     if costs == Costs():
         return "time (units of one forward, F=1)"
+    # float(): Fractions have no 'g' format before Python 3.12.
     values = (
-        f"F={costs.F:g}, B={costs.B:g}, BI={costs.BI:g}, BW={costs.BW:g}, "
-        f"transfer={costs.transfer:g}"
+        f"F={float(costs.F):g}, B={float(costs.B):g}, BI={float(costs.BI):g}, "
+        f"BW={float(costs.BW):g}, transfer={float(costs.transfer):g}"
     )
+    if costs.overlap:
+        values += f", overlap={float(costs.overlap):g}"
     if costs.per_stage:
         values += ", per-stage overrides"
     if costs.F == 1:
@@ -111,7 +114,8 @@ def to_ascii(
     """Draws a schedule as text: meshes as rows, time slots as columns.
 
     A task shows its token in its first slot and ``-`` in the slots it goes on
-    for; ``.`` is an idle slot.
+    for; ``.`` is an idle slot. Tasks that run overlapped, as one program
+    (`Task.with_next`), are joined by ``+`` instead of a space.
 
     Args:
       schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
@@ -127,6 +131,9 @@ def to_ascii(
       time   | 0    1    2    3    4    5    6    7    8
       mesh 0 | F0.0 F0.1 .    .    .    B0.0 ---- B0.1 ----
       mesh 1 | .    F1.0 F1.1 B1.0 ---- B1.1 ---- .    .
+      >>> print(to_ascii([["F0.0", "F0.1+B0.0", "B0.1"]]))
+      time   | 0    1    2    3    4    5
+      mesh 0 | F0.0 F0.1+B0.0 ---- B0.1 ----
     """
     timeline = _as_timeline(schedule, costs)
     durations = [end - start for _, _, start, end in timeline.entries if end > start]
@@ -138,6 +145,9 @@ def to_ascii(
     width = max([len(str(task)) for _, task, _, _ in timeline.entries] + [4])
     grid = [["."] * columns for _ in range(timeline.num_meshes)]
     taken = [[False] * columns for _ in range(timeline.num_meshes)]
+    # joined[mesh][column]: the cell starts a task that overlaps the one before it.
+    joined = [[False] * columns for _ in range(timeline.num_meshes)]
+    previous: dict[int, Task] = {}
     for mesh, task, start, end in timeline.entries:
         first = math.floor(round(start / slot, 9))
         last = max(first + 1, math.ceil(round(end / slot, 9)))
@@ -146,13 +156,18 @@ def to_ascii(
             if column == first and not taken[mesh][column]:
                 grid[mesh][column] = str(task)
                 taken[mesh][column] = True
+                joined[mesh][column] = mesh in previous and previous[mesh].with_next
             elif not taken[mesh][column]:
                 grid[mesh][column] = "-" * width
+        previous[mesh] = task
     label = max(len(f"mesh {timeline.num_meshes - 1}"), len("time"))
     ruler = " ".join(f"{column:<{width}}" for column in range(columns))
     lines = [f"{'time':<{label}} | {ruler}".rstrip()]
     for mesh, row in enumerate(grid):
-        cells = " ".join(f"{cell:<{width}}" for cell in row)
+        cells = "".join(
+            ("+" if joined[mesh][column] else " ") * (column > 0) + f"{cell:<{width}}"
+            for column, cell in enumerate(row)
+        )
         lines.append(f"{f'mesh {mesh}':<{label}} | {cells}".rstrip())
     return "\n".join(lines)
 
@@ -167,8 +182,9 @@ def plot_gantt(
 ) -> Any:
     """Draws a schedule as a Gantt chart: one row per mesh, boxes coloured by kind.
 
-    Every box shows its microbatch number. The x axis states its time unit, so
-    the makespans of two charts compare. Imports matplotlib (without pyplot, so
+    Every box shows its microbatch number. Tasks that run overlapped, as one
+    program (`Task.with_next`), get one black outline around their boxes.
+    The x axis states its time unit, so the makespans of two charts compare. Imports matplotlib (without pyplot, so
     no window opens and no global backend changes); without matplotlib it
     raises an `MpmdError` that names ``pip install 'nnx-mpmd[plots]'``.
 
@@ -272,9 +288,23 @@ def _finish(figure: Any, path: str | os.PathLike[str] | None) -> Any:
     return figure
 
 
+def _overlap_spans(timeline: Timeline) -> list[tuple[int, float, float]]:
+    """``(mesh, start, end)`` of every group of overlapped tasks in ``timeline``."""
+    spans: list[tuple[int, float, float]] = []
+    open_group: dict[int, tuple[float, float]] = {}
+    for mesh, task, start, end in timeline.entries:
+        if mesh in open_group:
+            start = open_group.pop(mesh)[0]
+            if not task.with_next:
+                spans.append((mesh, start, end))
+        if task.with_next:
+            open_group[mesh] = (start, end)
+    return spans
+
+
 def _draw_axes(ax: Any, timeline: Timeline, title: str, xlabel: str, xmax: float) -> None:
     """One Gantt chart on ``ax``: a row per mesh, boxes coloured by kind."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 
     font = max(5.0, min(9.0, 160.0 / max(float(timeline.makespan), 1.0)))
     for mesh, task, start, end in timeline.entries:
@@ -296,16 +326,34 @@ def _draw_axes(ax: Any, timeline: Timeline, title: str, xlabel: str, xmax: float
             fontsize=font,
             color="white",
         )
+    groups = _overlap_spans(timeline)
+    for mesh, start, end in groups:
+        ax.add_patch(
+            Rectangle(
+                (float(start), mesh - 0.4),
+                float(end - start),
+                0.8,
+                fill=False,
+                edgecolor="black",
+                linewidth=1.6,
+                zorder=3,
+            )
+        )
     ax.set_yticks(range(timeline.num_meshes), [f"mesh {m}" for m in range(timeline.num_meshes)])
     ax.set_ylim(timeline.num_meshes - 0.5, -0.5)
     ax.set_xlim(0, xmax)
     ax.set_xlabel(xlabel)
     kinds = [kind for kind in KIND_COLORS if any(t.kind == kind for _, t, _, _ in timeline.entries)]
+    handles = [Patch(color=KIND_COLORS[k], label=k) for k in kinds]
+    if groups:
+        handles.append(
+            Patch(fill=False, edgecolor="black", linewidth=1.6, label="overlapped (one program)")
+        )
     ax.legend(
-        handles=[Patch(color=KIND_COLORS[k], label=k) for k in kinds],
+        handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.25 if timeline.num_meshes > 2 else -0.4),
-        ncol=len(kinds),
+        ncol=len(handles),
         frameon=False,
     )
     ax.set_title(title)

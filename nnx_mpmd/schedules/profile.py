@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nnx_mpmd.errors import MpmdError, ScheduleError
-from nnx_mpmd.schedules.simulate import Costs, Timeline, simulate
+from nnx_mpmd.schedules.simulate import Costs, Timeline, peak_activations, simulate
 from nnx_mpmd.schedules.tasks import Task, TaskLists, normalize_tasks
 
 __all__ = ["ProfileComparison", "compare_profile", "fit_costs", "measured_timeline"]
@@ -30,10 +30,33 @@ __all__ = ["ProfileComparison", "compare_profile", "fit_costs", "measured_timeli
 _FUSED_F_SHARE = 1.0 / 3.0
 
 
+def _group_spans(
+    mesh: int, group: tuple[Task, ...], start: float, end: float
+) -> list[tuple[int, Task, float, float]]:
+    """Splits one program of overlapped tasks among them, in the ratio of the default `Costs`."""
+    # Mark the group as in the task lists, whatever flags the record carries.
+    group = tuple(
+        dataclasses.replace(task, with_next=n < len(group) - 1) for n, task in enumerate(group)
+    )
+    weights = [Costs().duration(task) for task in group]
+    total = sum(weights)
+    spans: list[tuple[int, Task, float, float]] = []
+    at, elapsed = float(start), 0.0
+    for task, weight in zip(group, weights, strict=True):
+        elapsed += weight
+        until = float(end) if elapsed == total else start + (end - start) * elapsed / total
+        spans.append((mesh, task, at, float(until)))
+        at = float(until)
+    return spans
+
+
 def _task_spans(records: Iterable[Sequence[Any]]) -> list[tuple[int, Task, float, float]]:
     """``(mesh, task, start, end)`` of every schedule task in ``records``."""
     spans = []
     for mesh, label, task, start, end in records:
+        if isinstance(task, tuple) and task and all(isinstance(t, Task) for t in task):
+            spans.extend(_group_spans(int(mesh), task, start, end))
+            continue
         if not isinstance(task, Task):
             continue
         if str(label).startswith("FB"):
@@ -45,15 +68,11 @@ def _task_spans(records: Iterable[Sequence[Any]]) -> list[tuple[int, Task, float
 
 
 def _peaks(entries: Sequence[tuple[int, Task, float, float]], num_meshes: int) -> tuple[int, ...]:
-    peaks = []
-    for q in range(num_meshes):
-        live = peak = 0
-        for mesh, task, _, _ in entries:
-            if mesh == q:
-                live += 1 if task.kind == "F" else -1 if task.kind in ("B", "BW") else 0
-                peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    rows: list[list[Task]] = [[] for _ in range(num_meshes)]
+    for mesh, task, _, _ in entries:
+        rows[mesh].append(task)
+    # Order on each mesh, overlapped groups (Task.with_next) as one program.
+    return peak_activations(rows)
 
 
 def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
@@ -63,10 +82,15 @@ def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
     gradient reduction) are left out; times are in seconds from the first
     task's start. A fused forward+backward program (label ``FB...``) is shown
     as its ``F`` and ``B`` with its time split 1:2, the ratio of the default
-    `Costs`.
+    `Costs`. A program of overlapped tasks (``task`` a tuple of the member
+    `Task` objects, label e.g. ``F0.5+BI7.2+BW7.2``) is shown as its members,
+    one after the other, its time split in the ratio of their default `Costs`
+    (F=1, B=2, BI=1, BW=1), as the simulator shows a group.
 
     Args:
-      records: ``(mesh, label, task, start_s, end_s)`` tuples.
+      records: ``(mesh, label, task, start_s, end_s)`` tuples; ``task`` is a
+        `Task`, a tuple of the `Task` objects of one overlapped program, or
+        anything else for a program that is not a schedule task.
 
     Returns:
       The timeline, ready for `nnx_mpmd.schedules.plot_gantt`.
@@ -78,6 +102,9 @@ def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
       >>> tl = measured_timeline([(0, "F0", Task(0, 0, "F"), 0.5, 1.0), (1, "opt", None, 1, 2)])
       >>> tl.makespan, tl.num_meshes
       (0.5, 1)
+      >>> pair = (Task(0, 1, "F", with_next=True), Task(0, 0, "B"))
+      >>> [e[2:] for e in measured_timeline([(0, "F0.1+B0.0", pair, 0.0, 3.0)]).entries]
+      [(0.0, 1.0), (1.0, 3.0)]
     """
     spans = _task_spans(records)
     if not spans:
@@ -103,6 +130,9 @@ def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
 
 def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any]] = ()) -> Costs:
     """`Costs` fitted to a profile: the median time of each kind on each stage.
+
+    A program of overlapped tasks is split among its members as
+    `measured_timeline` does, so their medians include the overlap.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).

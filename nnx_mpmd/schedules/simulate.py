@@ -5,6 +5,14 @@ dependencies have finished (plus a transfer delay across meshes), see
 `nnx_mpmd.schedules.validate.run_in_order`. Costs may be floats or
 `fractions.Fraction`; with fractions every number in the `Timeline` is exact.
 
+Overlapped tasks (a group such as ``F0.5+BI7.2+BW7.2``, see `Task.with_next`)
+run as one unit on their mesh: the group starts when the unit before it and
+every dependency of its members outside the group have finished, and takes
+``max(sum of its members' durations - Costs.overlap, longest member)``. In
+the `Timeline` its members are consecutive sub-intervals that fill the
+group's interval, in list order, each scaled by the same factor; their
+outputs are ready for other tasks only when the group ends.
+
 This module is pure Python: it imports neither JAX nor Flax.
 """
 
@@ -16,12 +24,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnx_mpmd.errors import ScheduleError
-from nnx_mpmd.schedules.tasks import KINDS, Task, TaskLists, normalize_tasks
+from nnx_mpmd.schedules.tasks import KINDS, Task, TaskLists, normalize_tasks, overlap_groups
 from nnx_mpmd.schedules.validate import run_in_order, validate
 
 __all__ = ["Costs", "Timeline", "simulate"]
 
-_COST_NAMES = (*KINDS, "transfer")
+_COST_NAMES = (*KINDS, "transfer", "overlap")
 
 
 def _check_cost(name: str, value: Any, where: str) -> None:
@@ -41,12 +49,19 @@ class Costs:
       BI: backward-to-input time (zero-bubble split).
       BW: backward-to-weights time (zero-bubble split).
       transfer: delay added when a task's dependency ran on another mesh.
+      overlap: the time hidden when tasks run overlapped in one program (a
+        group of `Task.with_next` tasks, e.g. DualPipe's forward of one
+        microbatch with the backward of another): a group takes ``max(sum of
+        its durations - overlap, longest member)``. In DualPipe's terms,
+        ``overlap = F + B - F&B``. It does not apply to lone tasks.
       per_stage: overrides per stage, e.g. ``{3: {"F": 2.0, "B": 4.0}}``.
 
     Example:
       >>> costs = Costs(per_stage={1: {"F": 3.0}})
       >>> costs.duration(Task(0, 0, "F")), costs.duration(Task(1, 0, "F"))
       (1.0, 3.0)
+      >>> simulate([["F0.0", "F0.1+B0.0", "B0.1"]], Costs(overlap=0.5)).makespan
+      5.5
     """
 
     F: float = 1.0
@@ -54,6 +69,7 @@ class Costs:
     BI: float = 1.0
     BW: float = 1.0
     transfer: float = 0.0
+    overlap: float = 0.0
     per_stage: Mapping[int, Mapping[str, float]] = dataclasses.field(
         default_factory=dict, hash=False
     )
@@ -90,7 +106,7 @@ class Costs:
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Reads ``"F=1,B=2,BI=1,BW=1,transfer=0.1"`` (any subset, any order).
+        """Reads ``"F=1,B=2,BI=1,BW=1,transfer=0.1,overlap=0.5"`` (any subset, any order).
 
         Args:
           text: comma-separated ``name=value`` pairs.
@@ -128,12 +144,17 @@ class Timeline:
 
     Attributes:
       entries: ``(mesh, task, start, end)`` for every task, sorted by ``(start, mesh)``.
+        The members of a group of overlapped tasks have consecutive
+        sub-intervals of the group's interval (their ``task.with_next`` marks
+        the group, as in the task lists).
       num_meshes: the number of meshes.
       makespan: the time the last task ends.
       busy: per mesh, the total time its tasks run.
       bubble_fraction: idle time / (``num_meshes`` × ``makespan``).
       peak_activations: per mesh, the most microbatch activations held at once
-        (an ``F`` holds one until its ``B``, or its ``BW`` when split).
+        (an ``F`` holds one until its ``B``, or its ``BW`` when split; in a
+        group, forwards hold theirs from the group's start and backwards
+        release at its end).
 
     Example:
       >>> tl = simulate([["F0.0", "B0.0"], ["F1.0", "B1.0"]])
@@ -171,7 +192,9 @@ def peak_activations(tasks: Iterable[Iterable[Task]]) -> tuple[int, ...]:
     """Per mesh, the most microbatch activations held at once.
 
     Only the order on each mesh matters: an ``F`` adds one activation, a ``B``
-    or a ``BW`` releases it.
+    or a ``BW`` releases it. A group of overlapped tasks (`Task.with_next`)
+    runs as one program, so it first adds all its forwards' activations and
+    only then releases its backwards'.
 
     Args:
       tasks: per-mesh ordered task lists.
@@ -182,16 +205,16 @@ def peak_activations(tasks: Iterable[Iterable[Task]]) -> tuple[int, ...]:
     Example:
       >>> peak_activations([[Task(0, 0, "F"), Task(0, 1, "F"), Task(0, 0, "B"), Task(0, 1, "B")]])
       (2,)
+      >>> peak_activations([["F0.0", "B0.0+F0.1", "B0.1"]])  # B0.0 frees at the group's end
+      (2,)
     """
     peaks = []
     for row in normalize_tasks(tasks):
         held = peak = 0
-        for task in row:
-            if task.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif task.kind in ("B", "BW"):
-                held -= 1
+        for group in overlap_groups(row):
+            held += sum(task.kind == "F" for task in group)
+            peak = max(peak, held)
+            held -= sum(task.kind in ("B", "BW") for task in group)
         peaks.append(peak)
     return tuple(peaks)
 
@@ -199,12 +222,14 @@ def peak_activations(tasks: Iterable[Iterable[Task]]) -> tuple[int, ...]:
 def simulate(tasks: Iterable[Iterable[Task | str]], costs: Costs | None = None) -> Timeline:
     """Simulates a schedule: every task starts as soon as it can.
 
-    The lists are validated first (see `validate`).
+    The lists are validated first (see `validate`). A group of overlapped
+    tasks runs as one unit and takes ``max(sum of its durations -
+    costs.overlap, longest member)`` (see the module docstring).
 
     Args:
       tasks: per-mesh ordered task lists.
-      costs: task durations and the transfer delay (default ``Costs()``:
-        ``F=1, B=2, BI=1, BW=1, transfer=0``).
+      costs: task durations, the transfer delay and the overlap (default
+        ``Costs()``: ``F=1, B=2, BI=1, BW=1, transfer=0, overlap=0``).
 
     Returns:
       The `Timeline`.
@@ -218,7 +243,7 @@ def simulate(tasks: Iterable[Iterable[Task | str]], costs: Costs | None = None) 
     costs = Costs() if costs is None else costs
     lists: TaskLists = normalize_tasks(tasks)
     validate(lists)
-    times, _ = run_in_order(lists, costs.duration, costs.transfer)
+    times, _ = run_in_order(lists, costs.duration, costs.transfer, costs.overlap)
     entries = sorted(
         ((mesh, task, *times[task]) for mesh, row in enumerate(lists) for task in row),
         key=lambda entry: (entry[2], entry[0], entry[3]),

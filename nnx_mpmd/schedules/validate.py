@@ -11,17 +11,31 @@ A task runs when its dependencies have finished and the task before it on its
 mesh has finished. `run_in_order` plays the lists forward under these rules; it
 serves both `validate` (does every task run?) and the simulator (when?).
 
+Overlapped tasks (``F0.5+BI7.2+BW7.2``: each but the last has
+`Task.with_next`) run as one program, so they are played as one unit: the
+group starts when every dependency of its members has finished, except a
+``BW`` whose own ``BI`` is in the group before it, and the outputs of all its
+members are ready when the group ends. Hence no member may depend on another
+member of its group, directly or through other meshes' tasks; `validate`
+reports both.
+
 This module is pure Python: it imports neither JAX nor Flax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 from nnx_mpmd.errors import ScheduleError
-from nnx_mpmd.schedules.tasks import Task, TaskLists, normalize_tasks
+from nnx_mpmd.schedules.tasks import (
+    Task,
+    TaskLists,
+    normalize_tasks,
+    overlap_groups,
+)
 
-__all__ = ["dependencies", "format_grid", "run_in_order", "validate"]
+__all__ = ["dependencies", "external_dependencies", "format_grid", "run_in_order", "validate"]
 
 
 def dependencies(task: Task, num_stages: int, split: Callable[[int, int], bool]) -> list[Task]:
@@ -64,6 +78,12 @@ def format_grid(tasks: Iterable[Iterable[Task]], marked: Iterable[Task] = ()) ->
     Example:
       >>> print(format_grid([[Task(0, 0, "F"), Task(0, 0, "B")]], [Task(0, 0, "B")]))
       mesh 0 |  F0.0  [B0.0]
+
+      Overlapped tasks are joined by ``+``:
+
+      >>> from nnx_mpmd.schedules.tasks import parse_tasks
+      >>> print(format_grid(parse_tasks("F0.0 F0.1+B0.0 B0.1")))
+      mesh 0 |  F0.0   F0.1 + B0.0   B0.1
     """
     lists = normalize_tasks(tasks)
     marked = set(marked)
@@ -74,7 +94,10 @@ def format_grid(tasks: Iterable[Iterable[Task]], marked: Iterable[Task] = ()) ->
         cells = [
             f"[{t}]".ljust(width + 2) if t in marked else f" {t} ".ljust(width + 2) for t in row
         ]
-        lines.append(f"{f'mesh {mesh}':<{label_width}} | {' '.join(cells)}".rstrip())
+        body = "".join(
+            cell + ("+" if task.with_next else " ") for cell, task in zip(cells, row, strict=True)
+        )
+        lines.append(f"{f'mesh {mesh}':<{label_width}} | {body}".rstrip())
     return "\n".join(lines)
 
 
@@ -86,6 +109,7 @@ def run_in_order(
     lists: TaskLists,
     duration: Callable[[Task], float],
     transfer: float = 0.0,
+    overlap: float = 0,
 ) -> tuple[dict[Task, tuple[float, float]], list[tuple[int, Task]]]:
     """Plays per-mesh lists forward: every task starts as soon as it can.
 
@@ -94,20 +118,37 @@ def run_in_order(
     another mesh). Every dependency must be present somewhere in ``lists``
     (`validate` checks that first).
 
+    A group of overlapped tasks (`nnx_mpmd.schedules.overlap_groups`) runs as
+    one unit: it starts when the unit before it on its mesh and every
+    dependency of its members have finished (a ``BW`` does not wait for its
+    own ``BI`` in the group), it takes ``max(sum of the member durations -
+    overlap, longest member)``, and every member's output is ready when the
+    group ends. Its members get consecutive sub-intervals that fill the
+    group's interval, in list order, each as long as its duration times the
+    group's time over the sum of durations.
+
     Args:
       lists: per-mesh ordered task lists.
       duration: the time a task takes.
       transfer: the extra delay of a dependency that ran on another mesh.
+      overlap: the time hidden when the tasks of a group run overlapped
+        (`nnx_mpmd.schedules.Costs.overlap`).
 
     Returns:
       ``(times, blocked)``: ``times`` maps every task that ran to its
       ``(start, end)``; ``blocked`` lists ``(mesh, task)`` for every mesh that
-      stopped early at ``task`` (empty unless the schedule deadlocks).
+      stopped early, ``task`` being the first task of the unit it waits at
+      (empty unless the schedule deadlocks).
 
     Example:
       >>> times, blocked = run_in_order(((Task(0, 0, "F"), Task(0, 0, "B")),), lambda t: 1.0)
       >>> times[Task(0, 0, "B")], blocked
       ((1.0, 2.0), [])
+      >>> from nnx_mpmd.schedules.tasks import parse_tasks
+      >>> pair = parse_tasks("F0.0 F0.1+B0.0 B0.1")
+      >>> times, _ = run_in_order(pair, lambda t: 1.0, overlap=0.5)
+      >>> times[Task(0, 1, "F")], times[Task(0, 0, "B")], times[Task(0, 1, "B")]
+      ((1.0, 1.75), (1.75, 2.5), (2.5, 3.5))
     """
     mesh_of_task = {task: mesh for mesh, row in enumerate(lists) for task in row}
     num_stages = max((t.stage for t in mesh_of_task), default=-1) + 1
@@ -115,34 +156,104 @@ def run_in_order(
     def split(stage: int, microbatch: int) -> bool:
         return Task(stage, microbatch, "BI") in mesh_of_task
 
+    groups = [overlap_groups(row) for row in lists]
     times: dict[Task, tuple[float, float]] = {}
+    # When each task's outputs are ready: the end of its group.
+    done: dict[Task, float] = {}
     position = [0] * len(lists)
     # Integer zeros keep exact arithmetic when durations are Fractions.
     free_at: list[float] = [0] * len(lists)
     progress = True
     while progress:
         progress = False
-        for mesh, row in enumerate(lists):
-            while position[mesh] < len(row):
-                task = row[position[mesh]]
-                deps = dependencies(task, num_stages, split)
-                if any(dep not in times for dep in deps):
+        for mesh, mesh_groups in enumerate(groups):
+            while position[mesh] < len(mesh_groups):
+                group = mesh_groups[position[mesh]]
+                deps = external_dependencies(group, num_stages, split)
+                if any(dep not in done for dep in deps):
                     break
                 start = free_at[mesh]
                 for dep in deps:
-                    ready = times[dep][1]
+                    ready = done[dep]
                     if transfer and mesh_of_task[dep] != mesh:
                         ready = ready + transfer
                     start = max(start, ready)
-                end = start + duration(task)
-                times[task] = (start, end)
+                end = _place_group(group, start, duration, overlap, times)
+                for task in group:
+                    done[task] = end
                 free_at[mesh] = end
                 position[mesh] += 1
                 progress = True
     blocked = [
-        (mesh, row[position[mesh]]) for mesh, row in enumerate(lists) if position[mesh] < len(row)
+        (mesh, mesh_groups[position[mesh]][0])
+        for mesh, mesh_groups in enumerate(groups)
+        if position[mesh] < len(mesh_groups)
     ]
     return times, blocked
+
+
+def _place_group(
+    group: tuple[Task, ...],
+    start: float,
+    duration: Callable[[Task], float],
+    overlap: float,
+    times: dict[Task, tuple[float, float]],
+) -> float:
+    """Records the members' sub-intervals from ``start``; returns the group's end."""
+    if len(group) == 1:
+        end = start + duration(group[0])
+        times[group[0]] = (start, end)
+        return end
+    lengths = [duration(task) for task in group]
+    total = sum(lengths)
+    span = max(total - overlap, max(lengths))
+    at, elapsed = start, 0
+    for task, length in zip(group, lengths, strict=True):
+        elapsed = elapsed + length
+        # Nothing hidden: back to back, as ungrouped tasks. Else scale the
+        # cumulative time, so that the last member ends exactly at start + span.
+        end = at + length if span == total else start + elapsed * span / total
+        times[task] = (at, end)
+        at = end
+    return at
+
+
+def external_dependencies(
+    group: Iterable[Task], num_stages: int, split: Callable[[int, int], bool]
+) -> list[Task]:
+    """What a group of overlapped tasks waits for: its members' dependencies outside it.
+
+    A ``BW`` whose own ``BI`` is in the group needs nothing (the group runs
+    its full backward); any other dependency on a member stays in the list,
+    so a group that feeds itself never becomes ready (`validate` reports it).
+
+    Args:
+      group: the tasks of one group (a lone task is a group of one).
+      num_stages: the number of stages ``S``.
+      split: ``(stage, microbatch) -> bool``, as for `dependencies`.
+
+    Returns:
+      The dependencies, each once, in the order of the members.
+
+    Example:
+      >>> from nnx_mpmd.schedules.tasks import parse_tasks
+      >>> group = parse_tasks("F1.0+BI2.0+BW2.0")[0]
+      >>> [str(d) for d in external_dependencies(group, 4, lambda s, mb: True)]
+      ['F0.0', 'F2.0', 'BI3.0']
+    """
+    group = tuple(group)
+    deps: list[Task] = []
+    for task in group:
+        for dep in dependencies(task, num_stages, split):
+            if _feeds_allowed(task, dep, group) or dep in deps:
+                continue
+            deps.append(dep)
+    return deps
+
+
+def _feeds_allowed(task: Task, dep: Task, group: tuple[Task, ...]) -> bool:
+    """True when ``dep`` feeding ``task`` inside ``group`` is fine: a BW after its own BI."""
+    return task.kind == "BW" and dep in group and group.index(dep) < group.index(task)
 
 
 def _check_placement(
@@ -250,6 +361,60 @@ def _check_local_order(lists: TaskLists) -> None:
                 )
 
 
+def _group_text(group: Iterable[Task]) -> str:
+    return "+".join(str(task) for task in group)
+
+
+def _check_groups(lists: TaskLists, num_stages: int) -> None:
+    """``with_next`` on a mesh's last task; a group member fed by another member."""
+    present = {task for row in lists for task in row}
+    split = lambda s, mb: Task(s, mb, "BI") in present  # noqa: E731
+    for mesh, row in enumerate(lists):
+        if row and row[-1].with_next:
+            raise _fail(
+                f"task {row[-1]}, the last task of mesh {mesh}, has with_next=True (runs "
+                "overlapped with the next task), but no task follows it on mesh "
+                f"{mesh}; set with_next=False on it, or move the task it should overlap "
+                "with after it",
+                lists,
+                [row[-1]],
+            )
+        for group in overlap_groups(row):
+            for task in group:
+                for dep in dependencies(task, num_stages, split):
+                    if dep in group and not _feeds_allowed(task, dep, group):
+                        raise _fail(
+                            f"mesh {mesh}: in the overlapped group {_group_text(group)}, "
+                            f"{task} needs {dep} of the same group, but a group runs as one "
+                            "program and its tasks cannot feed each other (only a BW may "
+                            "follow its own BI); run them as separate programs: write "
+                            f"'{' '.join(map(str, group))}'",
+                            lists,
+                            [task, dep],
+                        )
+
+
+def _deadlock(
+    lists: TaskLists,
+    num_stages: int,
+    times: dict[Task, tuple[float, float]],
+    blocked: list[tuple[int, Task]],
+) -> str:
+    """``mesh M waits at X for Y (mesh N); ...`` for the units that could not run."""
+    present = {task: mesh for mesh, row in enumerate(lists) for task in row}
+    split = lambda s, mb: Task(s, mb, "BI") in present  # noqa: E731
+    group_of = {group[0]: group for row in lists for group in overlap_groups(row)}
+    waits = []
+    for mesh, task in blocked:
+        group = group_of[task]
+        missing = [d for d in external_dependencies(group, num_stages, split) if d not in times]
+        waits.append(
+            f"mesh {mesh} waits at {_group_text(group)} for "
+            + ", ".join(f"{d} (mesh {present[d]})" for d in missing)
+        )
+    return "; ".join(waits)
+
+
 def validate(
     tasks: Iterable[Iterable[Task | str]],
     *,
@@ -263,6 +428,12 @@ def validate(
     ``F`` and either one ``B`` or one ``BI`` and one ``BW``; ``F`` comes before
     its backward and ``BI`` before ``BW``; and that a dry run of the lists
     finishes, i.e. no two meshes wait for each other.
+
+    Overlapped tasks (``with_next``, text form ``F0.5+BI7.2+BW7.2``) must be
+    followed by a task on their mesh, and no task of a group may depend on
+    another task of the same group, directly or through other meshes (a
+    second dry run plays each group as one unit), except a ``BW`` after its
+    own ``BI``.
 
     Args:
       tasks: per-mesh ordered task lists (`Task` objects or tokens).
@@ -279,6 +450,11 @@ def validate(
       Traceback (most recent call last):
       ...
       nnx_mpmd.errors.ScheduleError: task B1.0 comes before F1.0 on mesh 1; ...
+      >>> validate(parse_tasks("F0.0 F0.1+B0.0 B0.1"))
+      >>> validate(parse_tasks("F0.0+B0.0"))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      nnx_mpmd.errors.ScheduleError: mesh 0: in the overlapped group F0.0+B0.0, B0.0 needs F0.0 ...
     """
     lists = normalize_tasks(tasks)
     if not lists:
@@ -293,21 +469,36 @@ def validate(
     _check_placement(lists, mesh_of, num_stages)
     _check_complete(lists, num_stages)
     _check_local_order(lists)
-    times, blocked = run_in_order(lists, lambda task: 1.0)
+    _check_groups(lists, num_stages)
+    plain = tuple(tuple(dataclasses.replace(t, with_next=False) for t in row) for row in lists)
+    times, blocked = run_in_order(plain, lambda task: 1.0)
     if blocked:
-        present = {task: mesh for mesh, row in enumerate(lists) for task in row}
-        split = lambda s, mb: Task(s, mb, "BI") in present  # noqa: E731
-        waits = []
-        for mesh, task in blocked:
-            missing = [d for d in dependencies(task, num_stages, split) if d not in times]
-            waits.append(
-                f"mesh {mesh} waits at {task} for "
-                + ", ".join(f"{d} (mesh {present[d]})" for d in missing)
-            )
         raise _fail(
             "the schedule deadlocks: "
-            + "; ".join(waits)
+            + _deadlock(plain, num_stages, times, blocked)
             + ". Reorder the lists so that every task's inputs are produced before it",
+            lists,
+            [task for _, task in blocked],
+        )
+    if not any(t.with_next for row in lists for t in row):
+        return
+    times, blocked = run_in_order(lists, lambda task: 1.0)
+    if blocked:
+        group_of = {group[0]: group for row in lists for group in overlap_groups(row)}
+        stuck = [
+            f"{_group_text(group_of[task])} on mesh {mesh}"
+            for mesh, task in blocked
+            if len(group_of[task]) > 1
+        ] or [f"{_group_text(group_of[task])} on mesh {mesh}" for mesh, task in blocked]
+        many = len(stuck) > 1
+        raise _fail(
+            f"the overlapped group{'s' if many else ''} {', '.join(stuck)} "
+            f"deadlock{'' if many else 's'}: a group runs as one program and starts only "
+            "when the inputs of all its tasks are ready, so none of its tasks may wait, through other meshes, for "
+            "another task of the same group ("
+            + _deadlock(lists, num_stages, times, blocked)
+            + "). Split the group into separate programs (a space instead of '+'), or "
+            "overlap tasks that do not depend on each other",
             lists,
             [task for _, task in blocked],
         )

@@ -230,19 +230,28 @@ class _DualPipeVRank:
         self.next = {(stage, kind): 0 for stage in (self.lower, self.upper) for kind in "FB"}
         self.deferred: collections.deque[Task] = collections.deque()
         self.order: list[Task] = []
+        self.overlapping = False
 
-    def forward(self, stage: int) -> None:
-        self.order.append(Task(stage, self.next[stage, "F"], "F"))
+    def forward(self, stage: int, with_next: bool = False) -> None:
+        self.order.append(Task(stage, self.next[stage, "F"], "F", with_next=with_next))
         self.next[stage, "F"] += 1
 
     def backward(self, stage: int, defer_weights: bool = False) -> None:
         mb = self.next[stage, "B"]
         self.next[stage, "B"] += 1
-        self.order.append(Task(stage, mb, "BI"))
+        # A full backward (weights not deferred) is BI then BW, one program.
+        self.order.append(Task(stage, mb, "BI", with_next=self.overlapping and not defer_weights))
         if defer_weights:
             self.deferred.append(Task(stage, mb, "BW"))
         else:
             self.order.append(Task(stage, mb, "BW"))
+        self.overlapping = False
+
+    def forward_backward(self, forward: int, backward: int, overlap: bool) -> None:
+        """The forward of one chunk and the full backward of the other, overlapped if asked."""
+        self.forward(forward, with_next=overlap)
+        self.overlapping = overlap
+        self.backward(backward)
 
     def weights(self) -> None:
         self.order.append(self.deferred.popleft())
@@ -260,21 +269,52 @@ class DualPipeV(Schedule):
     rounds (upper backward, upper F, lower backward); ``r+1`` pairs of
     backwards (upper, lower), deferring weights from the middle on; ``p-r-1``
     rounds (a deferred ``BW``, lower backward with deferred weights); and
-    ``r+1`` deferred ``BW``. DualPipe overlaps the forward and backward of a
-    round on the device; here they run one after the other, forward first.
-    Needs ``num_stages == 2 * num_meshes`` and ``m >= 2p``.
+    ``r+1`` deferred ``BW``.
+
+    As DualPipe does, the forward of one chunk and the full backward of the
+    other run *overlapped*, as one program, so that one's communication
+    hides behind the other's compute: in the steady rounds (lower ``F`` +
+    upper backward) and (upper ``F`` + lower backward), and in the rounds
+    after them (upper ``F`` + lower backward). A full backward is ``BI`` then
+    ``BW``, so a pair is three tasks, ``F0.5+BI7.2+BW7.2`` in the text form
+    (`Task.with_next`); ``Costs.overlap`` is the time the simulator takes off
+    each pair. Two kinds of pairs run apart instead. At the turn of the V (the
+    last mesh, which holds stages ``p-1`` and ``p``) the first steady round's
+    lower forward runs alone, as on DualPipe's middle ranks: the upper
+    backward there waits for the first gradient to come back down the V (with
+    a transfer delay, pairing it lengthens the step). And on meshes ``r > 0``
+    the upper forwards after the last lower forward run alone: they carry the
+    last microbatches to the loss, and a program's outputs are ready only when
+    it ends, so a paired backward would delay the whole drain (DualPipe pairs
+    them; here that lengthens the step unless ``Costs.overlap`` is large).
+    With these rules, at ``overlap = 0`` the step is as long as with no pairs,
+    and with ``F = BI = BW = c`` and ``0 <= overlap <= c`` its makespan is
+    ``(6m + p - 1)c - (2m - 3p) overlap`` (tests/test_schedules_overlap.py).
+    With ``overlap=False`` the same tasks run one after the other, forward
+    first. The task lists are equal (``==``) either way; only
+    `Task.with_next` differs. Needs ``num_stages == 2 * num_meshes`` and
+    ``m >= 2p``.
+
+    Args:
+      overlap: mark the (forward, full backward) pairs as overlapped.
 
     Example:
-      >>> " ".join(map(str, DualPipeV().tasks(2, 1, 2)[0]))
-      'F0.0 F1.0 F0.1 BI1.0 BW1.0 F1.1 BI0.0 BW0.0 BI1.1 BW1.1 BI0.1 BW0.1'
+      >>> from nnx_mpmd.schedules import format_tasks
+      >>> print(format_tasks(DualPipeV().tasks(2, 1, 2)), end="")
+      mesh 0: F0.0 F1.0 F0.1 BI1.0 BW1.0 F1.1+BI0.0+BW0.0 BI1.1 BW1.1 BI0.1 BW0.1
+      >>> DualPipeV(overlap=False).tasks(2, 1, 2) == DualPipeV().tasks(2, 1, 2)
+      True
     """
 
     name: ClassVar[str] = "dualpipev"
     split_backward: ClassVar[bool] = True
     placement: ClassVar[str] = "v"
+    overlap: bool = True
 
     def check(self, num_stages: int, num_meshes: int, num_microbatches: int) -> None:
         super().check(num_stages, num_meshes, num_microbatches)
+        if not isinstance(self.overlap, bool):
+            raise ScheduleError(f"{self.name}: overlap must be a bool, got {self.overlap!r}")
         if num_microbatches < 2 * num_meshes:
             raise ScheduleError(
                 f"{self.name} needs at least 2 * num_meshes = {2 * num_meshes} microbatches "
@@ -295,15 +335,19 @@ class DualPipeV(Schedule):
             for _ in range(p - r - 1):
                 rank.backward(up)
                 rank.forward(up)
-            for _ in range(m - 2 * p + r + 1):
-                rank.forward(lo)
-                rank.backward(up)
-                rank.forward(up)
-                rank.backward(lo)
+            rounds = m - 2 * p + r + 1
+            for i in range(rounds):
+                # At the turn of the V (the last mesh) the first round's lower
+                # forward runs alone, as on DualPipe's middle ranks: the upper
+                # backward waits for the first gradient to come back down the V.
+                turn = r == p - 1 and i == 0
+                rank.forward_backward(lo, up, self.overlap and not turn)
+                # Once the lower forwards are done, the upper forwards carry the
+                # last microbatches to the loss: on meshes r > 0 they run alone.
+                rank.forward_backward(up, lo, self.overlap and (r == 0 or i < rounds - 1))
             for _ in range(p - r - 1):
                 rank.backward(up)
-                rank.forward(up)
-                rank.backward(lo)
+                rank.forward_backward(up, lo, self.overlap and r == 0)
             half = (r + 1) // 2
             for i in range(r + 1):
                 rank.backward(up, defer_weights=i > half or (i == half and r % 2 == 1))
