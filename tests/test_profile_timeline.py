@@ -146,11 +146,37 @@ def test_fit_costs_takes_medians_per_stage_and_kind():
         (0, "post.L0.mesh0", None, 6.0, 9.0),
     ]
     costs = fit_costs(records, [(0, 1, "act", 1.0, 1.5), (0, 1, "act", 2.0, 2.1)])
-    assert costs.per_stage[0] == {"F": 2.0}
-    assert costs.per_stage[1] == pytest.approx({"F": 1.0, "B": 2.0})
-    assert pytest.approx((1.5, 2.0)) == (costs.F, costs.B)
+    # Kinds a stage did not run are derived from those it did (all in seconds).
+    assert costs.per_stage[0] == {"F": 2.0, "B": 4.0, "BI": 2.0, "BW": 2.0}
+    assert costs.per_stage[1] == pytest.approx({"F": 1.0, "B": 2.0, "BI": 1.0, "BW": 1.0})
+    assert pytest.approx((1.5, 2.0, 1.0, 1.0)) == (costs.F, costs.B, costs.BI, costs.BW)
     assert costs.transfer == pytest.approx(0.3)
-    assert fit_costs([records[0]]).BI == Costs().BI  # kinds not run keep their defaults
+
+
+@pytest.mark.parametrize(
+    "profiled,derived",
+    [
+        ({"F": 0.001}, {"B": 0.002, "BI": 0.001, "BW": 0.001}),
+        ({"F": 0.001, "B": 0.004}, {"BI": 0.002, "BW": 0.002}),
+        ({"F": 0.001, "BI": 0.003, "BW": 0.001}, {"B": 0.004}),
+    ],
+)
+def test_fit_costs_derives_kinds_the_profile_did_not_run(profiled, derived):
+    """A 1F1B profile must not leave BI/BW at the unitless defaults (1.0) beside
+    seconds: simulating a zero-bubble schedule from it would be nonsense."""
+    records = [(0, kind, Task(0, 0, kind), 0.0, t) for kind, t in profiled.items()]
+    costs = fit_costs(records)
+    for kind, value in derived.items():
+        assert getattr(costs, kind) == pytest.approx(value), kind
+        assert costs.per_stage[0][kind] == pytest.approx(value), kind
+
+
+def test_costs_fitted_to_1f1b_simulate_zb_h1_in_seconds():
+    tasks = mp.OneFOneB().tasks(2, 2, 4)
+    truth = simulate(tasks, Costs(F=0.001, B=0.002))
+    records = [(m, str(t), t, s, e) for m, t, s, e in truth.entries]
+    zb = simulate(mp.ZeroBubbleH1().tasks(2, 2, 4), fit_costs(records))
+    assert 0 < zb.makespan <= truth.makespan  # same work, smaller bubble, same unit
 
 
 def test_compare_profile_simulates_the_given_tasks():

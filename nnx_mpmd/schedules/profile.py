@@ -128,6 +128,20 @@ def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
     )
 
 
+def _complete(times: dict[str, float]) -> dict[str, float]:
+    """Fills the kinds a profile did not run from those it did (see `fit_costs`)."""
+    if "B" not in times and "BI" in times and "BW" in times:
+        times["B"] = times["BI"] + times["BW"]
+    if "B" in times:
+        times.setdefault("BI", times["B"] / 2)
+        times.setdefault("BW", times["B"] / 2)
+    if "F" in times:
+        times.setdefault("B", 2 * times["F"])
+        times.setdefault("BI", times["F"])
+        times.setdefault("BW", times["F"])
+    return times
+
+
 def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any]] = ()) -> Costs:
     """`Costs` fitted to a profile: the median time of each kind on each stage.
 
@@ -142,8 +156,11 @@ def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any
 
     Returns:
       Costs whose kind-wide values are the medians over all stages and whose
-      ``per_stage`` holds each stage's own medians; kinds the profile did not
-      run keep their defaults.
+      ``per_stage`` holds each stage's own medians. Kinds the profile did not
+      run are derived from those it did, so that every cost is in seconds and
+      the costs can simulate another schedule: ``B = BI + BW`` from a split
+      backward, ``BI = BW = B / 2`` from a whole one, and from forwards alone
+      the default ratios (``B = 2F``, ``BI = BW = F``).
 
     Example:
       >>> records = [(0, "F0", Task(0, 0, "F"), 0.0, 0.2), (0, "F0", Task(0, 1, "F"), 0.2, 0.6),
@@ -151,6 +168,8 @@ def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any
       >>> costs = fit_costs(records, [(0, 1, "act", 0.2, 0.25)])
       >>> round(costs.F, 3), round(costs.per_stage[0]["F"], 3), round(costs.transfer, 3)
       (0.2, 0.3, 0.05)
+      >>> round(costs.B, 3), round(costs.BW, 3)  # not profiled: derived from F
+      (0.4, 0.2)
     """
     by_kind: dict[str, list[float]] = {}
     by_stage: dict[int, dict[str, list[float]]] = {}
@@ -158,9 +177,9 @@ def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any
         by_kind.setdefault(task.kind, []).append(end - start)
         by_stage.setdefault(task.stage, {}).setdefault(task.kind, []).append(end - start)
     moves = [float(end) - float(start) for *_, start, end in transfers]
-    kinds = {kind: statistics.median(values) for kind, values in by_kind.items()}
+    kinds = _complete({kind: statistics.median(values) for kind, values in by_kind.items()})
     per_stage = {
-        stage: {kind: statistics.median(values) for kind, values in kinds_.items()}
+        stage: _complete({kind: statistics.median(values) for kind, values in kinds_.items()})
         for stage, kinds_ in by_stage.items()
     }
     transfer = statistics.median(moves) if moves else 0.0
