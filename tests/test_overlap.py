@@ -203,3 +203,20 @@ def test_overlapping_tasks_that_share_an_accumulator_is_refused_by_mp_jit():
     ):
         step(model, opt, make_batch(kind, 4))
     assert jnp.isfinite(model.layers[0].kernel[...]).all()  # the model was not touched
+
+
+def test_a_profiled_overlapped_step_splits_each_program_among_its_tasks():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.DualPipeV(), num_microbatches=4
+    )
+    batch = make_batch(kind, 8)
+    step(model, opt, batch)
+    step(model, opt, batch, profile=True)
+    records = list(step.last_profile)
+    assert any(isinstance(r[2], tuple) for r in records)  # one record per overlapped program
+    measured = step.last_profile.timeline()
+    scheduled = sorted(str(t) for row in mp.DualPipeV().tasks(4, 2, 4) for t in row)
+    assert sorted(str(t) for _, t, _, _ in measured.entries) == scheduled
+    comparison = step.last_profile.compare()
+    assert comparison.simulated.makespan > 0 and comparison.measured.makespan > 0
