@@ -91,16 +91,13 @@ def main() -> None:
         print(f"a gap is refused: {error}\n")
 
     model = mp.assign_stages(Deep(nnx.Rngs(0)), RANGES)
-    print(model.stage_summary())
-    start = 0
-    for i, chunk in enumerate(model.blocks.chunks):
-        stop = start + chunk.module.num_layers
+    print(model.stage_summary())  # the chunks read as their ranges, blocks[0:4] ...
+    ranges = model.blocks.chunk_ranges()
+    for (start, stop), chunk in zip(ranges, model.blocks.chunks):
         kernel = chunk.module.layers.mlp.kernel
         print(
-            f"blocks.chunks.{i} = blocks[{start}:{stop}] -> stage {chunk.stage} "
-            f"(stacked kernel {tuple(kernel.shape)})"
+            f"blocks[{start}:{stop}] -> stage {chunk.stage} (stacked kernel {tuple(kernel.shape)})"
         )
-        start = stop
     assert [(c.stage, c.module.num_layers) for c in model.blocks.chunks] == [(0, 4), (1, 4)]
 
     mesh = mp.MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")

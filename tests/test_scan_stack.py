@@ -95,6 +95,17 @@ def test_split_slices_every_variable_and_can_split_again():
     np.testing.assert_allclose(stack(x), whole, rtol=1e-6)
 
 
+def test_stage_summary_names_each_chunk_by_its_layer_range():
+    stack = mp.ScanStack(Block, NUM_LAYERS, rngs=nnx.Rngs(0))
+    stack.split({(0, 3): 0, (3, 8): 1})
+    assert stack.chunk_ranges() == [(0, 3), (3, 8)]
+    summary = mp.annotate.stage_summary(nnx.Dict(blocks=stack))
+    lines = summary.splitlines()
+    assert lines[1].startswith("0") and lines[1].endswith("blocks[0:3]"), summary
+    assert lines[2].startswith("1") and lines[2].endswith("blocks[3:8]"), summary
+    assert "chunks" not in summary
+
+
 @pytest.mark.parametrize(
     "ranges,match",
     [

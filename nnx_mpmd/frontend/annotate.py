@@ -384,6 +384,16 @@ def stage_summary(module: Any) -> str:
       total       6     24
     """
     nodes = _graph_nodes(module)
+    by_path = dict(nodes)
+
+    def label_of(path: tuple[Any, ...]) -> str:
+        """A path's text; a `ScanStack` chunk reads as its layer range, ``blocks[0:4]``."""
+        stack = by_path.get(path[:-2]) if len(path) >= 2 and path[-2] == "chunks" else None
+        if isinstance(stack, ScanStack):
+            start, stop = stack.chunk_ranges()[int(path[-1])]
+            return f"{_path_text(path[:-2])}[{start}:{stop}]"
+        return _path_text(path)
+
     wrappers = [(path, node) for path, node in nodes if isinstance(node, Stage)]
     # The outermost wrapper that reaches a Variable at its owner stage names it.
     owner_paths: dict[int, str] = {}
@@ -394,7 +404,7 @@ def stage_summary(module: Any) -> str:
                 and variable_stage(child) == wrapper.stage
                 and id(child) not in owner_paths
             ):
-                owner_paths[id(child)] = _path_text(path)
+                owner_paths[id(child)] = label_of(path)
     rows: dict[int | None, list[Any]] = {}
     shared_notes = []
     for path, node in nodes:
@@ -417,7 +427,7 @@ def stage_summary(module: Any) -> str:
             row[2].append(label)
     for wrapper_path, wrapper in wrappers:
         rows.setdefault(wrapper.stage, [0, 0, []])
-        label = _path_text(wrapper_path)
+        label = label_of(wrapper_path)
         if not any(p.rstrip("*") == label for p in rows[wrapper.stage][2]):
             rows[wrapper.stage][2].append(label)
     order = sorted((s for s in rows if s is not None), key=int)

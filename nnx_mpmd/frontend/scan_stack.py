@@ -103,6 +103,26 @@ class ScanStack(nnx.Module):
             x = chunk(x)
         return x
 
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` layers of each chunk, in order.
+
+        Returns:
+          One half-open range per chunk; together they cover the stack.
+
+        Example:
+          >>> from flax import nnx
+          >>> stack = ScanStack(lambda rngs: nnx.Linear(2, 2, rngs=rngs), 4, rngs=nnx.Rngs(0))
+          >>> stack.split({(0, 1): 0, (1, 4): 1})
+          >>> stack.chunk_ranges()
+          [(0, 1), (1, 4)]
+        """
+        ranges, start = [], 0
+        for chunk in self.chunks:
+            stop = start + _scanned(chunk).num_layers
+            ranges.append((start, stop))
+            start = stop
+        return ranges
+
     def split(self, ranges: Mapping[tuple[int, int], int]) -> None:
         """Cuts the stack into one `Stage`-wrapped chunk per ``(start, stop)`` range.
 
