@@ -57,10 +57,6 @@ def _merge_split_backwards(ctx: RegionContext, calls: Sequence[Call]) -> list[Ca
     return merged
 
 
-def _group_text(calls: Sequence[Call]) -> str:
-    return "+".join(str(c.task) for c in calls)
-
-
 def _check_independent(calls: Sequence[Call], text: str) -> None:
     """Raises if a member reads or writes a value another member writes."""
     written: dict[Any, str] = {}
