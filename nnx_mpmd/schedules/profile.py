@@ -22,6 +22,7 @@ from typing import Any
 from nnx_mpmd.errors import MpmdError, ScheduleError
 from nnx_mpmd.schedules.simulate import Costs, Timeline, peak_activations, simulate
 from nnx_mpmd.schedules.tasks import Task, TaskLists, normalize_tasks
+from nnx_mpmd.schedules.validate import group_intervals
 
 __all__ = ["ProfileComparison", "compare_profile", "fit_costs", "measured_timeline"]
 
@@ -39,14 +40,12 @@ def _group_spans(
         dataclasses.replace(task, with_next=n < len(group) - 1) for n, task in enumerate(group)
     )
     weights = [Costs().duration(task) for task in group]
-    total = sum(weights)
-    spans: list[tuple[int, Task, float, float]] = []
-    at, elapsed = float(start), 0.0
-    for task, weight in zip(group, weights, strict=True):
-        elapsed += weight
-        until = float(end) if elapsed == total else start + (end - start) * elapsed / total
-        spans.append((mesh, task, at, float(until)))
-        at = float(until)
+    start, end = float(start), float(end)
+    spans = [
+        (mesh, task, float(at), float(until))
+        for task, at, until in group_intervals(group, weights, start, end - start)
+    ]
+    spans[-1] = (*spans[-1][:3], end)  # the program's measured end, exactly
     return spans
 
 

@@ -35,7 +35,14 @@ from nnx_mpmd.schedules.tasks import (
     overlap_groups,
 )
 
-__all__ = ["dependencies", "external_dependencies", "format_grid", "run_in_order", "validate"]
+__all__ = [
+    "dependencies",
+    "external_dependencies",
+    "format_grid",
+    "group_intervals",
+    "run_in_order",
+    "validate",
+]
 
 
 def dependencies(task: Task, num_stages: int, split: Callable[[int, int], bool]) -> list[Task]:
@@ -205,17 +212,47 @@ def _place_group(
         times[group[0]] = (start, end)
         return end
     lengths = [duration(task) for task in group]
+    span = max(sum(lengths) - overlap, max(lengths))
+    for task, at, end in group_intervals(group, lengths, start, span):
+        times[task] = (at, end)
+    return end
+
+
+def group_intervals(
+    group: Iterable[Task], lengths: Iterable[float], start: float, span: float
+) -> list[tuple[Task, float, float]]:
+    """The consecutive sub-intervals of a group's members, filling ``span`` from ``start``.
+
+    Each member's share is its length over the sum of lengths; with nothing
+    hidden (``span`` equal to that sum) the members run back to back, exactly
+    as ungrouped tasks. The simulator uses it for a group's members, and a
+    measured profile for the members of one overlapped program.
+
+    Args:
+      group: the members, in order.
+      lengths: each member's length (its duration, or a weight).
+      start: when the group starts.
+      span: how long the group takes.
+
+    Returns:
+      ``(task, start, end)`` per member; the last ends at ``start + span``.
+
+    Example:
+      >>> from nnx_mpmd.schedules.tasks import parse_tasks
+      >>> [(str(t), a, b) for t, a, b in group_intervals(parse_tasks("F0.1+B0.0")[0], [1, 2], 0, 1.5)]
+      [('F0.1', 0, 0.5), ('B0.0', 0.5, 1.5)]
+    """
+    lengths = list(lengths)
     total = sum(lengths)
-    span = max(total - overlap, max(lengths))
     at, elapsed = start, 0
+    intervals = []
     for task, length in zip(group, lengths, strict=True):
         elapsed = elapsed + length
-        # Nothing hidden: back to back, as ungrouped tasks. Else scale the
-        # cumulative time, so that the last member ends exactly at start + span.
+        # Scale the cumulative time, so that the last member ends exactly at start + span.
         end = at + length if span == total else start + elapsed * span / total
-        times[task] = (at, end)
+        intervals.append((task, at, end))
         at = end
-    return at
+    return intervals
 
 
 def external_dependencies(
