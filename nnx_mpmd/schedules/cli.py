@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--costs",
         default="",
         help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0,overlap=0 (the defaults); overlap "
-        "is the time hidden when tasks run overlapped in one program (dualpipev's pairs)",
+        "is the time hidden when tasks run overlapped in one program (dualpipev's pairs); "
+        "contention=1/1.8/2.5 slows tasks while 1, 2, 3 meshes run at once (shared compute)",
     )
     parser.add_argument(
         "--text", metavar="FILE", help="read a hand-written schedule (one line per mesh)"
@@ -187,7 +188,8 @@ def _run(argv: list[str]) -> int:
         f"schedule {schedule.name}: {meshes} meshes, {stages} stages, {microbatches} "
         f"microbatches; costs F={costs.F:g} B={costs.B:g} BI={costs.BI:g} BW={costs.BW:g} "
         f"transfer={costs.transfer:g}" + (f" overlap={costs.overlap:g}" if costs.overlap else "")
-    )
+        + (f" contention={'/'.join(f'{c:g}' for c in costs.contention)}" if costs.contention else "")
+    )  # fmt: skip
     print(to_ascii(timeline, slot=args.slot))
     print(
         f"makespan {float(timeline.makespan):g}, bubble fraction "

@@ -13,6 +13,10 @@ the `Timeline` its members are consecutive sub-intervals that fill the
 group's interval, in list order, each scaled by the same factor; their
 outputs are ready for other tasks only when the group ends.
 
+Meshes that share compute (`Costs.contention`) are played by
+`nnx_mpmd.schedules.contention.run_shared`: a task runs slower while other
+meshes run theirs.
+
 This module is pure Python: it imports neither JAX nor Flax.
 """
 
@@ -24,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnx_mpmd.errors import ScheduleError
+from nnx_mpmd.schedules.contention import run_shared
 from nnx_mpmd.schedules.tasks import KINDS, Task, TaskLists, normalize_tasks, overlap_groups
 from nnx_mpmd.schedules.validate import run_in_order, validate
 
@@ -55,6 +60,10 @@ class Costs:
         its durations - overlap, longest member)``. In DualPipe's terms,
         ``overlap = F + B - F&B``. It does not apply to lone tasks.
       per_stage: overrides per stage, e.g. ``{3: {"F": 2.0, "B": 4.0}}``.
+      contention: how much slower every task runs while 1, 2, ... meshes
+        run tasks at once (each at least 1; beyond the last, the last),
+        for meshes that share compute, such as simulated CPU devices on a
+        few cores. Empty (the default): meshes share nothing.
 
     Example:
       >>> costs = Costs(per_stage={1: {"F": 3.0}})
@@ -62,6 +71,8 @@ class Costs:
       (1.0, 3.0)
       >>> simulate([["F0.0", "F0.1+B0.0", "B0.1"]], Costs(overlap=0.5)).makespan
       5.5
+      >>> simulate([["F0.0", "B0.0"], ["F1.0", "B1.0"]], Costs(contention=(1.0, 2.0))).makespan
+      6.0
     """
 
     F: float = 1.0
@@ -73,10 +84,19 @@ class Costs:
     per_stage: Mapping[int, Mapping[str, float]] = dataclasses.field(
         default_factory=dict, hash=False
     )
+    contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in _COST_NAMES:
             _check_cost(name, getattr(self, name), "")
+        object.__setattr__(self, "contention", tuple(self.contention))
+        for busy, factor in enumerate(self.contention, start=1):
+            _check_cost("contention", factor, f" with {busy} busy meshes")
+            if factor < 1:
+                raise ScheduleError(
+                    f"contention with {busy} busy meshes is {factor}; a task cannot run "
+                    f"faster beside others than alone: give factors >= 1 (1: no contention)"
+                )
         for stage, overrides in self.per_stage.items():
             for kind, value in overrides.items():
                 if kind not in KINDS:
@@ -108,6 +128,9 @@ class Costs:
     def parse(cls, text: str) -> Costs:
         """Reads ``"F=1,B=2,BI=1,BW=1,transfer=0.1,overlap=0.5"`` (any subset, any order).
 
+        ``contention`` takes one factor per number of busy meshes, joined by
+        ``/``: ``contention=1/1.8/2.5``.
+
         Args:
           text: comma-separated ``name=value`` pairs.
 
@@ -117,23 +140,29 @@ class Costs:
         Example:
           >>> Costs.parse("F=1, B=3").B
           3.0
+          >>> Costs.parse("F=1, contention=1/1.8/2.5").contention
+          (1.0, 1.8, 2.5)
         """
-        values: dict[str, float] = {}
+        values: dict[str, Any] = {}
         for item in text.split(","):
             if not item.strip():
                 continue
             name, sep, value = item.partition("=")
             name = name.strip()
-            if not sep or name not in _COST_NAMES:
+            if not sep or name not in (*_COST_NAMES, "contention"):
                 raise ScheduleError(
                     f"cannot read cost {item.strip()!r} in {text!r}; write name=value with "
-                    f"name one of {', '.join(_COST_NAMES)}, e.g. 'F=1,B=2'"
+                    f"name one of {', '.join(_COST_NAMES)}, contention, e.g. 'F=1,B=2'"
                 )
             try:
-                values[name] = float(value)
+                if name == "contention":
+                    values[name] = tuple(float(factor) for factor in value.split("/"))
+                else:
+                    values[name] = float(value)
             except ValueError:
+                example = "contention=1/1.8/2.5" if name == "contention" else f"{name}=1.5"
                 raise ScheduleError(
-                    f"cost {name} in {text!r} is {value.strip()!r}, not a number; e.g. '{name}=1.5'"
+                    f"cost {name} in {text!r} is {value.strip()!r}, not a number; e.g. '{example}'"
                 ) from None
         return cls(**values)
 
@@ -243,7 +272,12 @@ def simulate(tasks: Iterable[Iterable[Task | str]], costs: Costs | None = None) 
     costs = Costs() if costs is None else costs
     lists: TaskLists = normalize_tasks(tasks)
     validate(lists)
-    times, _ = run_in_order(lists, costs.duration, costs.transfer, costs.overlap)
+    if any(factor != 1 for factor in costs.contention):
+        times, _ = run_shared(
+            lists, costs.duration, costs.transfer, costs.overlap, costs.contention
+        )
+    else:
+        times, _ = run_in_order(lists, costs.duration, costs.transfer, costs.overlap)
     entries = sorted(
         ((mesh, task, *times[task]) for mesh, row in enumerate(lists) for task in row),
         key=lambda entry: (entry[2], entry[0], entry[3]),
