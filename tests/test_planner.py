@@ -241,6 +241,7 @@ def test_train_takes_its_layout_from_a_plan_file(tmp_path):
         config_from_args(["--plan", str(tmp_path / "bad.json")])
 
 
+@pytest.mark.slow  # plans, then trains, each in a fresh process: about 40 s
 def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=str(tmp_path / "cache"))
@@ -266,7 +267,7 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     assert f"{data['best']['num_microbatches']} microbatches" in trained.stdout
 
 
-def test_contention_scales_the_simulated_step_at_its_mean_busy_meshes():
+def test_contention_slows_the_tasks_that_run_beside_others():
     from nnx_mpmd.planner.profile_units import UnitCosts
     from nnx_mpmd.planner.search import predict
 
@@ -277,12 +278,19 @@ def test_contention_scales_the_simulated_step_at_its_mean_busy_meshes():
             other_s=2.0, contention=contention,
         )  # fmt: skip
 
-    alone = predict("gpipe", 2, 2, [0, 1], [False, False], unit((1.0, 1.0)))
-    shared = predict("gpipe", 2, 2, [0, 1], [False, False], unit((1.0, 2.0)))
-    # GPipe, 2 meshes, m = 2: makespan 9, busy 12 -> 4/3 meshes busy on average -> x4/3;
-    # the update (2 s for all units on one submesh) runs on both meshes at once, x2 / 2.
-    assert alone.step_s == pytest.approx(9.0 + 2.0 / 2)
-    assert shared.step_s == pytest.approx(9.0 * (1 + 1 / 3) + 2.0)
+    alone = predict("1f1b", 2, 4, [0, 1], [False, False], unit((1.0, 1.0)))
+    linear = predict("1f1b", 2, 4, [0, 1], [False, False], unit((1.0, 2.0)))
+    concave = predict("1f1b", 2, 4, [0, 1], [False, False], unit((1.0, 1.5)))
+    # 1F1B, 2 meshes, m = 4, F = 1, B = 2: makespan 15 alone. With a factor 2 for 2 busy
+    # meshes they share one mesh's compute: while anything runs, work is done at rate 1,
+    # so the makespan is the total work, 2 x 4 x (1 + 2) = 24. The update (2 s for all
+    # units on one submesh) runs on both meshes at once: x1 / 2, then x2 / 2.
+    assert alone.step_s == pytest.approx(15.0 + 2.0 / 2)
+    assert linear.step_s == pytest.approx(24.0 + 2.0)
+    tasks = get_schedule("1f1b").tasks(2, 2, 4)
+    costs = Costs(F=1.0, B=2.0, BI=1.0, BW=1.0, contention=(1.0, 1.5))
+    assert concave.step_s == pytest.approx(simulate(tasks, costs).makespan + 1.5)
+    assert 15.0 * 1.5 > concave.step_s - 1.5 > 15.0  # tasks alone in the bubbles run faster
     assert unit((1.0, 3.0, 4.0)).slowdown(2.5) == pytest.approx(3.5)
     assert unit((1.0, 3.0)).slowdown(0.5) == 1.0
 

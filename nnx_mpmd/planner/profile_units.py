@@ -65,8 +65,9 @@ class UnitCosts:
         is the first to read (the inputs go to the first unit, the targets
         to the loss's).
       contention: how much slower the tasks run with 1, 2, ... submeshes
-        busy at once than alone (`contention`); the planner scales the
-        simulated step by it, at the step's mean number of busy meshes.
+        busy at once than alone (`contention`); the planner's simulation
+        slows every task by it while that many meshes run
+        (`nnx_mpmd.schedules.Costs.contention`).
     """
 
     paths: tuple[str, ...]
@@ -314,7 +315,9 @@ def contention(
     The same step (every unit its own stage, one microbatch of ``rows``) is
     compiled for each submesh of ``mesh``; for k = 1, 2, ... submeshes, the
     median wall time of dispatching it on the first k and waiting for all, over
-    the median time on the first submesh alone. Each factor is at least 1.
+    the median time on the first submesh alone. The counts are timed in turn,
+    round after round (at least 5 rounds), so that the machine's slow spells
+    fall on all of them alike. Each factor is at least 1.
 
     Args:
       model: the model (copied, not changed).
@@ -322,7 +325,8 @@ def contention(
       rows: one microbatch.
       mesh: the pipeline's mesh.
       tx: the optimizer's transformation.
-      repeats: timed runs of each (medians are kept).
+      repeats: sets the rounds of timed runs (twice as many, at least 5;
+        medians are kept).
 
     Returns:
       One factor per number of busy submeshes, starting at ``(1.0, ...)``.
@@ -341,9 +345,13 @@ def contention(
         jax.block_until_ready([step(copy, opt, rows) for step, copy, opt in chosen])
         return time.perf_counter() - start
 
-    medians = [
-        statistics.median(wall(runs[:k]) for _ in range(repeats)) for k in range(1, len(runs) + 1)
-    ]
+    # Rounds of k = 1, 2, ... in turn, so that a slow spell of the machine (another
+    # process, a frequency change) weighs on every k alike instead of on one.
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(max(5, 2 * repeats)):
+        for k in range(1, len(runs) + 1):
+            samples[k - 1].append(wall(runs[:k]))
+    medians = [statistics.median(times) for times in samples]
     return tuple(max(1.0, t / medians[0]) for t in medians)
 
 

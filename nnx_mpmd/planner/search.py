@@ -167,12 +167,12 @@ def predict(
             "B": stage["BI"][s] + stage["BW"][s]}
         for s in range(num_stages)
     }  # fmt: skip
-    timeline = simulate(tasks, Costs(per_stage=per_stage))
-    # Tasks slow down as other meshes run at once (shared compute): scale the step by the
-    # contention at its mean number of busy meshes. The update (profiled for every unit
-    # on one submesh) runs on all meshes at once, each on its share of the units.
-    busy = sum(timeline.busy) / timeline.makespan if timeline.makespan else 1.0
-    makespan = plain.slowdown(busy) * timeline.makespan
+    # Tasks slow down while other meshes run theirs (shared compute): the simulator
+    # plays the schedule with the measured contention, so a task in a bubble runs at
+    # full speed and one in the steady state at the shared speed. The update (profiled
+    # for every unit on one submesh) runs on all meshes at once, each on its share.
+    timeline = simulate(tasks, Costs(per_stage=per_stage, contention=plain.contention))
+    makespan = timeline.makespan
     update = plain.other_s * plain.slowdown(num_meshes) / num_meshes
     mesh_of = [sched.mesh_of(s, num_stages, num_meshes) for s in range(num_stages)]
     return Candidate(
