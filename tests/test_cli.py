@@ -14,6 +14,7 @@ import subprocess
 import sys
 from importlib import metadata
 
+import jax
 import pytest
 
 import nnx_mpmd
@@ -50,14 +51,25 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], cwd: pathlib.Path | None = None, timeout: int = 300):
+def _run(
+    args: list[str],
+    cwd: pathlib.Path | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+):
     return subprocess.run(
-        args, capture_output=True, text=True, env=_env(), cwd=cwd, timeout=timeout
-    )
+        args, capture_output=True, text=True, env={**_env(), **(env or {})}, cwd=cwd,
+        timeout=timeout,
+    )  # fmt: skip
 
 
-def _nnx_mpmd(*args: str, cwd: pathlib.Path | None = None, timeout: int = 300):
-    return _run([sys.executable, "-m", "nnx_mpmd", *args], cwd=cwd, timeout=timeout)
+def _nnx_mpmd(
+    *args: str,
+    cwd: pathlib.Path | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+):
+    return _run([sys.executable, "-m", "nnx_mpmd", *args], cwd=cwd, timeout=timeout, env=env)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
@@ -151,7 +163,10 @@ def test_train_runs_every_schedule_with_the_default_preset(name, tmp_path):
     argv = ["train", "--schedule", name, "--steps", "1", "--batch-size", "16"]
     argv += ["--seq-len", "16", "--corpus-bytes", "50000", "--val-batches", "0"]
     argv += ["--sample-tokens", "0", "--ckpt-every", "0", "--run-dir", str(tmp_path)]
-    proc = _nnx_mpmd(*argv, timeout=500)
+    # The schedules share most stage programs (GPipe's are 1F1B's, say): one compilation
+    # cache for all of them (this test run's, see conftest.py) compiles each once.
+    shared = {"NNX_MPMD_COMPILE_CACHE": jax.config.jax_compilation_cache_dir or "off"}
+    proc = _nnx_mpmd(*argv, timeout=500, env=shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "step 1/1  loss" in proc.stdout
     if SCHEDULES[name]().default_num_stages(4) > 4:  # the tiny preset has 4 layers

@@ -33,6 +33,7 @@ def test_every_example_is_smoke_tested():
     assert sorted(p.name for p in EXAMPLES.glob("[0-9]*.py")) == [c[0] for c in CASES]
 
 
+@pytest.mark.slow  # a fresh process that compiles the example's steps: 10-30 s each
 @pytest.mark.parametrize(("script", "flags", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_example_runs(script, flags, expected, tmp_path):
     # Without XLA_FLAGS: each example must ask for its 8 CPU devices itself.
