@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from nnx_mpmd.schedules.tasks import Task, TaskLists, overlap_groups
-from nnx_mpmd.schedules.validate import external_dependencies, group_intervals
+from nnx_mpmd.schedules.tasks import Task, TaskLists
+from nnx_mpmd.schedules.validate import Playback, group_intervals, group_work
 
 __all__ = ["contention_factor", "run_shared"]
 
@@ -84,13 +84,7 @@ def run_shared(
       >>> times[Task(1, 1, "F")]  # alone again: full speed
       (3.0, 4.0)
     """
-    mesh_of_task = {task: mesh for mesh, row in enumerate(lists) for task in row}
-    num_stages = max((t.stage for t in mesh_of_task), default=-1) + 1
-
-    def split(stage: int, microbatch: int) -> bool:
-        return Task(stage, microbatch, "BI") in mesh_of_task
-
-    groups = [overlap_groups(row) for row in lists]
+    plan = Playback.of(lists)
     position = [0] * len(lists)
     free_at: list[float] = [0] * len(lists)
     done: dict[Task, float] = {}
@@ -99,10 +93,8 @@ def run_shared(
     running: dict[int, list] = {}
     now: float = 0
     while True:
-        next_ready = _start_ready(
-            groups, position, running, free_at, done, mesh_of_task, now,
-            transfer, num_stages, split, duration, overlap,
-        )  # fmt: skip
+        next_ready = _start_ready(plan, position, running, free_at, done, now, transfer,
+                                  duration, overlap)  # fmt: skip
         if not running:
             if next_ready is None:
                 break
@@ -120,46 +112,42 @@ def run_shared(
             state[1] = 0 if mesh in finished else state[1] - step / factor
         for mesh in finished:
             start, _, lengths = running.pop(mesh)
-            group = groups[mesh][position[mesh]]
-            span = now - start
-            for task, at, end in group_intervals(group, lengths, start, span):
+            group = plan.groups[mesh][position[mesh]]
+            for task, at, end in group_intervals(group, lengths, start, now - start):
                 times[task] = (at, end)
                 done[task] = now
             free_at[mesh] = now
             position[mesh] += 1
-    blocked = [
-        (mesh, mesh_groups[position[mesh]][0])
-        for mesh, mesh_groups in enumerate(groups)
-        if position[mesh] < len(mesh_groups)
-    ]
-    return times, blocked
+    return times, plan.stopped(position)
 
 
 def _start_ready(
-    groups, position, running, free_at, done, mesh_of_task, now,
-    transfer, num_stages, split, duration, overlap,
-) -> float | None:  # fmt: skip
+    plan: Playback,
+    position: list[int],
+    running: dict[int, list],
+    free_at: list[float],
+    done: dict[Task, float],
+    now: float,
+    transfer: float,
+    duration: Callable[[Task], float],
+    overlap: float,
+) -> float | None:
     """Starts every idle mesh's next unit that is ready at ``now``.
 
     Returns the earliest later time at which a waiting unit becomes ready (a
     transfer still in flight), or None.
     """
     later = None
-    for mesh, mesh_groups in enumerate(groups):
+    for mesh, mesh_groups in enumerate(plan.groups):
         if mesh in running or position[mesh] >= len(mesh_groups):
             continue
         group = mesh_groups[position[mesh]]
-        deps = external_dependencies(group, num_stages, split)
-        if any(dep not in done for dep in deps):
+        ready = plan.ready_at(mesh, group, done, free_at[mesh], transfer)
+        if ready is None:
             continue
-        ready = free_at[mesh]
-        for dep in deps:
-            arrives = done[dep] + transfer if transfer and mesh_of_task[dep] != mesh else done[dep]
-            ready = max(ready, arrives)
         if ready <= now:
             lengths = [duration(task) for task in group]
-            work = lengths[0] if len(group) == 1 else max(sum(lengths) - overlap, max(lengths))
-            running[mesh] = [now, work, lengths]
+            running[mesh] = [now, group_work(lengths, overlap), lengths]
         elif later is None or ready < later:
             later = ready
     return later

@@ -25,7 +25,7 @@ This module is pure Python: it imports neither JAX nor Flax.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.schedules.tasks import (
@@ -39,7 +39,9 @@ __all__ = [
     "dependencies",
     "external_dependencies",
     "format_grid",
+    "Playback",
     "group_intervals",
+    "group_work",
     "run_in_order",
     "validate",
 ]
@@ -157,13 +159,7 @@ def run_in_order(
       >>> times[Task(0, 1, "F")], times[Task(0, 0, "B")], times[Task(0, 1, "B")]
       ((1.0, 1.75), (1.75, 2.5), (2.5, 3.5))
     """
-    mesh_of_task = {task: mesh for mesh, row in enumerate(lists) for task in row}
-    num_stages = max((t.stage for t in mesh_of_task), default=-1) + 1
-
-    def split(stage: int, microbatch: int) -> bool:
-        return Task(stage, microbatch, "BI") in mesh_of_task
-
-    groups = [overlap_groups(row) for row in lists]
+    plan = Playback.of(lists)
     times: dict[Task, tuple[float, float]] = {}
     # When each task's outputs are ready: the end of its group.
     done: dict[Task, float] = {}
@@ -173,30 +169,99 @@ def run_in_order(
     progress = True
     while progress:
         progress = False
-        for mesh, mesh_groups in enumerate(groups):
+        for mesh, mesh_groups in enumerate(plan.groups):
             while position[mesh] < len(mesh_groups):
                 group = mesh_groups[position[mesh]]
-                deps = external_dependencies(group, num_stages, split)
-                if any(dep not in done for dep in deps):
+                start = plan.ready_at(mesh, group, done, free_at[mesh], transfer)
+                if start is None:
                     break
-                start = free_at[mesh]
-                for dep in deps:
-                    ready = done[dep]
-                    if transfer and mesh_of_task[dep] != mesh:
-                        ready = ready + transfer
-                    start = max(start, ready)
                 end = _place_group(group, start, duration, overlap, times)
                 for task in group:
                     done[task] = end
                 free_at[mesh] = end
                 position[mesh] += 1
                 progress = True
-    blocked = [
-        (mesh, mesh_groups[position[mesh]][0])
-        for mesh, mesh_groups in enumerate(groups)
-        if position[mesh] < len(mesh_groups)
-    ]
-    return times, blocked
+    return times, plan.stopped(position)
+
+
+@dataclasses.dataclass(frozen=True)
+class Playback:
+    """What playing per-mesh lists forward needs: the units, who runs what, the split.
+
+    Shared by `run_in_order` and `nnx_mpmd.schedules.contention.run_shared`.
+
+    Attributes:
+      groups: per mesh, its units in order (a lone task is a group of one).
+      mesh_of_task: the mesh each task runs on.
+      num_stages: the number of stages.
+    """
+
+    groups: tuple[tuple[tuple[Task, ...], ...], ...]
+    mesh_of_task: dict[Task, int]
+    num_stages: int
+
+    @classmethod
+    def of(cls, lists: TaskLists) -> Playback:
+        """The playback of ``lists``."""
+        mesh_of_task = {task: mesh for mesh, row in enumerate(lists) for task in row}
+        return cls(
+            groups=tuple(tuple(overlap_groups(row)) for row in lists),
+            mesh_of_task=mesh_of_task,
+            num_stages=max((t.stage for t in mesh_of_task), default=-1) + 1,
+        )
+
+    def split(self, stage: int, microbatch: int) -> bool:
+        """Whether the backward of ``(stage, microbatch)`` is split into BI and BW."""
+        return Task(stage, microbatch, "BI") in self.mesh_of_task
+
+    def ready_at(
+        self,
+        mesh: int,
+        group: tuple[Task, ...],
+        done: Mapping[Task, float],
+        free_at: float,
+        transfer: float,
+    ) -> float | None:
+        """When ``group`` can start on ``mesh``, or None while a dependency has not run.
+
+        Args:
+          mesh: the group's mesh.
+          group: the unit.
+          done: when each finished task's outputs are ready.
+          free_at: when the unit before it on ``mesh`` ends.
+          transfer: the delay of a dependency from another mesh.
+        """
+        deps = external_dependencies(group, self.num_stages, self.split)
+        if any(dep not in done for dep in deps):
+            return None
+        start = free_at
+        for dep in deps:
+            ready = done[dep]
+            if transfer and self.mesh_of_task[dep] != mesh:
+                ready = ready + transfer
+            start = max(start, ready)
+        return start
+
+    def stopped(self, position: Sequence[int]) -> list[tuple[int, Task]]:
+        """``(mesh, first task of the unit it waits at)`` for every mesh not at its end."""
+        return [
+            (mesh, mesh_groups[position[mesh]][0])
+            for mesh, mesh_groups in enumerate(self.groups)
+            if position[mesh] < len(mesh_groups)
+        ]
+
+
+def group_work(lengths: Sequence[float], overlap: float) -> float:
+    """How long a unit of tasks with durations ``lengths`` takes: ``max(sum - overlap,
+    longest)`` for a group, the duration for a lone task.
+
+    Example:
+      >>> group_work([1.0], 0.5), group_work([1.0, 2.0], 0.5), group_work([1.0, 2.0], 5.0)
+      (1.0, 2.5, 2.0)
+    """
+    if len(lengths) == 1:
+        return lengths[0]
+    return max(sum(lengths) - overlap, max(lengths))
 
 
 def _place_group(
@@ -212,7 +277,7 @@ def _place_group(
         times[group[0]] = (start, end)
         return end
     lengths = [duration(task) for task in group]
-    span = max(sum(lengths) - overlap, max(lengths))
+    span = group_work(lengths, overlap)
     for task, at, end in group_intervals(group, lengths, start, span):
         times[task] = (at, end)
     return end
