@@ -33,7 +33,7 @@ FAST_TESTS := tests/test_schedules.py tests/test_schedules_generators.py tests/t
 	tests/test_layers.py tests/test_split_backward.py tests/test_bad_batch.py \
 	tests/test_validation.py tests/test_lint.py tests/test_mesh.py tests/test_instructions_ir.py \
 	tests/test_outer_passes.py tests/test_region_passes.py tests/test_interpreter.py \
-	tests/test_stages_api.py tests/test_step_passes.py
+	tests/test_stages_api.py tests/test_step_passes.py tests/test_schedules_contention.py
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n auto $(FAST_TESTS) $(PYTEST_ARGS)
 
