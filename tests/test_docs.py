@@ -97,7 +97,8 @@ def run_blocks(
 ) -> subprocess.CompletedProcess:
     """Runs ``blocks`` in order in a fresh interpreter with 8 CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # O0 as in conftest.py: the snippets are compiled for speed, not measured.
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     env["JAX_PLATFORMS"] = "cpu"
     env["MPLBACKEND"] = "Agg"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
