@@ -13,7 +13,8 @@ For a GPT preset on 4 meshes x 2 data devices (CPU, 8 simulated devices):
 Prints both tables and the ratio planned / best default, all measured in this
 one run. Usage::
 
-    python benchmarks/planner_bench.py [--preset tiny] [--verify 3] [--steps 5] [--out FILE]
+    python benchmarks/planner_bench.py [--preset tiny] [--verify 3] [--steps 5] [--repeats 3]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--verify", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="mp.plan's timed runs per profile")
     parser.add_argument("--out", default=None, help="write the raw figures here (JSON)")
     args = parser.parse_args()
     mesh = mp.MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
@@ -86,7 +88,7 @@ def main() -> None:
     model = build_model("gpt", args.preset, num_stages=4, rngs=nnx.Rngs(0), vocab_size=64)
 
     start = time.perf_counter()
-    plan = mp.plan(model, lm_loss, batch, mesh, tx)
+    plan = mp.plan(model, lm_loss, batch, mesh, tx, repeats=args.repeats)
     plan_s = time.perf_counter() - start
     checked = mp.planner.verify(plan, model, lm_loss, batch, mesh, tx, top=args.verify,
                                 steps=args.steps)  # fmt: skip
