@@ -9,9 +9,14 @@ import os
 # here. The examples (tests/test_examples.py), the CLI runs that build their own
 # environment and CI's plain-install run keep the default level, so equality at
 # O2 stays checked too.
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# A level already in XLA_FLAGS is kept (XLA_FLAGS=--xla_backend_optimization_level=2
+# runs the suite at O2); 8 devices are always appended, as before.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count=8" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+if "--xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands that tests start (nnx-mpmd train, examples) would otherwise write to
 # ~/.cache/nnx_mpmd/jax; tests that check the cache turn it on explicitly.
