@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import MLP, build, make_batch, make_mesh, mlp_loss, train_step_fn
+from pipeline_models import MLP, build, make_batch, make_mesh, mlp_loss, params_of, train_step_fn
 
 import nnx_mpmd as mp
 
@@ -183,3 +183,46 @@ def test_value_and_grad_outside_jit_matches_nnx():
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for (_, a), (_, b) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
         np.testing.assert_allclose(a.get_value(), b.get_value(), atol=1e-6)
+
+
+def test_schedule_by_name_equals_the_reference():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    ref_model, ref_opt, _, _ = build("mlp", "sgd", 2)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule="1F1B", num_microbatches=2)
+    assert f.schedule == mp.OneFOneB()
+    batch = make_batch(kind, 4)
+    loss = f(model, opt, batch)
+    ref_loss = nnx.jit(train_step_fn(loss_fn, 2))(ref_model, ref_opt, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    expected, got = params_of(ref_model), params_of(model)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-5, err_msg=path)
+
+
+def test_unknown_schedule_name():
+    with pytest.raises(mp.ScheduleError, match=r"mp.jit\(schedule=...\): unknown schedule 'ifb'"):
+        mp.jit(_step(), mesh=make_mesh(2, 1), schedule="ifb", num_microbatches=2)
+
+
+@pytest.mark.parametrize("bad", [None, 3])
+def test_schedule_must_be_a_schedule(bad):
+    with pytest.raises(mp.ScheduleError, match=r"not a schedule: it has no .*mp.OneFOneB\(\)"):
+        mp.jit(_step(), mesh=make_mesh(2, 1), schedule=bad, num_microbatches=2)
+
+
+def test_schedule_class_instead_of_an_instance():
+    with pytest.raises(mp.ScheduleError, match=r"got the class GPipe, not a schedule.*GPipe\(\)"):
+        mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe, num_microbatches=2)
+
+
+def test_place_reads_a_schedule_name_and_rejects_other_objects():
+    model, opt, _, _ = build("mlp", "sgd", 4)
+    mesh = make_mesh(2, 1)  # submesh q is device q
+    mp.place((model, opt), mesh, "dualpipev")
+    placed = [layer.module.kernel.get_value().sharding for layer in model.layers]
+    expected = [mp.DualPipeV().mesh_of(s, 4, 2) for s in range(4)]
+    assert [sharding.mesh.devices.flat[0].id for sharding in placed] == expected == [0, 1, 1, 0]
+    with pytest.raises(mp.PlacementError, match=r"schedule=3 \(int\), which has no mesh_of"):
+        mp.place((model, opt), mesh, 3)
+    with pytest.raises(mp.PlacementError, match=r"\(ABCMeta\), which has no mesh_of.*instance"):
+        mp.place((model, opt), mesh, mp.GPipe)

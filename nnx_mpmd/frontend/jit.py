@@ -24,6 +24,7 @@ from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, ex
 from nnx_mpmd.runtime.interpreter import forget_prepared
 from nnx_mpmd.runtime.precompile import AwaitedProgram, start_precompile
 from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
+from nnx_mpmd.schedules.registry import as_schedule
 
 __all__ = [
     "MAX_COMPILED_STEPS",
@@ -247,7 +248,7 @@ class PipelinedFunction:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = mesh
-        self.schedule = schedule
+        self.schedule = as_schedule(schedule, "mp.jit(schedule=...)")
         self.num_microbatches = num_microbatches
         self.batch_axis = _resolve_batch_axis(batch_axis, mesh)
         if compile_threads is not None and (
@@ -537,7 +538,8 @@ def jit(
     Args:
       fn: the step (or None, to use ``jit`` as a decorator factory).
       mesh: the `MpmdMesh` whose submeshes run the stages.
-      schedule: a schedule object (``mp.OneFOneB()``...).
+      schedule: a schedule object (``mp.OneFOneB()``...) or a registered name
+        (``"1f1b"``, as `nnx_mpmd.schedules.get_schedule` reads it).
       num_microbatches: microbatches per step (the batch's leading axis must
         divide into them).
       batch_axis: the submesh axis that shards each microbatch's leading axis

@@ -31,6 +31,7 @@ from nnx_mpmd.frontend.annotate import _variable_stages, logical_paths, variable
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.partition import Path, _path_text, placement_of
+from nnx_mpmd.schedules.registry import get_schedule
 
 __all__ = ["gather", "place", "placement_decisions"]
 
@@ -136,7 +137,8 @@ def placement_decisions(
     Args:
       tree: the objects to place (as for `place`).
       mesh: the `MpmdMesh`.
-      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``.
+      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``, or
+        a registered schedule name (``"1f1b"``).
 
     Returns:
       ``(root, path, leaf, value, (mesh_ids, spec))`` per placeable leaf, where
@@ -158,6 +160,17 @@ def placement_decisions(
         raise PlacementError(
             f"place expects an MpmdMesh, got {type(mesh).__name__}; wrap your jax mesh: "
             "MpmdMesh(jax_mesh, 'stage')."
+        )
+    if isinstance(schedule, str):
+        schedule = get_schedule(schedule)
+    elif isinstance(schedule, type) or (
+        schedule is not None and not callable(getattr(schedule, "mesh_of", None))
+    ):
+        raise PlacementError(
+            f"place got schedule={schedule!r} ({type(schedule).__name__}), which has no "
+            "mesh_of(stage, num_stages, num_meshes) of its own; pass a schedule instance such "
+            "as mp.OneFOneB(), a registered name ('1f1b'), or None (stage k on mesh "
+            "k % num_meshes)."
         )
     roots = _roots(tree)
     entries: list[tuple[Any, Path, Any]] = []
@@ -218,7 +231,8 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     Args:
       tree: the objects to place.
       mesh: the `MpmdMesh`.
-      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``.
+      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``, or
+        a registered schedule name (``"1f1b"``).
 
     Returns:
       ``tree`` (with any States in it replaced by placed States).

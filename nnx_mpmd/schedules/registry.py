@@ -19,7 +19,7 @@ from nnx_mpmd.schedules.generators import (
 )
 from nnx_mpmd.schedules.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV
 
-__all__ = ["SCHEDULES", "get_schedule"]
+__all__ = ["SCHEDULES", "as_schedule", "get_schedule"]
 
 SCHEDULES: dict[str, type[Schedule]] = {
     cls.name: cls
@@ -84,3 +84,48 @@ def get_schedule(name: str | Schedule, **params: Any) -> Schedule:
             f"{', '.join(sorted(fields)) or 'no parameters'}"
         )
     return cls(**params)
+
+
+#: What the compiler calls on a schedule object (a duck-typed one needs them too).
+_SCHEDULE_METHODS = ("tasks", "mesh_of", "check")
+
+
+def as_schedule(value: Any, where: str) -> Any:
+    """``value`` as a schedule object: a registered name becomes its `Schedule`.
+
+    Objects that are not `Schedule` subclasses are accepted when they have the
+    methods the compiler calls (``tasks``, ``mesh_of``, ``check``).
+
+    Args:
+      value: a `Schedule`, a registered name (``"1f1b"``), or a schedule-like object.
+      where: what received it, for the error message (``"mp.jit(schedule=...)"``).
+
+    Returns:
+      The schedule object.
+
+    Raises:
+      ScheduleError: an unknown name, a schedule class (not an instance), or an
+        object without those methods.
+
+    Example:
+      >>> as_schedule("gpipe", "mp.jit(schedule=...)")
+      GPipe()
+    """
+    if isinstance(value, str):
+        try:
+            return get_schedule(value)
+        except ScheduleError as e:
+            raise ScheduleError(f"{where}: {e}") from None
+    if isinstance(value, type):
+        raise ScheduleError(
+            f"{where} got the class {value.__name__}, not a schedule; create one: "
+            f"{value.__name__}()"
+        )
+    missing = [m for m in _SCHEDULE_METHODS if not callable(getattr(value, m, None))]
+    if missing:
+        raise ScheduleError(
+            f"{where} got {value!r} ({type(value).__name__}), which is not a schedule: it has "
+            f"no {', '.join(missing)}; pass a schedule object such as mp.OneFOneB() or a "
+            f"registered name ({', '.join(SCHEDULES)})"
+        )
+    return value
