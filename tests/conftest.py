@@ -35,12 +35,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import shutil
     import tempfile
 
-    _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if _run_id:  # shared by the workers of one run; the OS cleans the temp dir
-        _cache_dir = os.path.join(tempfile.gettempdir(), f"nnx-mpmd-jax-cache-{_run_id}")
-        os.makedirs(_cache_dir, exist_ok=True)
-    else:
+    # The first process (pytest itself, or xdist's controller, which starts the
+    # workers after importing this file) makes the directory and removes it at
+    # exit; workers find it in the environment they inherit.
+    _cache_dir = os.environ.get("NNX_MPMD_TEST_JAX_CACHE", "")
+    if not os.path.isdir(_cache_dir):
         _cache_dir = tempfile.mkdtemp(prefix="nnx-mpmd-jax-cache-")
+        os.environ["NNX_MPMD_TEST_JAX_CACHE"] = _cache_dir
         atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

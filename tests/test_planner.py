@@ -245,6 +245,8 @@ def test_train_takes_its_layout_from_a_plan_file(tmp_path):
 def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=str(tmp_path / "cache"))
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")  # the plan command leaves nothing there
     common = ["--meshes", "2", "--data", "1", "--batch-size", "8", "--seq-len", "16"]
     common += ["--corpus-bytes", "50000", "--layers", "2"]
     planned = subprocess.run(
@@ -255,6 +257,7 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     )  # fmt: skip
     assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-3000:]
     assert "| schedule | stages | m | predicted ms | measured ms" in planned.stdout
+    assert not [p.name for p in (tmp_path / "tmp").glob("nnx-mpmd-plan-*")]
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["unit_paths"] == ["embed", "blocks.0", "blocks.1", "head"]
     trained = subprocess.run(

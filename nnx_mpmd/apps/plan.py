@@ -90,10 +90,17 @@ def run(cfg: Any) -> Any:
       The `nnx_mpmd.planner.Plan` written.
     """
     from nnx_mpmd.apps.train_loop import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="nnx-mpmd-plan-") as scratch:
+        trainer = Trainer(cfg, scratch)  # writes nothing there; removed when planned
+        return _plan_and_save(cfg, trainer)
+
+
+def _plan_and_save(cfg: Any, trainer: Any) -> Any:
+    """`run` with the model, batches and mesh of ``trainer``."""
     from nnx_mpmd.models import lm_loss
     from nnx_mpmd.planner import plan, verify
 
-    trainer = Trainer(cfg, tempfile.mkdtemp(prefix="nnx-mpmd-plan-"))
     batch = next(trainer.batches)
     tx = trainer.optimizer.tx
     counts = _names(cfg.candidate_microbatches)
