@@ -226,3 +226,41 @@ def test_place_reads_a_schedule_name_and_rejects_other_objects():
         mp.place((model, opt), mesh, 3)
     with pytest.raises(mp.PlacementError, match=r"\(ABCMeta\), which has no mesh_of.*instance"):
         mp.place((model, opt), mesh, mp.GPipe)
+
+
+def test_arguments_by_keyword_equal_the_reference():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    ref_model, ref_opt, _, _ = build("mlp", "sgd", 2)
+
+    def step(model, optimizer, scale=1.0, batch=None):
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=2)(model, batch)
+        optimizer.update(model, jax.tree.map(lambda g: g * scale, grads))
+        return loss
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    reference = nnx.jit(step)
+    for seed in range(2):
+        batch = make_batch(kind, 4, seed=seed)
+        loss = f(model, optimizer=opt, batch=batch)  # scale takes its default
+        ref_loss = reference(ref_model, ref_opt, 1.0, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert f.num_compiled_steps == 1
+    assert f.lower(model, opt, batch=batch).instructions
+    expected, got = params_of(ref_model), params_of(model)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-5, err_msg=path)
+
+
+def test_keyword_only_and_unknown_arguments():
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+
+    def step(model, optimizer, *, batch):
+        return train_step_fn(loss_fn)(model, optimizer, batch)
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.CompileError, match=r"step takes batch by keyword only.*positionally"):
+        f(model, opt, batch=make_batch(kind, 4))
+    with pytest.raises(mp.CompileError, match=r"cannot call step.*missing .* argument: 'batch'"):
+        f(model, opt, bacth=make_batch(kind, 4))
+    with pytest.raises(mp.CompileError, match=r"cannot call step.*unexpected keyword.*'bacth'"):
+        f(model, opt, batch=make_batch(kind, 4), bacth=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -205,7 +206,10 @@ class PipelinedFunction:
     ``profile="isolated"`` waits for each program before dispatching the next,
     for clean per-task times; ``memory=True`` records per-mesh live bytes in
     ``last_memory``); ``lower(*args)`` lowers it without running or moving state, and
-    ``lower(*args).compile()`` compiles it ahead of time.
+    ``lower(*args).compile()`` compiles it ahead of time. Arguments may be
+    given by keyword as the step's signature names them (``f(model, opt,
+    batch=batch)``), except keyword-only ones; ``profile`` and ``memory`` are
+    this object's own.
 
     Example:
       >>> import jax, optax
@@ -416,13 +420,43 @@ class PipelinedFunction:
             self._compile_programs(compiled, inputs, overlap=True)
         return flat, compiled
 
-    def __call__(self, *args: Any, profile: bool | str = False, memory: bool = False) -> Any:
+    def __call__(
+        self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
+    ) -> Any:
         mode = _profile_mode(profile)
-        flat, compiled = self._prepare(args)
+        flat, compiled = self._prepare(self._positional(args, kwargs))
         try:
             return self._run(flat, compiled, mode, memory)
         finally:
             self._finish_compiling(compiled)
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``args`` and ``kwargs`` as the step's positional arguments.
+
+        A parameter left out before one given by keyword takes its default.
+        """
+        if not kwargs:
+            return args
+        name = getattr(self.fn, "__name__", "step")
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except TypeError as e:
+            raise CompileError(f"cannot call {name} with these arguments: {e}.") from None
+        positional = [
+            p
+            for p in bound.signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        given = [i for i, p in enumerate(positional) if p.name in bound.arguments]
+        for p in positional[: max(given, default=-1) + 1]:  # a default before a given one
+            bound.arguments.setdefault(p.name, p.default)
+        if bound.kwargs:
+            raise CompileError(
+                f"{name} takes {', '.join(sorted(bound.kwargs))} by keyword only; mp.jit "
+                "passes a step's arguments by position: make them ordinary parameters "
+                "(before any *args) or pass them positionally."
+            )
+        return bound.args
 
     def _run(
         self, flat: FlatArgs, compiled: CompiledStep, profile: str | None, memory: bool
@@ -458,7 +492,7 @@ class PipelinedFunction:
         _write_back(flat, outputs[compiled.num_user_outputs :])
         return jax.tree.unflatten(compiled.out_tree, user)
 
-    def lower(self, *args: Any) -> Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Lowers the step for ``args`` without running it or moving any state.
 
         State that is not placed yet is lowered for where `mp.place` would put
@@ -468,7 +502,7 @@ class PipelinedFunction:
           A `Lowered`: its passes, instructions and programs; ``compile()`` it for
           a `Compiled` with XLA's memory and cost analyses.
         """
-        compiled, abstract_inputs = self._lower_abstract(args)
+        compiled, abstract_inputs = self._lower_abstract(self._positional(args, kwargs))
         return Lowered(
             compiled,
             self.mesh,
