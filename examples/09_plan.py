@@ -8,6 +8,7 @@ fastest measured one is applied to the model, and the planned run's losses are
 checked against the same model run unpipelined.
 
 Run:  python examples/09_plan.py --steps 5
+      (``--schedules 1f1b,zb-h1 --no-remat`` plans among fewer configurations, faster)
 """
 
 import os
@@ -33,6 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--budget-mib", type=float, default=None, help="memory per device")
+    parser.add_argument(
+        "--schedules", default=None, help="comma-separated names to consider (default: all)"
+    )
+    parser.add_argument(
+        "--no-remat", action="store_true", help="consider no remat (profiles half as much)"
+    )
     args = parser.parse_args()
     mp.enable_compile_cache()
 
@@ -50,7 +57,11 @@ def main() -> None:
     model = fresh_model()
     first = batches.batch_at(0)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
-    plan = mp.plan(model, lm_loss, first, mesh, tx, memory_budget=budget, repeats=2)
+    schedules = args.schedules.split(",") if args.schedules else None
+    plan = mp.plan(
+        model, lm_loss, first, mesh, tx, schedules=schedules, memory_budget=budget,
+        remat=not args.no_remat, repeats=2,
+    )  # fmt: skip
     checked = mp.planner.verify(plan, model, lm_loss, first, mesh, tx, top=2, steps=2)
     for v in checked:
         c = v.candidate

@@ -194,3 +194,32 @@ def test_an_unused_argument_of_another_type_is_checked_too():
     assert shared._chosen[(x.sharding, unused.sharding)] is fn
     shared(x, other)
     assert shared._chosen[(x.sharding, other.sharding)] is not fn
+
+
+def test_a_later_step_loads_the_programs_an_earlier_step_compiled_for_another_submesh(
+    compiled_here,
+):
+    # The same model on the first and on the last two of four devices: every program
+    # is the same module on equal-shaped submeshes, so the second step compiles none.
+    def run(devices):
+        model, opt, loss_fn, kind = build("mlp", "adamw", 2)
+        jax_mesh = jax.make_mesh((2, 1), ("stage", "data"), devices=devices)
+        step = mp.jit(
+            train_step_fn(loss_fn),
+            mesh=mp.MpmdMesh(jax_mesh, "stage"),
+            schedule=mp.OneFOneB(),
+            num_microbatches=2,
+        )
+        with count_compilations() as counter:
+            loss = float(step(model, opt, make_batch(kind, 4)))
+        return counter.count, loss, params_of(model)
+
+    first, loss, params = run(jax.devices()[:2])
+    second, again, same = run(jax.devices()[2:4])
+    assert first > 0 and second == 0, (first, second)
+    assert again == loss  # equal programs, equal inputs: the very same numbers
+    for path in params:
+        np.testing.assert_array_equal(same[path], params[path], err_msg=path)
+    program_sharing.forget_kept()
+    third, _, _ = run(jax.devices()[4:6])
+    assert third == first  # nothing kept: everything compiles again

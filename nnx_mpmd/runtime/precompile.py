@@ -215,15 +215,27 @@ class _Compiler:
                         shared = self.shared[share] = Future()
                 if source is not None:
                     return self._load(share, source, traced, job, name, mesh, lowered)
+            recalled = None
             if shared is None:
                 compiled = lowered.compile()
             else:
-                compiled, fresh = program_sharing.compile_fresh(lowered)
+                # An equal module compiled earlier in this process (another step, another
+                # submesh): loaded for this submesh.
+                recalled = _recalled(share, mesh)
+                if recalled is not None:
+                    compiled, fresh = recalled, False
+                else:
+                    compiled, fresh = program_sharing.compile_fresh(lowered)
                 runs_here = program_sharing.runs_on(compiled, mesh)
                 shared.set_result((compiled, mesh, fresh) if runs_here else None)
+                if fresh and runs_here:
+                    program_sharing.keep_fresh(share, compiled, mesh)
             job.set_result(_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings))
             with self.lock:
-                self.compiled += 1
+                if recalled is None:
+                    self.compiled += 1
+                else:
+                    self.loaded.setdefault(name, []).append(compiled)
                 if self.executables is not None:
                     self.executables.setdefault(name, []).append(compiled)
         except Exception:  # the real call raises it where it belongs
@@ -275,6 +287,17 @@ class _Compiler:
 
         source.add_done_callback(load)
         return job
+
+
+def _recalled(key: Any, mesh: Any) -> Any:
+    """An executable this process kept for ``key``, loaded on ``mesh``; or None."""
+    executable = program_sharing.recall_in_process(key)
+    if executable is None:
+        return None
+    try:
+        return program_sharing.load_serialized(executable, mesh)
+    except Exception:  # an optimisation only: compile instead
+        return None
 
 
 def precompile(

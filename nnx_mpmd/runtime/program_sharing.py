@@ -13,9 +13,12 @@ place of device ``k`` of the other's).
 
 Only an executable that XLA compiled is loaded again: one that JAX's
 persistent compilation cache loaded is not serialized a second time
-(`compile_fresh`). The fresh one is kept (`remember`): in memory for later
-steps of the process, and, with the persistent cache on, in its directory
-(``nnx_mpmd_shared/``) for later processes; equals with nothing kept compile.
+(`compile_fresh`). The fresh one is kept for later steps of the process
+(`keep_fresh`: a weak reference, serialized only when `recall` asks; then
+`remember` holds the bytes), so that a later step loads it for its own
+submesh instead of compiling the same module again, and, with the persistent
+cache on, in its directory (``nnx_mpmd_shared/``) for later processes; equals
+with nothing kept compile.
 
 Programs share an executable only when everything XLA compiles is the same:
 the key is the whole lowered StableHLO text with the module's name removed
@@ -40,6 +43,7 @@ import os
 import pathlib
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -55,9 +59,12 @@ __all__ = [
     "Serialized",
     "SharedProgram",
     "compile_fresh",
+    "forget_kept",
+    "keep_fresh",
     "load_for_devices",
     "load_serialized",
     "recall",
+    "recall_in_process",
     "remember",
     "runs_on",
     "same_devices",
@@ -315,10 +322,74 @@ def remember(key: Any, executable: Serialized) -> None:
             pass
 
 
-def recall(key: Any) -> Serialized | None:
-    """The executable `remember` kept for ``key`` (here, or in the cache directory), or None."""
+#: Fresh executables of this process by `share_key`, held weakly (a step that is
+#: dropped takes its executables with it): `recall` serializes one when asked.
+_FRESH: collections.OrderedDict[Any, tuple[weakref.ref, Mesh]] = collections.OrderedDict()
+
+
+def keep_fresh(key: Any, compiled: jax.stages.Compiled, source: Mesh) -> None:
+    """Notes ``compiled``, fresh from XLA for ``source``, as `recall` ``(key)``'s source.
+
+    Nothing is copied or serialized until `recall` asks for it, and only a weak
+    reference is kept: the executable lives as long as its step does.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P()))
+      >>> compiled = jax.jit(lambda v: v + 1).lower(x).compile()
+      >>> keep_fresh(("kept example",), compiled, mesh)
+      >>> recall(("kept example",)).source_ids
+      (0,)
+    """
+    with _remembering:
+        _FRESH[key] = (weakref.ref(compiled), source)
+        _FRESH.move_to_end(key)
+        while len(_FRESH) > _REMEMBERED_MAX:
+            _FRESH.popitem(last=False)
+
+
+def recall_in_process(key: Any) -> Serialized | None:
+    """The executable this process kept for ``key`` (`remember`, `keep_fresh`), or None.
+
+    Example:
+      >>> recall_in_process(("never kept",)) is None
+      True
+    """
     with _remembering:
         found = _REMEMBERED.get(key)
+        fresh = _FRESH.get(key)
+    if found is not None:
+        return found
+    compiled = fresh[0]() if fresh is not None else None
+    if compiled is None:
+        return None
+    try:
+        executable = serialized(compiled, fresh[1])
+    except Exception:  # an optimisation only: the caller compiles instead
+        return None
+    remember(key, executable)
+    return executable
+
+
+def forget_kept() -> None:
+    """Drops what this process kept for `recall` (the cache directory's copies stay).
+
+    Example:
+      >>> remember(("forgotten",), Serialized(b"", None, None, (0,)))
+      >>> forget_kept()
+      >>> recall_in_process(("forgotten",)) is None
+      True
+    """
+    with _remembering:
+        _REMEMBERED.clear()
+        _FRESH.clear()
+
+
+def recall(key: Any) -> Serialized | None:
+    """The executable kept for ``key`` (`remember`, `keep_fresh`, the cache directory), or None."""
+    found = recall_in_process(key)
     if found is not None:
         return found
     path = _stored_path(key)
