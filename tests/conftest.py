@@ -23,31 +23,50 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("NNX_MPMD_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# One directory for this test run: the first process (pytest itself, or xdist's
+# controller, which starts the workers after importing this file) makes it and
+# removes it at exit; workers find it in the environment they inherit. It holds
+# the compilation cache below and the results tests/shared_results.py computes
+# once for all workers.
+_run_dir = os.environ.get("NNX_MPMD_TEST_RUN_DIR", "")
+if not os.path.isdir(_run_dir):
+    _run_dir = tempfile.mkdtemp(prefix="nnx-mpmd-test-run-")
+    os.environ["NNX_MPMD_TEST_RUN_DIR"] = _run_dir
+    atexit.register(shutil.rmtree, _run_dir, ignore_errors=True)
 
 # Many tests compile the same stage programs (the same model and schedule with a
 # different optimizer, say). A compilation cache shared by this test run (and its
 # xdist workers) turns those repeats into cache hits. A cache hit still counts as
 # a compilation in nnx_mpmd.compiler.stats, so recompilation tests stay exact.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    # The first process (pytest itself, or xdist's controller, which starts the
-    # workers after importing this file) makes the directory and removes it at
-    # exit; workers find it in the environment they inherit.
-    _cache_dir = os.environ.get("NNX_MPMD_TEST_JAX_CACHE", "")
-    if not os.path.isdir(_cache_dir):
-        _cache_dir = tempfile.mkdtemp(prefix="nnx-mpmd-jax-cache-")
-        os.environ["NNX_MPMD_TEST_JAX_CACHE"] = _cache_dir
-        atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    _cache_dir = os.path.join(_run_dir, "jax-cache")
+    os.makedirs(_cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # Not exported to subprocesses: two processes of one jax.distributed run that
     # share a persistent cache here deadlocked (tests/test_multiprocess.py).
+
+
+@pytest.fixture(autouse=True)
+def _no_executables_kept_by_earlier_tests():
+    """Each test starts without the executables earlier tests' steps left for reuse.
+
+    A step loads a module that an earlier step of its process compiled (for any
+    equal-shaped submesh) instead of compiling it; tests that count
+    compilations must not depend on which tests ran before in their worker.
+    """
+    from nnx_mpmd.runtime import program_sharing
+
+    program_sharing.forget_kept()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,10 +27,22 @@ ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
 TIMED_OUT = (124, 137)
 
 
+def optimization_level_flag() -> str:
+    """This run's ``--xla_backend_optimization_level=N`` (tests/conftest.py sets it), or ''."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if f.startswith("--xla_backend_optimization_level"))
+
+
 def env_for_launch(**extra: str) -> dict[str, str]:
-    """The environment of a launched run: CPU, short heartbeats, no inherited settings."""
+    """The environment of a launched run: CPU, short heartbeats, no inherited settings.
+
+    XLA_FLAGS keeps only the test run's optimization level (both sides of every
+    comparison run at it): the launcher and the scripts set the device counts.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
     env.pop("XLA_FLAGS", None)
+    if optimization_level_flag():
+        env["XLA_FLAGS"] = optimization_level_flag()
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
     env.update(extra)
     return env

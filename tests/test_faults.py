@@ -24,6 +24,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from mp_launch import optimization_level_flag
 
 from nnx_mpmd.checkpoint import CheckpointManager
 
@@ -43,7 +44,8 @@ TIMEOUT_S = 120
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     # The resumed run compiles what the killed run compiled: share the test run's cache.
     cache = jax.config.jax_compilation_cache_dir
     if cache:

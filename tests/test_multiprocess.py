@@ -27,6 +27,7 @@ from mp_launch import launch as _launch
 from mp_launch import launch_once as _launch_once
 from mp_launch import read_json as _read
 from mp_launch import run_single as _single
+from shared_results import once_per_test_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,47 +38,52 @@ RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied", "1f1b:4:4:shift:mlp"]
 STEPS = {2: "3", 4: "2"}
 
 
-@pytest.fixture(scope="module")
-def single_results(tmp_path_factory):
+def _run_as_one_process(directory):
     """Every run of both launches as one process with 8 devices (one process start)."""
-    single = tmp_path_factory.mktemp("single")
     by_steps = {STEPS[2]: RUNS, STEPS[4]: RUNS_4}
     results = {}
     for steps, runs in by_steps.items():
-        out = single / steps
+        out = directory / steps
         out.mkdir()
         _check(_single("train.py", "--out", str(out), "--runs", ",".join(runs), "--steps", steps))
         results.update(_read(out, "losses_0.json"))
     return results
 
 
-def _launched(tmp_path_factory, runs, processes):
-    multi = tmp_path_factory.mktemp(f"multi{processes}")
+def _launched(directory, runs, processes):
     done, elapsed = _launch(
         "train.py",
         "--out",
-        str(multi),
+        str(directory),
         "--runs",
         ",".join(runs),
         "--steps",
         STEPS[processes],
         processes=processes,
         devices_per_process=8 // processes,
-        fresh=((multi, True),),
+        fresh=((directory, True),),
     )
     _check(done)
     print(f"{processes} processes: {elapsed:.1f} s")
-    return [_read(multi, f"losses_{p}.json") for p in range(processes)]
+    return [_read(directory, f"losses_{p}.json") for p in range(processes)]
+
+
+# Computed once for all xdist workers (tests/shared_results.py), not once per worker.
+@pytest.fixture(scope="module")
+def single_results():
+    return once_per_test_run("multiprocess-single", _run_as_one_process)
 
 
 @pytest.fixture(scope="module")
-def training_results(tmp_path_factory, single_results):
-    return _launched(tmp_path_factory, RUNS, 2), single_results
+def training_results(single_results):
+    launched = once_per_test_run("multiprocess-2", lambda d: _launched(d, RUNS, 2))
+    return launched, single_results
 
 
 @pytest.fixture(scope="module")
-def four_process_results(tmp_path_factory, single_results):
-    return _launched(tmp_path_factory, RUNS_4, 4), single_results
+def four_process_results(single_results):
+    launched = once_per_test_run("multiprocess-4", lambda d: _launched(d, RUNS_4, 4))
+    return launched, single_results
 
 
 def _assert_trained_like_one(per_process, single, run, spans_every_process=False):

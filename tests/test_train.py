@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from shared_results import once_per_test_run
 
 from nnx_mpmd.apps import cli, train
 
@@ -40,11 +41,10 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A 4-step run in a fresh process that must set its own CPU device count."""
-    run_dir = tmp_path_factory.mktemp("run")
-    cache_home = tmp_path_factory.mktemp("cache_home")  # the default cache goes here
+def _finish_a_run(directory):
+    run_dir = directory / "run"
+    cache_home = directory / "cache_home"  # the default cache goes here
+    cache_home.mkdir()
     argv = [*TINY, "--steps", "4", "--devices", "2", "--profile", "--sample-tokens", "12"]
     proc = subprocess.run(
         [sys.executable, "-m", "nnx_mpmd", "train", *argv, "--run-dir", str(run_dir)],
@@ -54,7 +54,18 @@ def finished_run(tmp_path_factory):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc.cache_dir = cache_home / "nnx_mpmd" / "jax"
+    return run_dir, proc
+
+
+@pytest.fixture(scope="module")
+def finished_run():
+    """A 4-step run in a fresh process that must set its own CPU device count.
+
+    Run once for all xdist workers (tests/shared_results.py): tests read its run
+    directory and copy it before they change anything.
+    """
+    run_dir, proc = once_per_test_run("train-finished-run", _finish_a_run)
+    proc.cache_dir = run_dir.parent / "cache_home" / "nnx_mpmd" / "jax"
     return run_dir, proc
 
 
