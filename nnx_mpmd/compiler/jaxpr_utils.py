@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,11 +29,14 @@ def is_literal(x: Any) -> bool:
 def aval_bytes(aval: Any) -> int:
     """Bytes of a value of abstract type ``aval`` (unsharded)."""
     dtype = getattr(aval, "dtype", None)
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes such as PRNG keys
-        itemsize = getattr(dtype, "itemsize", 4)
-    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64)) * int(itemsize)
+    itemsize = getattr(dtype, "itemsize", None)  # NumPy and extended dtypes (PRNG keys)
+    if not isinstance(itemsize, int):
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:
+            itemsize = 4
+    # math.prod, not np.prod: this runs for every value of every equation a pass weighs.
+    return math.prod(int(d) for d in getattr(aval, "shape", ())) * int(itemsize)
 
 
 def var_bytes(v: Any) -> int:
