@@ -42,12 +42,16 @@ def compiled_here():
     """XLA compiles in this process: JAX's persistent cache, which the test workers
     share, would otherwise hand out an executable another worker wrote, and such
     an executable cannot be serialized again (`program_sharing.compile_fresh`)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process unless reset
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 @pytest.mark.parametrize("target_ids", [(2, 3), (7, 4)], ids=["in-order", "reversed-ids"])
@@ -212,14 +216,16 @@ def test_a_later_step_loads_the_programs_an_earlier_step_compiled_for_another_su
         )
         with count_compilations() as counter:
             loss = float(step(model, opt, make_batch(kind, 4)))
-        return counter.count, loss, params_of(model)
+        return counter.count, loss, params_of(model), step
 
-    first, loss, params = run(jax.devices()[:2])
-    second, again, same = run(jax.devices()[2:4])
+    # Executables are kept while their step lives (weakly): hold on to the first one.
+    first, loss, params, first_step = run(jax.devices()[:2])
+    second, again, same, _ = run(jax.devices()[2:4])
     assert first > 0 and second == 0, (first, second)
     assert again == loss  # equal programs, equal inputs: the very same numbers
     for path in params:
         np.testing.assert_array_equal(same[path], params[path], err_msg=path)
     program_sharing.forget_kept()
-    third, _, _ = run(jax.devices()[4:6])
+    third, _, _, _ = run(jax.devices()[4:6])
     assert third == first  # nothing kept: everything compiles again
+    del first_step
