@@ -183,5 +183,9 @@ def test_killed_coordinator_is_named_as_the_cause(tmp_path):
         r"It hosts the coordination service.*\[p0\] lines",
         done.stdout,
     ), done.stdout[-6000:]
-    assert "[p1] F" in done.stdout  # JAX's own abort of process 1 (a FATAL log line)
+    # Process 1 stopped on its own: JAX's abort (a FATAL log line) or, when a transfer
+    # from process 0 fails first, the error that transfer raised (a race between the
+    # two; under load the transfer's error can end the process before the abort).
+    stopped = re.search(r"^\[p1\] (F\d{4} |.*JaxRuntimeError)", done.stdout, re.MULTILINE)
+    assert stopped, done.stdout[-6000:]
     assert elapsed < 100  # bounded: no hang until the outer timeout
