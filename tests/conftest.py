@@ -1,6 +1,9 @@
 """Test set-up: 8 simulated CPU devices, configured before JAX starts."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # LLVM's O0 for XLA:CPU's generated code: compilation is most of this suite's time
 # and O0 takes about a quarter off it. The HLO passes (fusion, sharding) are the
@@ -26,10 +29,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 
 # One directory for this test run: the first process (pytest itself, or xdist's
 # controller, which starts the workers after importing this file) makes it and

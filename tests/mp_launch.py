@@ -41,8 +41,9 @@ def env_for_launch(**extra: str) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
     env.pop("XLA_FLAGS", None)
-    if optimization_level_flag():
-        env["XLA_FLAGS"] = optimization_level_flag()
+    level = optimization_level_flag()
+    if level:
+        env["XLA_FLAGS"] = level
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
     env.update(extra)
     return env
