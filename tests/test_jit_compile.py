@@ -250,3 +250,66 @@ def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypa
     with count_compilations() as second:
         step(model, opt, batch)
     assert second.count == 0
+
+
+def _counting_freezes(monkeypatch) -> list[str]:
+    import gc
+
+    events: list[str] = []
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gc, "freeze", lambda: (events.append("freeze"), freeze())[1])
+    monkeypatch.setattr(gc, "unfreeze", lambda: (events.append("unfreeze"), unfreeze())[1])
+    return events
+
+
+def test_compiling_calls_leave_older_objects_to_the_collector_only_while_they_compile(
+    monkeypatch,
+):
+    import gc
+
+    events = _counting_freezes(monkeypatch)
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    step(model, opt, make_batch(kind, 4))
+    assert events == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0
+    step(model, opt, make_batch(kind, 4, seed=1))  # no compilation: nothing frozen
+    assert events == ["freeze", "unfreeze"]
+    compiled = step.lower(model, opt, make_batch(kind, 8)).compile()
+    assert events == ["freeze", "unfreeze"] * 3 and gc.get_freeze_count() == 0
+    assert compiled is not None
+
+
+def test_a_failed_compilation_unfreezes_and_a_caller_s_collector_settings_stand(monkeypatch):
+    import gc
+
+    events = _counting_freezes(monkeypatch)
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+
+    def broken(model, opt, batch):
+        loss, _ = mp.value_and_grad(loss_fn)(model, batch)
+        return loss + jnp.ones(3) @ jnp.ones(4)  # a shape error while tracing
+
+    step = mp.jit(broken, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        step(model, opt, make_batch(kind, 4))
+    assert events == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0
+
+    gc.disable()
+    try:
+        with pytest.raises(TypeError, match="dot_general"):
+            step(model, opt, make_batch(kind, 4))
+    finally:
+        gc.enable()
+    assert events == ["freeze", "unfreeze"] and gc.isenabled()
+
+    gc.freeze()  # the caller's own frozen objects stay frozen
+    try:
+        events.clear()
+        frozen = gc.get_freeze_count()
+        with pytest.raises(TypeError, match="dot_general"):
+            step(model, opt, make_batch(kind, 4))
+        assert events == [] and frozen > 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
