@@ -56,16 +56,38 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 
 @pytest.fixture(autouse=True)
-def _no_executables_kept_by_earlier_tests():
+def _no_executables_kept_by_earlier_tests(monkeypatch):
     """Each test starts without the executables earlier tests' steps left for reuse.
 
-    A step loads a module that an earlier step of its process compiled (for any
-    equal-shaped submesh) instead of compiling it; tests that count
-    compilations must not depend on which tests ran before in their worker.
+    A step loads a module that an earlier step compiled (for any equal-shaped
+    submesh: kept by its process, or stored in the cache directory) instead of
+    compiling it; tests that count compilations must not depend on which tests
+    ran before, in their worker or another. Each test stores in a folder of its own.
     """
+    import uuid
+
     from nnx_mpmd.runtime import program_sharing
 
     program_sharing.forget_kept()
+    monkeypatch.setattr(program_sharing, "_STORE_FOLDER", f"nnx_mpmd_shared-{uuid.uuid4().hex}")
+
+
+@pytest.fixture
+def compiled_here():
+    """XLA compiles in this process: JAX's persistent cache, which the test workers
+    share, would otherwise hand out an executable another worker (or test) wrote.
+    Such an executable cannot be serialized again (`program_sharing.compile_fresh`),
+    so how many programs a step compiles would depend on which tests ran before."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process unless reset
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 def pytest_collection_modifyitems(config, items):

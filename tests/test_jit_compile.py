@@ -33,7 +33,7 @@ def _first_step_compilations(num_microbatches: int, schedule) -> int:
 
 
 @pytest.mark.parametrize("schedule", [mp.GPipe(), mp.OneFOneB()], ids=["gpipe", "1f1b"])
-def test_compilations_do_not_grow_with_microbatches(schedule):
+def test_compilations_do_not_grow_with_microbatches(schedule, compiled_here):
     assert _first_step_compilations(4, schedule) == _first_step_compilations(16, schedule)
 
 
@@ -209,7 +209,7 @@ def test_compile_threads_must_be_a_positive_int(bad):
         )
 
 
-def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypatch):
+def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypatch, compiled_here):
     from nnx_mpmd.compiler.instructions import Call
     from nnx_mpmd.runtime import precompile
 

@@ -37,23 +37,6 @@ def _args(mesh, seed=0):
     )
 
 
-@pytest.fixture
-def compiled_here():
-    """XLA compiles in this process: JAX's persistent cache, which the test workers
-    share, would otherwise hand out an executable another worker wrote, and such
-    an executable cannot be serialized again (`program_sharing.compile_fresh`)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # JAX decides once per process unless reset
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        compilation_cache.reset_cache()
-
-
 @pytest.mark.parametrize("target_ids", [(2, 3), (7, 4)], ids=["in-order", "reversed-ids"])
 def test_a_loaded_executable_runs_on_the_target_devices_in_their_order(target_ids, compiled_here):
     source, target = _submesh((0, 1)), _submesh(target_ids)
@@ -161,7 +144,7 @@ def _recall_from_the_directory(monkeypatch, tmp_path):
     )
     monkeypatch.setattr(program_sharing, "_REMEMBERED", collections.OrderedDict())
     stored = program_sharing.recall(key)  # from the file: a later process's view
-    assert stored is not None and list(tmp_path.glob("nnx_mpmd_shared/*.pkl"))
+    assert stored is not None and list(tmp_path.glob(f"{program_sharing._STORE_FOLDER}/*.pkl"))
     got = program_sharing.load_serialized(stored, target)(*_args(target))
     np.testing.assert_array_equal(got[2], fn(*_args(target))[2])
     # A file whose stored key differs (another jax, other XLA flags...) is never used.
@@ -229,3 +212,40 @@ def test_a_later_step_loads_the_programs_an_earlier_step_compiled_for_another_su
     third, _, _, _ = run(jax.devices()[4:6])
     assert third == first  # nothing kept: everything compiles again
     del first_step
+
+
+def test_a_later_process_loads_a_stored_module_instead_of_compiling_it(tmp_path):
+    # A process compiles post.L1.mesh1 and loads the equal post.L1.mesh2 from it: only
+    # the first has an entry in JAX's persistent cache (the module names differ), so a
+    # later process that meets mesh2's module first loads the copy stored beside it.
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from nnx_mpmd.compiler.jaxpr_utils import named_jit
+    from nnx_mpmd.runtime.precompile import _abstract, _Compiler
+
+    def outputs(compiler, label, mesh):
+        args = _abstract(_args(mesh))
+        return compiler.outputs(named_jit(_reduce, label), args, lambda _: None, label, mesh)
+
+    first, second = _submesh((0, 1)), _submesh((2, 3))
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compilation_cache.reset_cache()
+    try:
+        earlier = _Compiler(share=True)
+        for label, mesh in (("post.L1.mesh1", first), ("post.L1.mesh2", second)):
+            outputs(earlier, label, mesh)
+        assert earlier.compiled == 1 and list(earlier.loaded) == ["post.L1.mesh2"]
+        program_sharing.forget_kept()  # a later process: nothing kept in memory
+
+        later = _Compiler(share=True)
+        with count_compilations() as counter:
+            outputs(later, "post.L1.mesh2", second)
+        assert counter.count == 0 and later.compiled == 0, counter.count
+        (loaded,) = later.loaded["post.L1.mesh2"]
+        got, want = loaded(*_args(second, seed=2)), jax.jit(_reduce)(*_args(second, seed=2))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()

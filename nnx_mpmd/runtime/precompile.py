@@ -219,8 +219,8 @@ class _Compiler:
             if shared is None:
                 compiled = lowered.compile()
             else:
-                # An equal module compiled earlier in this process (another step, another
-                # submesh): loaded for this submesh.
+                # An equal module compiled earlier (another step of this process, or
+                # another submesh in an earlier process): loaded for this submesh.
                 recalled = _recalled(share, mesh)
                 if recalled is not None:
                     compiled, fresh = recalled, False
@@ -290,8 +290,14 @@ class _Compiler:
 
 
 def _recalled(key: Any, mesh: Any) -> Any:
-    """An executable this process kept for ``key``, loaded on ``mesh``; or None."""
-    executable = program_sharing.recall_in_process(key)
+    """An executable kept for ``key``, loaded on ``mesh``; or None.
+
+    Kept by this process (an earlier step), or stored in the cache directory
+    by an earlier one: a module that process loaded from an equal submesh's
+    executable has no entry of its own in JAX's persistent cache (its module
+    name differs), so without the stored copy a later process would compile it.
+    """
+    executable = program_sharing.recall(key)
     if executable is None:
         return None
     try:

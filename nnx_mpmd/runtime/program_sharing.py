@@ -422,13 +422,17 @@ def _full_key(key: Any) -> tuple[Any, ...]:
     )
 
 
+#: The folder of the cache directory that `remember` stores executables in.
+_STORE_FOLDER = "nnx_mpmd_shared"
+
+
 def _stored_path(key: Any) -> pathlib.Path | None:
     """Where `remember` stores ``key``'s executable, or None (no persistent cache)."""
     directory = jax.config.jax_compilation_cache_dir
     if not directory or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
         return None
     digest = hashlib.sha256(repr(_full_key(key)).encode()).hexdigest()
-    return pathlib.Path(directory) / "nnx_mpmd_shared" / f"{digest}.pkl"
+    return pathlib.Path(directory) / _STORE_FOLDER / f"{digest}.pkl"
 
 
 _SHARDING = operator.attrgetter("sharding")
