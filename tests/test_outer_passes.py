@@ -2,7 +2,8 @@
 
 Each test traces a few ops with ``jax.make_jaxpr``, says by hand where the inputs
 live, and checks one pass: `needed_meshes`, `assign_meshes`, `level_equations`,
-`emit_outer_program`, `report_transfers`, and `plan_outer_problem` composing them.
+`defer_equations`, `emit_outer_program`, `report_transfers`, and
+`plan_outer_problem` composing them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from nnx_mpmd.compiler.outer_assign import (
 from nnx_mpmd.compiler.outer_emit import (
     CrossMeshTransfer,
     OuterGroup,
+    defer_equations,
     emit_outer_program,
     level_equations,
     report_transfers,
@@ -355,6 +357,117 @@ def test_moves_copy_from_the_lowest_level_holder():
     assert OuterGroup(Segment.PRE, 2, 2) in levels.groups
 
 
+# -- defer_equations -----------------------------------------------------------------
+
+
+def _clipped_momentum(g0, g1, mu0, mu1):
+    """Adam's first moment after a global-norm clip: ``b1 * mu`` need not wait for the norm."""
+    norm = jnp.sqrt(jnp.sum(g0 * g0) + jnp.sum(g1 * g1))
+    return 0.9 * mu0 + 0.1 * (g0 / norm), 0.9 * mu1 + 0.1 * (g1 / norm)
+
+
+def _momentum_problem():
+    args = [GRADS[0], GRADS[1], jnp.ones(256), jnp.full(256, 2.0)]
+    return _problem(
+        _clipped_momentum,
+        args,
+        [{0}, {1}, {0}, {1}],
+        targets=[{0}, {1}],
+        names=["g0", "g1", "mu0", "mu1"],
+    ), args
+
+
+def _group_of(levels, primitive, mesh):
+    eqns = levels.assignment.jaxpr.eqns
+    return {
+        g.level
+        for g, members in levels.groups.items()
+        for i in members
+        if g.mesh == mesh and eqns[i].primitive.name == primitive
+    }
+
+
+def test_deferred_work_runs_with_its_readers():
+    problem, _ = _momentum_problem()
+    levels = level_equations(_assign(problem))
+    # As early as possible, ``0.9 * mu`` (6, 10) runs before the norm arrives and is
+    # passed to level 1; deferred, it runs in the program that reads it. The partial
+    # sums (0-3) that the other mesh reads stay before their transfer.
+    assert str(levels).splitlines()[:4] == [
+        "pre.L0.mesh0: 0:mul 1:reduce_sum 6:mul",
+        "pre.L0.mesh1: 2:mul 3:reduce_sum 10:mul 13:convert_element_type",
+        "pre.L1.mesh0: 4:add 5:sqrt 7:div 8:mul 9:add",
+        "pre.L1.mesh1: 4:add 5:sqrt 11:div 12:mul 14:add",
+    ]
+    deferred = defer_equations(levels)
+    assert str(deferred).splitlines()[:4] == [
+        "pre.L0.mesh0: 0:mul 1:reduce_sum",
+        "pre.L0.mesh1: 2:mul 3:reduce_sum",
+        "pre.L1.mesh0: 4:add 5:sqrt 6:mul 7:div 8:mul 9:add",
+        "pre.L1.mesh1: 4:add 5:sqrt 10:mul 11:div 12:mul 13:convert_element_type 14:add",
+    ]
+    assert deferred.transfers == levels.transfers
+
+
+def test_a_value_sent_on_stays_one_level_before_its_transfer():
+    problem = _problem(
+        _global_norm_scale,
+        GRADS,
+        [{0}, {1}, {2}],
+        targets=[{0}, {1}, {2}],
+        names=["g0", "g1", "g2"],
+    )
+    levels = level_equations(_assign(problem))
+    deferred = defer_equations(levels)
+    # mesh 1 has levels 0 and 2 only: its work that waits goes to 2, never to a new 1
+    assert {(g.level, g.mesh) for g in deferred.groups} <= {
+        (g.level, g.mesh) for g in levels.groups
+    }
+    level_of = {(i, g.mesh): g.level for g, members in deferred.groups.items() for i in members}
+    for t in deferred.transfers:
+        if t.src != HOST:
+            (producer,) = [i for i, e in enumerate(problem.jaxpr.eqns) if t.var in e.outvars]
+            assert level_of[(producer, t.src)] <= t.level - 1
+
+
+def test_deferring_adds_no_level_to_a_mesh_and_keeps_the_results():
+    problem, args = _momentum_problem()
+    levels = level_equations(_assign(problem))
+    deferred = defer_equations(levels)
+    mesh_levels = lambda lv: {(g.segment, g.level, g.mesh) for g in lv.groups}  # noqa: E731
+    assert mesh_levels(deferred) <= mesh_levels(levels)
+    for members in deferred.groups.values():
+        assert list(members) == sorted(members)
+    plan = plan_outer_problem(problem, SlotTable())
+    for ((_, got),), want in zip(_run(plan, args), _clipped_momentum(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_deferring_leaves_a_level_with_nothing_to_wait_for_out():
+    problem = _problem(
+        lambda a, b: (a * 2) + jnp.sum(b), [jnp.ones(2), jnp.ones(2)], [{0}, {1}], names=["a", "b"]
+    )
+    levels = level_equations(_assign(problem))
+    assert OuterGroup(Segment.PRE, 0, 0) in levels.groups
+    deferred = defer_equations(levels)
+    assert OuterGroup(Segment.PRE, 0, 0) not in deferred.groups
+    assert str(deferred).splitlines()[:2] == [
+        "pre.L0.mesh1: 1:reduce_sum",
+        "pre.L1.mesh0: 0:mul 2:add",
+    ]
+
+
+def test_equations_with_effects_keep_their_level():
+    def f(a, b):
+        jax.debug.callback(lambda x: None, a)
+        return a + jnp.sum(b)
+
+    problem = _problem(f, [jnp.ones(2), jnp.ones(2)], [{0}, {1}], names=["a", "b"])
+    levels = level_equations(_assign(problem))
+    deferred = defer_equations(levels)
+    assert _group_of(levels, "debug_callback", 0) == _group_of(deferred, "debug_callback", 0) == {0}
+
+
 # -- emit_outer_program --------------------------------------------------------------
 
 
@@ -450,6 +563,7 @@ def test_plan_records_every_pass():
         "needed_meshes",
         "assign_meshes",
         "level_equations",
+        "defer_equations",
         "emit_outer_program",
         "report_transfers",
     ]

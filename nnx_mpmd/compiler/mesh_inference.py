@@ -18,9 +18,12 @@ a value must arrive from another mesh. Transfers run between levels.
 2. ``assign_meshes`` (`outer_assign.assign_meshes`): the meshes each equation
    runs on and the values moved to them; the region's passes run at its place.
 3. ``level_equations`` (`outer_emit.level_equations`): programs per (segment,
-   level, mesh), transfers between levels.
-4. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
-5. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
+   level, mesh), transfers between levels; each equation as early as it can run.
+4. ``defer_equations`` (`outer_emit.defer_equations`): each equation moved to
+   the latest level its readers allow, so work that waits anyway fuses with its
+   readers instead of being passed between programs.
+5. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
+6. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
    transfers outside the region, with a warning for large ones.
 """
 
@@ -45,6 +48,7 @@ from nnx_mpmd.compiler.outer_emit import (
     CrossMeshTransfer,
     MpmdTransferWarning,
     constrain_to,
+    defer_equations,
     emit_outer_program,
     level_equations,
     report_transfers,
@@ -125,12 +129,14 @@ def plan_outer_problem(
         place_region = functools.partial(build_region, problem, slots, region_builder, region_at)
     assignment = assign_meshes(problem, need, region_at, region_needs, place_region)
     levels = level_equations(assignment)
-    program = emit_outer_program(problem, levels, slots)
-    transfers = report_transfers(problem, levels, stacklevel=warning_stacklevel)
+    deferred = defer_equations(levels)
+    program = emit_outer_program(problem, deferred, slots)
+    transfers = report_transfers(problem, deferred, stacklevel=warning_stacklevel)
     passes: list[tuple[str, Any]] = [
         ("needed_meshes", _need_text(problem, need)),
         ("assign_meshes", assignment),
         ("level_equations", levels),
+        ("defer_equations", deferred),
         ("emit_outer_program", list(program.instructions)),
         ("report_transfers", "\n".join(map(str, transfers)) or "no transfers between meshes"),
     ]

@@ -45,6 +45,7 @@ __all__ = [
     "OuterTransfer",
     "constrain_to",
     "emit_outer_program",
+    "defer_equations",
     "level_equations",
     "report_transfers",
 ]
@@ -168,6 +169,82 @@ def level_equations(assignment: MeshAssignment) -> OuterLevels:
             level.update((ValueOnMesh(out, q), lvl) for out in eqns[i].outvars)
     ordered = {group: tuple(sorted(groups[group])) for group in sorted(groups)}
     return OuterLevels(ordered, tuple(transfers), assignment)
+
+
+def defer_equations(levels: OuterLevels) -> OuterLevels:
+    """Pass: moves each equation to the latest level its readers allow, on its mesh.
+
+    `level_equations` runs an equation as early as its inputs allow, so a level
+    before a cross-mesh transfer also holds work that only a later level reads
+    (with a global-norm clip: Adam's ``b1 * mu`` before the norm arrives). That
+    costs a program output and a buffer per value, and a second XLA kernel where
+    one fused kernel would do. Here an equation runs at the lowest level among
+    its readers on the same mesh and segment, at most one level before a
+    transfer that copies one of its outputs, else at the mesh's last level in
+    its segment. Transfers stay where they are, no level is added to a mesh, and
+    equations with effects keep their level.
+
+    Args:
+      levels: `level_equations`'s result.
+
+    Returns:
+      The `OuterLevels` with the same transfers and equations moved.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from nnx_mpmd.compiler.outer_assign import OuterProblem, assign_meshes
+      >>> def f(a, b):
+      ...     return (a * 2) + jnp.sum(b)  # a * 2 can wait for b's sum
+      >>> closed = jax.make_jaxpr(f)(jnp.ones(2), jnp.ones(2))
+      >>> problem = OuterProblem(closed.jaxpr, [{0}, {1}], [None], ["a", "b"],
+      ...                        jax.devices()[:2], lambda j, q: None)
+      >>> levels = level_equations(assign_meshes(problem, {}, region_at=3))
+      >>> print(levels)
+      pre.L0.mesh0: 0:mul
+      pre.L0.mesh1: 1:reduce_sum
+      pre.L1.mesh0: 2:add
+      transfer 'b' float32[] mesh1->mesh0 before pre.L1
+      >>> print(defer_equations(levels))
+      pre.L0.mesh1: 1:reduce_sum
+      pre.L1.mesh0: 0:mul 2:add
+      transfer 'b' float32[] mesh1->mesh0 before pre.L1
+    """
+    eqns = levels.assignment.jaxpr.eqns
+    group_of = {(i, g.mesh): g for g, members in levels.groups.items() for i in members}
+    last_level: dict[tuple[Segment, int], int] = {}
+    for g in levels.groups:
+        key = (g.segment, g.mesh)
+        last_level[key] = max(last_level.get(key, 0), g.level)
+    readers: dict[ValueOnMesh, list[int]] = {}
+    for g, members in levels.groups.items():
+        for i in members:
+            for v in eqns[i].invars:
+                if not is_literal(v):
+                    readers.setdefault(ValueOnMesh(v, g.mesh), []).append(i)
+    copied_before: dict[ValueOnMesh, int] = {}
+    for t in levels.transfers:
+        if t.src != HOST:
+            key = ValueOnMesh(t.var, t.src)
+            copied_before[key] = min(copied_before.get(key, t.level), t.level)
+    level: dict[tuple[int, int], int] = {}
+    for i, q in sorted(group_of, reverse=True):
+        group = group_of[(i, q)]
+        latest = last_level[(group.segment, q)]
+        if eqns[i].effects:
+            latest = group.level
+        for out in eqns[i].outvars:
+            value = ValueOnMesh(out, q)
+            if value in copied_before:
+                latest = min(latest, copied_before[value] - 1)
+            for j in readers.get(value, ()):
+                if group_of[(j, q)].segment == group.segment:
+                    latest = min(latest, level[(j, q)])
+        level[(i, q)] = max(latest, group.level)
+    groups: dict[OuterGroup, list[int]] = {}
+    for (i, q), group in group_of.items():
+        groups.setdefault(OuterGroup(group.segment, level[(i, q)], q), []).append(i)
+    ordered = {g: tuple(sorted(groups[g])) for g in sorted(groups)}
+    return OuterLevels(ordered, levels.transfers, levels.assignment)
 
 
 def _level_move(move: Move, level: dict[Any, int]) -> OuterTransfer:
