@@ -607,3 +607,78 @@ def test_jaxpr_with_constvars_is_an_error():
         pytest.skip("this JAX inlines the constant")
     with pytest.raises(mp.CompileError, match=r"constvars; turn them into inputs"):
         OuterProblem(closed.jaxpr, [{0}], [None], ["a"], MESHES, lambda j, q: None)
+
+
+# -- structure keys: equal programs on equal-shaped meshes ----------------------------
+
+
+def _key(fn, *args):
+    from nnx_mpmd.compiler.jaxpr_utils import structure_key
+
+    j = jax.make_jaxpr(fn)(*args).jaxpr
+    return structure_key(j.eqns, j.invars, j.outvars)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda a, b: a * 2.0 + b,  # the same function, other names
+    ],
+)
+def test_equal_slices_have_equal_structure_keys(other):
+    first = _key(lambda x, y: x * 2.0 + y, jnp.ones(3), jnp.ones(3))
+    assert first is not None and first == _key(other, jnp.ones(3), jnp.ones(3))
+    assert hash(first) == hash(_key(other, jnp.ones(3), jnp.ones(3)))
+
+
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (lambda a, b: b * 2.0 + a, (jnp.ones(3), jnp.ones(3))),  # wired otherwise
+        (lambda a, b: a * 3.0 + b, (jnp.ones(3), jnp.ones(3))),  # another literal
+        (lambda a, b: a * 2.0 - b, (jnp.ones(3), jnp.ones(3))),  # another primitive
+        (lambda a, b: a * 2.0 + b, (jnp.ones(4), jnp.ones(4))),  # another shape
+        (lambda a, b: a * 2.0 + b, (jnp.ones(3, jnp.int32), jnp.ones(3, jnp.int32))),
+        (lambda a, b: jnp.sum(a * 2.0 + b, keepdims=True), (jnp.ones(3), jnp.ones(3))),
+    ],
+    ids=["wiring", "literal", "primitive", "shape", "dtype", "extra-equation"],
+)
+def test_different_slices_have_different_structure_keys(fn, args):
+    assert _key(lambda x, y: x * 2.0 + y, jnp.ones(3), jnp.ones(3)) != _key(fn, *args)
+
+
+def test_structure_keys_compare_floats_by_their_bits():
+    zero = _key(lambda a: a * 0.0, jnp.ones(3))
+    assert zero != _key(lambda a: a * -0.0, jnp.ones(3))
+    nan = _key(lambda a: a * jnp.nan, jnp.ones(3))
+    assert nan is not None and nan == _key(lambda a: a * jnp.nan, jnp.ones(3))
+
+
+def test_structure_keys_see_shardings():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharded = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("data")))
+    replicated = jax.device_put(jnp.ones(4), NamedSharding(mesh, P()))
+    assert _key(lambda a: a + 1.0, sharded) != _key(lambda a: a + 1.0, replicated)
+
+
+def test_a_parameter_without_value_equality_gives_no_key():
+    from nnx_mpmd.compiler.jaxpr_utils import structure_key
+
+    j = jax.make_jaxpr(lambda a: a + 1.0)(jnp.ones(3)).jaxpr
+    eqn = j.eqns[0].replace(params={"array": jnp.ones(2)})  # a device array
+    assert structure_key([eqn], j.invars, j.outvars) is None
+
+
+def test_outer_programs_of_equal_work_on_two_meshes_share_a_structure():
+    def f(g0, g1, g2):
+        norm = jnp.sqrt(jnp.sum(g0 * g0) + jnp.sum(g1 * g1) + jnp.sum(g2 * g2))
+        return g0 / norm, g1 / norm, jnp.sum(g2) / norm
+
+    problem = _problem(f, GRADS, [{0}, {1}, {2}], targets=[{0}, {1}, {2}])
+    plan = plan_outer_problem(problem, SlotTable())
+    calls = {str(ins.program): ins for ins in plan.instructions if isinstance(ins, Call)}
+    level2 = [calls[name].structure for name in ("pre.L2.mesh1", "pre.L2.mesh2")]
+    assert level2[0] is not None and level2[0] != level2[1]  # g1 / norm against a sum
+    level0 = [calls[f"pre.L0.mesh{q}"].structure for q in (1, 2)]
+    assert level0[0] is not None and level0[0] == level0[1]  # sum(g * g)
+    assert calls["pre.L1.mesh0"].structure not in level0

@@ -221,10 +221,10 @@ def test_a_later_process_loads_a_stored_module_instead_of_compiling_it(tmp_path)
     from jax.experimental.compilation_cache import compilation_cache
 
     from nnx_mpmd.compiler.jaxpr_utils import named_jit
-    from nnx_mpmd.runtime.precompile import _abstract, _Compiler
+    from nnx_mpmd.runtime.compile_jobs import ProgramCompiler, abstract
 
     def outputs(compiler, label, mesh):
-        args = _abstract(_args(mesh))
+        args = abstract(_args(mesh))
         return compiler.outputs(named_jit(_reduce, label), args, lambda _: None, label, mesh)
 
     first, second = _submesh((0, 1)), _submesh((2, 3))
@@ -232,13 +232,13 @@ def test_a_later_process_loads_a_stored_module_instead_of_compiling_it(tmp_path)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     compilation_cache.reset_cache()
     try:
-        earlier = _Compiler(share=True)
+        earlier = ProgramCompiler(share=True)
         for label, mesh in (("post.L1.mesh1", first), ("post.L1.mesh2", second)):
             outputs(earlier, label, mesh)
         assert earlier.compiled == 1 and list(earlier.loaded) == ["post.L1.mesh2"]
         program_sharing.forget_kept()  # a later process: nothing kept in memory
 
-        later = _Compiler(share=True)
+        later = ProgramCompiler(share=True)
         with count_compilations() as counter:
             outputs(later, "post.L1.mesh2", second)
         assert counter.count == 0 and later.compiled == 0, counter.count
@@ -249,3 +249,80 @@ def test_a_later_process_loads_a_stored_module_instead_of_compiling_it(tmp_path)
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         compilation_cache.reset_cache()
+
+
+class _TraceCounter:
+    """A jitted function that counts how often it is traced."""
+
+    def __init__(self, label):
+        from nnx_mpmd.compiler.jaxpr_utils import named_jit
+
+        self.fn, self.traced = named_jit(_reduce, label), 0
+
+    def trace(self, *args):
+        self.traced += 1
+        return self.fn.trace(*args)
+
+    def lower(self, *args):
+        return self.fn.lower(*args)
+
+
+def _twins(structure=("reduce",)):
+    from nnx_mpmd.runtime.compile_jobs import ProgramCompiler, abstract
+
+    compiler = ProgramCompiler(share=True)
+    first, second = _submesh((0, 1)), _submesh((2, 3))
+    programs = []
+    for label, mesh in (("post.L1.mesh1", first), ("post.L1.mesh2", second)):
+        program = _TraceCounter(label)
+        out = compiler.outputs(
+            program, abstract(_args(mesh)), lambda _: None, label, mesh, structure
+        )
+        programs.append((program, out, mesh))
+    return compiler, programs
+
+
+def test_a_twin_program_loads_its_executable_without_being_traced(compiled_here):
+    compiler, [(first, _, _), (second, out, mesh)] = _twins()
+    out = out.result()
+    assert (first.traced, second.traced) == (1, 0)
+    assert compiler.compiled == 1 and list(compiler.loaded) == ["post.L1.mesh2"]
+    assert [o.sharding.mesh for o in out] == [mesh] * 3
+    (loaded,) = compiler.loaded["post.L1.mesh2"]
+    got, want = loaded(*_args(mesh, seed=3)), jax.jit(_reduce)(*_args(mesh, seed=3))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_programs_without_a_structure_are_traced_each(compiled_here):
+    compiler, [(first, _, _), (second, _, _)] = _twins(structure=None)
+    assert (first.traced, second.traced) == (1, 1)
+    assert compiler.compiled == 1  # equal modules: still loaded, after tracing
+
+
+def test_a_twin_of_a_program_that_cannot_be_shared_compiles_itself(monkeypatch, compiled_here):
+    monkeypatch.setattr(program_sharing, "share_key", lambda text, mesh: None)
+    compiler, [(first, _, _), (second, out, mesh)] = _twins()
+    out = out.result() if hasattr(out, "result") else out
+    assert (first.traced, second.traced) == (1, 1)
+    assert compiler.compiled == 2 and not compiler.loaded
+    assert [o.sharding.mesh for o in out] == [mesh] * 3
+
+
+def test_equal_middle_stages_have_twin_update_programs():
+    model, opt, loss_fn, kind = build("lm", "adamw", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 2, jax.sharding.AxisType.Auto),
+        schedule=mp.OneFOneB(),
+        num_microbatches=2,
+    )
+    lowered = step.lower(model, opt, make_batch(kind, 8))
+    calls = {str(c.program): c for c in lowered.compiled.instructions if hasattr(c, "structure")}
+    updates = sorted(name for name in calls if name.startswith("post.") and "mesh1" in name)
+    assert updates, sorted(calls)
+    for name in updates:
+        twin = calls[name.replace("mesh1", "mesh2")]
+        assert calls[name].structure is not None and calls[name].structure == twin.structure
+        if name.replace("mesh1", "mesh0") in calls:
+            assert calls[name.replace("mesh1", "mesh0")].structure != twin.structure

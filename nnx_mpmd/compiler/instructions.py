@@ -131,6 +131,9 @@ class Call:
     label: str
     task: Any = None  # the schedule Task (a tuple of them for overlapped tasks)
     donated: tuple[int, ...] = ()  # arguments donated by `donate_dead_arguments`
+    # A hashable key of what ``fn`` computes (`jaxpr_utils.structure_key`), or None:
+    # calls with equal keys on equal-shaped submeshes run the same program.
+    structure: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def reads(self) -> list[int]:
         return list(slots_in(self.args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "aval_bytes",
     "is_literal",
     "make_subprogram",
+    "structure_key",
     "var_bytes",
 ]
 
@@ -137,6 +139,103 @@ def make_subprogram(
             seen.add(v)
             free.append(v)
     return SubProgram(eqns, free, outvars, substitute), free
+
+
+class _NoKey(Exception):
+    """A value with no equality that says two programs compute the same."""
+
+
+def _value_key(value: Any) -> Any:
+    """``value`` as a hashable key that is equal only for values that act the same.
+
+    Floats compare by their bits (``0.0`` and ``-0.0`` differ, a NaN equals
+    itself); arrays by dtype, shape and bytes; containers element by element.
+    Anything else keys as itself: hashable objects with their own equality
+    (dtypes, shardings, interned contexts) or identity (a function, a jaxpr).
+    """
+    if isinstance(value, bool | int | str | type(None)):
+        return (type(value).__name__, value)
+    if isinstance(value, float):
+        return ("float", struct.pack("<d", value))
+    if isinstance(value, np.ndarray | np.generic):
+        return ("array", value.dtype.str, np.shape(value), np.asarray(value).tobytes())
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, tuple(_value_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _value_key(v)) for k, v in value.items())))
+    if isinstance(value, jax.Array):
+        raise _NoKey  # a concrete device array: no cheap value equality
+    try:
+        hash(value)
+    except TypeError as e:
+        raise _NoKey from e
+    return value
+
+
+def structure_key(
+    eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any]
+) -> tuple[Any, ...] | None:
+    """A hashable key of the function a slice of equations computes, or None.
+
+    Two slices with equal keys compute the same function of their inputs: the
+    same primitives with equal parameters and contexts, on inputs of equal
+    types (shape, dtype, weak type, sharding), wired the same way (a variable
+    keys as its position). So a program built from one slice can stand for the
+    other on an equal-shaped submesh without tracing it. None when a literal or
+    parameter has no value equality to rely on (a device array): such a slice
+    matches nothing.
+
+    Args:
+      eqns: the slice's equations, in program order.
+      invars: its inputs, in the program's argument order.
+      outvars: what it returns.
+
+    Returns:
+      The key, or None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def key(fn):
+      ...     j = jax.make_jaxpr(fn)(jnp.ones(3), jnp.ones(3)).jaxpr
+      ...     return structure_key(j.eqns, j.invars, j.outvars)
+      >>> key(lambda a, b: a * 2 + b) == key(lambda x, y: x * 2 + y)
+      True
+      >>> key(lambda a, b: a * 2 + b) == key(lambda a, b: b * 2 + a)
+      False
+      >>> key(lambda a, b: a * 0.0) == key(lambda a, b: a * -0.0)
+      False
+    """
+    position: dict[Any, tuple[str, int]] = {}
+    for i, v in enumerate(invars):
+        position.setdefault(v, ("in", i))
+
+    def atom(v: Any) -> Any:
+        if is_literal(v):
+            return ("literal", _value_key(v.val), v.aval)
+        return position[v]
+
+    try:
+        parts: list[Any] = [tuple(v.aval for v in invars)]
+        for eqn in eqns:
+            params = tuple(sorted((name, _value_key(p)) for name, p in eqn.params.items()))
+            parts.append(
+                (
+                    eqn.primitive,
+                    tuple(atom(v) for v in eqn.invars),
+                    params,
+                    tuple(v.aval for v in eqn.outvars),
+                    frozenset(eqn.effects),
+                    eqn.ctx,
+                )
+            )
+            for v in eqn.outvars:
+                position[v] = ("value", len(position))
+        parts.append(tuple(atom(v) for v in outvars))
+        key = tuple(parts)
+        hash(key)
+    except (_NoKey, KeyError, TypeError):
+        return None
+    return key
 
 
 def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:

@@ -23,7 +23,13 @@ from typing import Any
 import jax
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, SlotTable, Transfer
-from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, named_jit, var_bytes
+from nnx_mpmd.compiler.jaxpr_utils import (
+    is_literal,
+    make_subprogram,
+    named_jit,
+    structure_key,
+    var_bytes,
+)
 from nnx_mpmd.compiler.outer_assign import (
     HOST,
     BatchOnMesh,
@@ -388,12 +394,34 @@ def _emit_calls(
         ]
         key = group.program_key
         label = str(key)
-        fn = _group_function(sub, shardings, problem.submeshes[q] if not free else None, label)
+        pinned = problem.submeshes[q] if not free else None
+        fn = _group_function(sub, shardings, pinned, label)
         programs[label] = fn
         args = tuple(slots(ValueOnMesh(v, q)) for v in free)
         results = tuple(slots(ValueOnMesh(o, q)) for o in outs)
-        calls[group] = Call(q, key, fn, args, results, label)
+        structure = _structure(sub, shardings, pinned)
+        calls[group] = Call(q, key, fn, args, results, label, structure=structure)
     return calls, programs
+
+
+def _mesh_shape(mesh: Any) -> Any:
+    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(mesh.axis_types))
+
+
+def _structure(sub: Any, shardings: list[Any], pinned: Any) -> Any:
+    """`Call.structure` of a group's program: its equations' key, output shardings, pin."""
+    key = structure_key(sub.eqns, sub.invars, sub.outvars)
+    if key is None:
+        return None
+    placed = []
+    for s in shardings:
+        if s is None:
+            placed.append(None)
+        elif isinstance(s, jax.sharding.NamedSharding):
+            placed.append((s.spec, s.memory_kind, _mesh_shape(s.mesh)))
+        else:
+            return None  # a sharding tied to its devices: no equal-shaped twin
+    return (key, tuple(placed), None if pinned is None else _mesh_shape(pinned))
 
 
 def _transfer(

@@ -16,7 +16,10 @@ the real run.
 Programs that are the same module on equal-shaped submeshes (middle stages,
 virtual stages) are compiled once when asked (``loaded=``): the others load
 that executable for their own devices (`nnx_mpmd.runtime.program_sharing`),
-and the caller routes their calls to it.
+and the caller routes their calls to it. A program whose `Call.structure`
+and argument types say it is such a program (an optimizer program of a mesh
+that holds the same layers as another) is not even traced or lowered: it
+waits for its twin's executable.
 
 It is an optimisation only: a program whose abstract arguments turn out to
 differ from the real ones is compiled again by the real call, and a program
@@ -34,113 +37,33 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.instructions import Call, Free, Transfer, slots_in
 from nnx_mpmd.compiler.region import microbatch_spec
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.runtime import interpreter, program_sharing
+from nnx_mpmd.runtime.compile_jobs import (
+    UNKNOWN,
+    ProgramCompiler,
+    abstract,
+)
 from nnx_mpmd.runtime.executor import Shardings, kept_spec, transferred_shape
 from nnx_mpmd.runtime.interpreter import Step, build
 
 __all__ = ["AwaitedProgram", "Precompiling", "precompile", "start_precompile"]
 
 
-class _Unknown:
-    """A slot whose abstract value could not be derived (its producer failed)."""
-
-
-_UNKNOWN = _Unknown()
 _STEP_BATCH_AXIS = object()  # precompile's default: the step's own batch axis
-
-
-def _abstract(x: Any) -> Any:
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
-        )
-    if isinstance(x, jax.ShapeDtypeStruct) or x is None:
-        return x
-    if isinstance(x, np.ndarray | np.generic | int | float | bool | complex):
-        return x  # host values stay concrete: jit keys them by type and shape
-    return jax.tree.map(_abstract, x)
-
-
-def _signature(value: Any) -> Any:
-    leaves, tree = jax.tree.flatten(value)
-    key = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            key.append((leaf.shape, str(leaf.dtype), leaf.sharding, leaf.weak_type))
-        else:
-            key.append((type(leaf).__name__, np.shape(leaf), str(np.result_type(leaf))))
-    return tree, tuple(key)
-
-
-def _outputs(out_tree: Any, out_avals: Any, shardings: Any) -> Any:
-    """Abstract outputs (weak types kept: ``Lowered.out_info`` drops them)."""
-    avals = jax.tree.leaves(out_avals)
-    if shardings is None:
-        flat_shardings = [None] * len(avals)
-    else:
-        flat_shardings = jax.tree.leaves(
-            shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
-        )
-    if not (len(avals) == len(flat_shardings) == out_tree.num_leaves):
-        return _UNKNOWN
-    return jax.tree.unflatten(
-        out_tree,
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type)
-            for a, s in zip(avals, flat_shardings, strict=True)
-        ],
-    )
-
-
-def _typed(out_avals: Any, mesh: Any) -> Any:
-    """The outputs' shardings as their types say, on a submesh whose axes are all Explicit.
-
-    There the traced types are the shardings the call will produce, so a
-    transfer of a traced output needs no guess (see `precompile`); elsewhere
-    (Auto axes: XLA chooses) None.
-    """
-    types = getattr(mesh, "axis_types", ())
-    if not types or any(t != AxisType.Explicit for t in types):
-        return None
-    shardings = []
-    for aval in jax.tree.leaves(out_avals):
-        spec = getattr(getattr(aval, "sharding", None), "spec", None)
-        if spec is None:
-            return None
-        shardings.append(NamedSharding(mesh, spec))
-    return shardings
-
-
-def _committed_to(args: Any, mesh: Any) -> bool:
-    """Whether some argument is on ``mesh`` and none elsewhere (then jit runs on ``mesh``)."""
-    on_mesh = False
-    for leaf in jax.tree.leaves(args):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
-            continue
-        if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
-            return False
-        on_mesh = True
-    return on_mesh
-
-
-def _contains_unknown(value: Any) -> bool:
-    return any(leaf is _UNKNOWN for leaf in jax.tree.leaves(value, is_leaf=lambda x: x is _UNKNOWN))
 
 
 def _assign(store: dict[int, Any], tree: Any, value: Any) -> None:
     if isinstance(tree, int):
         store[tree] = value
         return
-    if value is _UNKNOWN or not isinstance(value, tuple | list) or len(value) != len(tree):
+    if value is UNKNOWN or not isinstance(value, tuple | list) or len(value) != len(tree):
         for slot in slots_in(tree):
-            store[slot] = _UNKNOWN
+            store[slot] = UNKNOWN
         return
     for t, v in zip(tree, value, strict=True):
         _assign(store, t, v)
@@ -152,158 +75,6 @@ class _Pending(NamedTuple):
     job: Future
     slot: int | None
     traced: Future | None = None  # the same, with shapes only, once traced
-
-
-class _Compiler:
-    """Traces, lowers and compiles each distinct (program, signature) once.
-
-    With ``share=True``, a program whose lowered module equals one compiled
-    for an equal-shaped submesh (`nnx_mpmd.runtime.program_sharing`) is not
-    compiled: once that compilation finishes, the other's executable is loaded
-    for its devices, or, on the same devices, used as it is (two argument
-    signatures that lower to one module, ``P()`` and ``P(None, None)`` say),
-    and recorded in ``loaded`` by program name.
-    """
-
-    def __init__(
-        self, executables: dict[str, list[Any]] | None = None, share: bool = False
-    ) -> None:
-        self.lock = threading.Lock()
-        self.jobs: dict[Any, Future] = {}
-        self.compiled = 0
-        # XLA's compiled programs by program name, for Compiled.memory_analysis().
-        self.executables = executables
-        self.share = share
-        # share key -> Future of (executable, submesh) of the program compiled for it
-        self.shared: dict[Any, Future] = {}
-        self.loaded: dict[str, list[Any]] = {}
-
-    def outputs(
-        self, fn: Any, args: tuple[Any, ...], on_traced: Any, name: str = "", mesh: Any = None
-    ) -> Any:
-        """The abstract outputs of ``fn(*args)``, or a Future of them.
-
-        A Future comes back when another job compiles the same signature (or,
-        shared, the same module for another submesh): the caller finishes when
-        it does, without holding a thread meanwhile. ``on_traced`` is called
-        with the outputs' shapes (no shardings) as soon as they are known,
-        which is before compilation for the owning call.
-        """
-        if _contains_unknown(args) or not hasattr(fn, "trace"):
-            on_traced(_UNKNOWN)
-            return _UNKNOWN
-        key = (id(fn), _signature(args))
-        with self.lock:
-            job = self.jobs.get(key)
-            owner = job is None
-            if owner:
-                job = self.jobs[key] = Future()
-        if not owner:
-            return job
-        shared: Future | None = None
-        try:
-            traced = fn.trace(*args)
-            on_traced(_outputs(traced.out_tree, traced.out_avals, _typed(traced.out_avals, mesh)))
-            lowered = traced.lower()
-            share = None
-            if self.share and _committed_to(args, mesh):
-                share = program_sharing.share_key(lowered.as_text(), mesh)
-            if share is not None:
-                with self.lock:
-                    source = self.shared.get(share)
-                    if source is None:
-                        shared = self.shared[share] = Future()
-                if source is not None:
-                    return self._load(share, source, traced, job, name, mesh, lowered)
-            recalled = None
-            if shared is None:
-                compiled = lowered.compile()
-            else:
-                # An equal module compiled earlier (another step of this process, or
-                # another submesh in an earlier process): loaded for this submesh.
-                recalled = _recalled(share, mesh)
-                if recalled is not None:
-                    compiled, fresh = recalled, False
-                else:
-                    compiled, fresh = program_sharing.compile_fresh(lowered)
-                runs_here = program_sharing.runs_on(compiled, mesh)
-                shared.set_result((compiled, mesh, fresh) if runs_here else None)
-                if fresh and runs_here:
-                    program_sharing.keep_fresh(share, compiled, mesh)
-            job.set_result(_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings))
-            with self.lock:
-                if recalled is None:
-                    self.compiled += 1
-                else:
-                    self.loaded.setdefault(name, []).append(compiled)
-                if self.executables is not None:
-                    self.executables.setdefault(name, []).append(compiled)
-        except Exception:  # the real call raises it where it belongs
-            if shared is not None and not shared.done():
-                shared.set_result(None)
-            job.set_result(_UNKNOWN)
-        return job.result()
-
-    def _load(
-        self,
-        key: Any,
-        source: Future,
-        traced: Any,
-        job: Future,
-        name: str,
-        mesh: Any,
-        lowered: Any,
-    ) -> Future:
-        """``job``, done once ``source``'s executable is loaded for ``mesh`` (or compiled)."""
-
-        def load(done: Future) -> None:
-            try:
-                found = done.result()
-                source, source_mesh, fresh = found if found is not None else (None, None, False)
-                if source is not None and program_sharing.same_devices(source_mesh, mesh):
-                    compiled, shared = source, True  # the same program: never load it twice
-                elif source is not None and (fresh or program_sharing.recall(key) is not None):
-                    # a fresh executable of this module: this step's, or an earlier step's
-                    # (the copy JAX's disk cache gave this step cannot be serialized again)
-                    executable = program_sharing.recall(key)
-                    if executable is None:
-                        executable = program_sharing.serialized(source, source_mesh)
-                        program_sharing.remember(key, executable)
-                    compiled, shared = program_sharing.load_serialized(executable, mesh), True
-                else:  # the first one failed, runs elsewhere, or only the disk cache has it
-                    compiled, shared = lowered.compile(), False
-                with self.lock:
-                    if shared:
-                        self.loaded.setdefault(name, []).append(compiled)
-                    else:
-                        self.compiled += 1
-                with self.lock:
-                    if self.executables is not None:
-                        self.executables.setdefault(name, []).append(compiled)
-                shardings = compiled.output_shardings
-                job.set_result(_outputs(traced.out_tree, traced.out_avals, shardings))
-            except Exception:  # the real call compiles it, or raises where it belongs
-                job.set_result(_UNKNOWN)
-
-        source.add_done_callback(load)
-        return job
-
-
-def _recalled(key: Any, mesh: Any) -> Any:
-    """An executable kept for ``key``, loaded on ``mesh``; or None.
-
-    Kept by this process (an earlier step), or stored in the cache directory
-    by an earlier one: a module that process loaded from an equal submesh's
-    executable has no entry of its own in JAX's persistent cache (its module
-    name differs), so without the stored copy a later process would compile it.
-    """
-    executable = program_sharing.recall(key)
-    if executable is None:
-        return None
-    try:
-        return program_sharing.load_serialized(executable, mesh)
-    except Exception:  # an optimisation only: compile instead
-        return None
 
 
 def precompile(
@@ -393,7 +164,7 @@ def start_precompile(
         batch_axis = step.batch_axis
     shardings = shardings or Shardings(submeshes)
     workers = max_workers or min(8, os.cpu_count() or 2)
-    slots = interpreter.load_store(step, inputs, convert=_abstract)
+    slots = interpreter.load_store(step, inputs, convert=abstract)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nnx-mpmd-compile")
     operations = _AbstractOperations(
         pool, shardings, submeshes, batch_axis, executables, share=loaded is not None
@@ -495,7 +266,7 @@ class _AbstractOperations:
         self.shardings = shardings
         self.submeshes = submeshes
         self.batch_axis = batch_axis
-        self.compiler = _Compiler(executables, share)
+        self.compiler = ProgramCompiler(executables, share)
         self.jobs: list[Future] = []
         self.by_name: dict[str, list[Future]] = {}  # program name -> its compile jobs
 
@@ -554,7 +325,7 @@ def _after(pool: ThreadPoolExecutor | None, inputs: Any, fn: Any, *args: Any) ->
         try:
             value = fn(*args)
         except Exception:  # an optimisation only: the real run reports errors
-            value = _UNKNOWN
+            value = UNKNOWN
         if isinstance(value, Future):
             value.add_done_callback(lambda done: result.set_result(done.result()))
         else:
@@ -584,13 +355,13 @@ def _resolve(value: Any) -> Any:
     if not isinstance(value, _Pending):
         return value
     result = value.job.result()
-    if result is _UNKNOWN or value.slot is None:
+    if result is UNKNOWN or value.slot is None:
         return result
-    return result.get(value.slot, _UNKNOWN)
+    return result.get(value.slot, UNKNOWN)
 
 
 def _run_call(
-    compiler: _Compiler, ins: Call, reads: dict[int, Any], traced: Future, mesh: Any = None
+    compiler: ProgramCompiler, ins: Call, reads: dict[int, Any], traced: Future, mesh: Any = None
 ) -> Any:
     def by_slot(result: Any) -> Any:
         out: dict[int, Any] = {}
@@ -604,9 +375,9 @@ def _run_call(
     try:
         values = {slot: _resolve(value) for slot, value in reads.items()}
         args = tuple(build(values, a) for a in ins.args)
-        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program), mesh)
+        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program), mesh, ins.structure)
     except Exception:
-        result = _UNKNOWN
+        result = UNKNOWN
     if isinstance(result, Future):  # a duplicate: finish when its owner does
         finished: Future = Future()
 
@@ -616,7 +387,7 @@ def _run_call(
 
         result.add_done_callback(done)
         return finished
-    on_traced(_UNKNOWN)  # a no-op once traced: transfers waiting on it go on
+    on_traced(UNKNOWN)  # a no-op once traced: transfers waiting on it go on
     return by_slot(result)
 
 
@@ -639,7 +410,7 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
         dtype = jax.dtypes.canonicalize_dtype(np.result_type(value))
         value = jax.ShapeDtypeStruct(np.shape(value), dtype, weak_type=False)
     if not isinstance(value, jax.ShapeDtypeStruct):
-        return _UNKNOWN
+        return UNKNOWN
     shape = transferred_shape(ins, value.shape)
     spec = ins.spec
     if spec is None and guess is not None and value.sharding is None:
