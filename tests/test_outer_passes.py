@@ -98,6 +98,14 @@ def _global_norm_scale(g0, g1, g2):
 GRADS = [jnp.arange(256.0) + k for k in range(3)]
 
 
+def _norm_problem():
+    """`_global_norm_scale` with g0, g1, g2 on meshes 0, 1, 2 and scaled in place."""
+    names = ["g0", "g1", "g2"]
+    return _problem(
+        _global_norm_scale, GRADS, [{0}, {1}, {2}], targets=[{0}, {1}, {2}], names=names
+    )
+
+
 # -- locate_region / needed_meshes ---------------------------------------------------
 
 
@@ -141,13 +149,7 @@ def test_sum_of_values_on_two_meshes_runs_once_and_moves_one_input():
 
 
 def test_global_norm_is_partial_sums_per_mesh_and_scalar_moves():
-    problem = _problem(
-        _global_norm_scale,
-        GRADS,
-        [{0}, {1}, {2}],
-        targets=[{0}, {1}, {2}],
-        names=["g0", "g1", "g2"],
-    )
+    problem = _norm_problem()
     assignment = _assign(problem)
     eqns = problem.jaxpr.eqns
     sums = [i for i, e in enumerate(eqns) if e.primitive.name == "reduce_sum"]
@@ -311,13 +313,7 @@ def test_region_placing_too_few_outputs_is_an_error():
 
 
 def test_levels_end_where_a_value_arrives_from_another_mesh():
-    problem = _problem(
-        _global_norm_scale,
-        GRADS,
-        [{0}, {1}, {2}],
-        targets=[{0}, {1}, {2}],
-        names=["g0", "g1", "g2"],
-    )
+    problem = _norm_problem()
     levels = level_equations(_assign(problem))
     # Partial sums at level 0 on each mesh, gathered on mesh 0 (level 1), where the
     # norm is computed, then sent back (level 2).
@@ -410,13 +406,7 @@ def test_deferred_work_runs_with_its_readers():
 
 
 def test_a_value_sent_on_stays_one_level_before_its_transfer():
-    problem = _problem(
-        _global_norm_scale,
-        GRADS,
-        [{0}, {1}, {2}],
-        targets=[{0}, {1}, {2}],
-        names=["g0", "g1", "g2"],
-    )
+    problem = _norm_problem()
     levels = level_equations(_assign(problem))
     deferred = defer_equations(levels)
     # mesh 1 has levels 0 and 2 only: its work that waits goes to 2, never to a new 1
