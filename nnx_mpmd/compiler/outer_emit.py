@@ -41,6 +41,7 @@ from nnx_mpmd.compiler.outer_assign import (
     aval_text,
     mesh_order,
 )
+from nnx_mpmd.placement.mesh import mesh_shape_key
 
 __all__ = [
     "CrossMeshTransfer",
@@ -404,10 +405,6 @@ def _emit_calls(
     return calls, programs
 
 
-def _mesh_shape(mesh: Any) -> Any:
-    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(mesh.axis_types))
-
-
 def _structure(sub: Any, shardings: list[Any], pinned: Any) -> Any:
     """`Call.structure` of a group's program: its equations' key, output shardings, pin."""
     key = structure_key(sub.eqns, sub.invars, sub.outvars)
@@ -418,10 +415,10 @@ def _structure(sub: Any, shardings: list[Any], pinned: Any) -> Any:
         if s is None:
             placed.append(None)
         elif isinstance(s, jax.sharding.NamedSharding):
-            placed.append((s.spec, s.memory_kind, _mesh_shape(s.mesh)))
+            placed.append((s.spec, s.memory_kind, mesh_shape_key(s.mesh)))
         else:
             return None  # a sharding tied to its devices: no equal-shaped twin
-    return (key, tuple(placed), None if pinned is None else _mesh_shape(pinned))
+    return (key, tuple(placed), None if pinned is None else mesh_shape_key(pinned))
 
 
 def _transfer(

@@ -27,7 +27,29 @@ from jax.sharding import Mesh, Sharding
 
 from nnx_mpmd.errors import MeshError
 
-__all__ = ["MpmdMesh"]
+__all__ = ["MpmdMesh", "mesh_shape_key"]
+
+
+def mesh_shape_key(mesh: Any) -> tuple[tuple[Any, ...], ...]:
+    """A hashable key of a mesh without its devices: axis names, sizes and types.
+
+    Equal for equal-shaped submeshes, so a program built for one can stand for
+    the other.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` (or an abstract mesh).
+
+    Returns:
+      ``(axis names, axis sizes, axis types)``.
+
+    Example:
+      >>> import jax
+      >>> a = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> b = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
+      >>> mesh_shape_key(a) == mesh_shape_key(b)
+      True
+    """
+    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(mesh.axis_types))
 
 
 def _device_ids(devices: Iterable[Any]) -> frozenset[int]:

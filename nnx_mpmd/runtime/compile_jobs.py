@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
+from nnx_mpmd.placement.mesh import mesh_shape_key
 from nnx_mpmd.runtime import program_sharing
 
 __all__ = [
@@ -184,7 +185,7 @@ class ProgramCompiler:
         twin: Future | None = None
         mesh_free = _mesh_free_signature(args) if structure is not None else None
         if self.share and mesh_free is not None and committed_to(args, mesh):
-            twin_key = (structure, mesh_free, _mesh_shape(mesh))
+            twin_key = (structure, mesh_free, mesh_shape_key(mesh))
             with self.lock:
                 first = self.twins.get(twin_key)
                 if first is None:
@@ -339,10 +340,6 @@ class ProgramCompiler:
         return job
 
 
-def _mesh_shape(mesh: Any) -> Any:
-    return (tuple(mesh.axis_names), tuple(mesh.axis_sizes), tuple(mesh.axis_types))
-
-
 def _mesh_free_signature(args: Any) -> Any:
     """`signature` with each sharding's mesh reduced to its shape: equal for twins."""
     leaves, tree = jax.tree.flatten(args)
@@ -358,7 +355,7 @@ def _mesh_free_signature(args: Any) -> Any:
                 leaf.weak_type,
                 sharding.spec,
                 sharding.memory_kind,
-                _mesh_shape(sharding.mesh),
+                mesh_shape_key(sharding.mesh),
             )
         )
     return tree, tuple(key)
