@@ -2,12 +2,13 @@
 
 Each test traces a few ops with ``jax.make_jaxpr``, says by hand where the inputs
 live, and checks one pass: `needed_meshes`, `assign_meshes`, `level_equations`,
-`defer_equations`, `emit_outer_program`, `report_transfers`, and
+`defer_equations`, `pack_transfers`, `emit_outer_program`, `report_transfers`, and
 `plan_outer_problem` composing them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,11 +42,14 @@ from nnx_mpmd.compiler.outer_assign import (
 from nnx_mpmd.compiler.outer_emit import (
     CrossMeshTransfer,
     OuterGroup,
+    OuterTransfer,
     defer_equations,
     emit_outer_program,
+    kept_values,
     level_equations,
     report_transfers,
 )
+from nnx_mpmd.compiler.outer_packing import PackedTransfer, pack_transfers
 from nnx_mpmd.compiler.region import region_p
 
 MESHES = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:3]]
@@ -458,6 +462,191 @@ def test_equations_with_effects_keep_their_level():
     assert _group_of(levels, "debug_callback", 0) == _group_of(deferred, "debug_callback", 0) == {0}
 
 
+# -- pack_transfers ------------------------------------------------------------------
+
+LEAVES = [jnp.arange(64.0) * 0.01 + k for k in range(6)]
+LEAF_MESHES = [{0}, {0}, {1}, {1}, {2}, {2}]
+LEAF_NAMES = ["a0", "a1", "b0", "b1", "c0", "c1"]
+
+
+def _leafwise_norm_scale(*leaves):
+    """optax's global norm: one partial sum per leaf, added in leaf order."""
+    total = functools.reduce(jnp.add, [jnp.sum(x * x) for x in leaves])
+    norm = jnp.sqrt(total)
+    return tuple(x / norm for x in leaves)
+
+
+def _leaf_problem(fn=_leafwise_norm_scale, targets=None):
+    return _problem(fn, LEAVES, LEAF_MESHES, targets=targets or LEAF_MESHES, names=LEAF_NAMES)
+
+
+def _packed(problem):
+    deferred = defer_equations(level_equations(_assign(problem)))
+    return deferred, pack_transfers(deferred, kept_values(problem, deferred))
+
+
+def test_scalars_one_program_sends_to_one_mesh_move_as_one_array():
+    deferred, packed = _packed(_leaf_problem())
+    # meshes 1 and 2 send their two partial sums each to mesh 0, which adds them up
+    # in leaf order and sends the total back (one scalar per mesh: not packed)
+    assert len(deferred.transfers) == 6
+    packs = [t for t in packed.transfers if isinstance(t, PackedTransfer)]
+    assert sorted((t.src, t.dst) for t in packs) == [(1, 0), (2, 0)]
+    for t in packs:
+        sent = [d.var for d in deferred.transfers if (d.src, d.dst) == (t.src, t.dst)]
+        assert list(t.vars) == sent  # in the order they were needed
+        assert t.nbytes == 8 and t.level == 1 and t.source.mesh == t.src
+    singles = [t for t in packed.transfers if not isinstance(t, PackedTransfer)]
+    assert [(t.src, t.dst) for t in singles] == [(0, 1), (0, 2)]
+    assert str(packed).splitlines()[5:7] == [
+        "transfer packed 2 values ('b0', 'b1') float32 mesh1->mesh0 before pre.L1",
+        "transfer packed 2 values ('c0', 'c1') float32 mesh2->mesh0 before pre.L1",
+    ]
+    assert packed.groups == deferred.groups
+
+
+def test_packed_programs_return_and_read_one_array_and_the_numbers_are_equal():
+    problem = _leaf_problem()
+    plan, unpacked = plan_outer_problem(problem, SlotTable()), _unpacked_plan(problem)
+    text = format_instructions(plan.instructions)
+    assert text.count("packed values") == 2, text
+    assert "label='2 packed values 1->0' bytes=8" in text
+    count = lambda p: sum(isinstance(i, Transfer) for i in p.instructions)  # noqa: E731
+    assert (count(unpacked), count(plan)) == (6, 4)
+    mesh0 = next(i for i in plan.instructions if isinstance(i, Call) and i.mesh == 0)
+    assert len(mesh0.args) == 2 + 2, "its own two leaves and two arrays"
+    for got, want in zip(_run(plan, LEAVES), _run(unpacked, LEAVES)):
+        np.testing.assert_array_equal(got[0][1], want[0][1])  # copies only: same bits
+
+
+def test_a_sender_returns_one_array_whatever_mesh_it_goes_to():
+    def everywhere(*leaves):  # as optax's tree_norm: every mesh adds up all partial sums
+        norm = jnp.sqrt(sum(jnp.sum(x * x) for x in leaves))
+        return tuple(x / norm for x in leaves)
+
+    problem = _leaf_problem(everywhere)
+    plan = plan_outer_problem(problem, SlotTable())
+    transfers = [i for i in plan.instructions if isinstance(i, Transfer)]
+    assert all("packed values" in t.label for t in transfers)
+    sources = {(t.src_mesh, t.src) for t in transfers}
+    assert len(transfers) == 6 and len(sources) == 3
+    # a mesh reads its own values from its array too: meshes 1 and 2 (equal leaves)
+    # run programs of equal structure, read the same way
+    calls = {c.label: c for c in plan.instructions if isinstance(c, Call)}
+    receiving = [calls["pre.L1.mesh1"], calls["pre.L1.mesh2"]]
+    assert receiving[0].structure is not None
+    assert receiving[0].structure == receiving[1].structure
+    assert [len(c.args) for c in receiving] == [5, 5], "its two leaves, three arrays"
+    for got, want in zip(_run(plan, LEAVES), _run(_unpacked_plan(problem), LEAVES)):
+        np.testing.assert_array_equal(got[0][1], want[0][1])
+
+
+def _unpacked_plan(problem):
+    import nnx_mpmd.compiler.mesh_inference as mesh_inference
+
+    original = mesh_inference.pack_transfers
+    mesh_inference.pack_transfers = lambda levels, kept: levels
+    try:
+        return plan_outer_problem(problem, SlotTable())
+    finally:
+        mesh_inference.pack_transfers = original
+
+
+def test_a_scalar_also_needed_as_it_is_on_its_destination_keeps_its_own_transfer():
+    def norm_and_a_partial(*leaves):
+        partials = [jnp.sum(x * x) for x in leaves]
+        norm = jnp.sqrt(functools.reduce(jnp.add, partials))
+        return (*(x / norm for x in leaves), partials[2])
+
+    # b0's partial sum is also a step output on mesh 0
+    _, packed = _packed(_leaf_problem(norm_and_a_partial, targets=[*LEAF_MESHES, {0}]))
+    to_mesh0 = [t for t in packed.transfers if t.dst == 0 and t.src == 1]
+    # b0's partial keeps its transfer; b1's, left alone, is not packed
+    assert [type(t) for t in to_mesh0] == [OuterTransfer, OuterTransfer]
+    (pack,) = [t for t in packed.transfers if isinstance(t, PackedTransfer)]
+    assert (pack.src, pack.dst, len(pack.vars)) == (2, 0, 2)
+
+
+def test_one_scalar_per_mesh_pair_is_not_packed():
+    problem = _norm_problem()
+    deferred, packed = _packed(problem)
+    assert packed.transfers == deferred.transfers
+
+
+def test_scalars_of_different_dtypes_are_packed_apart():
+    def mixed(a, b):
+        n = a.astype(jnp.int32)
+        return a * jnp.sum(b) + a * jnp.sum(b * b), n * jnp.argmax(b) + n * jnp.argmin(b)
+
+    problem = _problem(
+        mixed, [jnp.ones(4), jnp.arange(4.0)], [{0}, {1}], targets=[{0}, {0}], names=["a", "b"]
+    )
+    _, packed = _packed(problem)
+    kinds = sorted(
+        (str(t.vars[0].aval.dtype), len(t.vars))
+        for t in packed.transfers
+        if isinstance(t, PackedTransfer)
+    )
+    assert kinds == [("float32", 2), ("int32", 2)]
+    plan, unpacked = plan_outer_problem(problem, SlotTable()), _unpacked_plan(problem)
+    for got, want in zip(
+        _run(plan, [jnp.ones(4), jnp.arange(4.0)]), _run(unpacked, [jnp.ones(4), jnp.arange(4.0)])
+    ):
+        np.testing.assert_array_equal(got[0][1], want[0][1])
+        assert got[0][1].dtype == want[0][1].dtype
+
+
+def _column_norms(a, b0, b1):
+    c0 = jnp.sum(b0 * b0, axis=0)  # [3], on b0's mesh
+    c1 = jnp.sum(b1 * b1, axis=0)  # [2, 2]
+    return a[:3] * c0, a[:4].reshape(2, 2) * c1
+
+
+COLUMN_ARGS = [jnp.arange(8.0), jnp.arange(12.0).reshape(4, 3), jnp.arange(20.0).reshape(5, 2, 2)]
+
+
+def test_small_arrays_are_packed_flat_and_come_back_in_shape():
+    problem = _problem(
+        _column_norms, COLUMN_ARGS, [{0}, {1}, {1}], targets=[{0}, {0}], names=["a", "b0", "b1"]
+    )
+    _, packed = _packed(problem)
+    (pack,) = packed.transfers
+    assert pack.layout() == ((0, (3,)), (3, (2, 2))) and pack.nbytes == 28
+    plan, unpacked = plan_outer_problem(problem, SlotTable()), _unpacked_plan(problem)
+    for got, want in zip(_run(plan, COLUMN_ARGS), _run(unpacked, COLUMN_ARGS)):
+        assert got[0][1].shape == want[0][1].shape
+        np.testing.assert_array_equal(got[0][1], want[0][1])
+
+
+def test_large_or_sharded_values_move_on_their_own(monkeypatch):
+    problem = _problem(
+        _column_norms, COLUMN_ARGS, [{0}, {1}, {1}], targets=[{0}, {0}], names=["a", "b0", "b1"]
+    )
+    import nnx_mpmd.compiler.outer_packing as outer_packing
+
+    monkeypatch.setattr(outer_packing, "PACK_MAX_BYTES", 12)  # c0 fits, c1 (16 B) does not
+    deferred, packed = _packed(problem)
+    assert packed.transfers == deferred.transfers
+    monkeypatch.undo()
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharded = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    aval = jax.make_jaxpr(lambda x: x)(sharded).jaxpr.outvars[0]
+    t = OuterTransfer(aval, 1, 0, Segment.PRE, 1)
+    assert not outer_packing._packable(t, set())
+    assert outer_packing._packable(dataclasses.replace(t, var=deferred.transfers[0].var), set())
+
+
+def test_a_pack_is_reported_as_one_transfer():
+    _, packed = _packed(_leaf_problem())
+    report = report_transfers(_leaf_problem(), packed)
+    assert report[:2] == [
+        CrossMeshTransfer("2 values (b0, b1)", 1, 0, 8),
+        CrossMeshTransfer("2 values (c0, c1)", 2, 0, 8),
+    ]
+    assert len(report) == 4
+
+
 # -- emit_outer_program --------------------------------------------------------------
 
 
@@ -554,6 +743,7 @@ def test_plan_records_every_pass():
         "assign_meshes",
         "level_equations",
         "defer_equations",
+        "pack_transfers",
         "emit_outer_program",
         "report_transfers",
     ]

@@ -22,8 +22,10 @@ a value must arrive from another mesh. Transfers run between levels.
 4. ``defer_equations`` (`outer_emit.defer_equations`): each equation moved to
    the latest level its readers allow, so work that waits anyway fuses with its
    readers instead of being passed between programs.
-5. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
-6. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
+5. ``pack_transfers`` (`outer_packing.pack_transfers`): the small values one
+   program sends to one mesh (a global norm's partial sums) move as one array.
+6. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
+7. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
    transfers outside the region, with a warning for large ones.
 """
 
@@ -50,9 +52,11 @@ from nnx_mpmd.compiler.outer_emit import (
     constrain_to,
     defer_equations,
     emit_outer_program,
+    kept_values,
     level_equations,
     report_transfers,
 )
+from nnx_mpmd.compiler.outer_packing import pack_transfers
 
 __all__ = [
     "HOST",
@@ -130,13 +134,15 @@ def plan_outer_problem(
     assignment = assign_meshes(problem, need, region_at, region_needs, place_region)
     levels = level_equations(assignment)
     deferred = defer_equations(levels)
-    program = emit_outer_program(problem, deferred, slots)
-    transfers = report_transfers(problem, deferred, stacklevel=warning_stacklevel)
+    packed = pack_transfers(deferred, kept_values(problem, deferred))
+    program = emit_outer_program(problem, packed, slots)
+    transfers = report_transfers(problem, packed, stacklevel=warning_stacklevel)
     passes: list[tuple[str, Any]] = [
         ("needed_meshes", _need_text(problem, need)),
         ("assign_meshes", assignment),
         ("level_equations", levels),
         ("defer_equations", deferred),
+        ("pack_transfers", packed),
         ("emit_outer_program", list(program.instructions)),
         ("report_transfers", "\n".join(map(str, transfers)) or "no transfers between meshes"),
     ]

@@ -41,6 +41,7 @@ from nnx_mpmd.compiler.outer_assign import (
     aval_text,
     mesh_order,
 )
+from nnx_mpmd.compiler.outer_packing import PackedTransfer, packed_function, transfer_text
 from nnx_mpmd.placement.mesh import mesh_shape_key
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "constrain_to",
     "emit_outer_program",
     "defer_equations",
+    "kept_values",
     "level_equations",
     "report_transfers",
 ]
@@ -105,12 +107,13 @@ class OuterLevels:
     Attributes:
       groups: each program's equation indices, in emission order (segment,
         level, mesh).
-      transfers: the transfers, in the order they were needed.
+      transfers: the transfers, in the order they were needed (after
+        `outer_packing.pack_transfers`, some are `PackedTransfer`s).
       assignment: the `MeshAssignment` leveled.
     """
 
     groups: Mapping[OuterGroup, tuple[int, ...]]
-    transfers: tuple[OuterTransfer, ...]
+    transfers: tuple[OuterTransfer | PackedTransfer, ...]
     assignment: MeshAssignment
 
     def __str__(self) -> str:
@@ -120,6 +123,9 @@ class OuterLevels:
             for group, members in self.groups.items()
         ]
         for t in self.transfers:
+            if isinstance(t, PackedTransfer):
+                lines.append(transfer_text(t, names))
+                continue
             src = "host" if t.src == HOST else f"mesh{t.src}"
             kind = "batch " if t.as_batch else ""
             lines.append(
@@ -230,9 +236,10 @@ def defer_equations(levels: OuterLevels) -> OuterLevels:
                     readers.setdefault(ValueOnMesh(v, g.mesh), []).append(i)
     copied_before: dict[ValueOnMesh, int] = {}
     for t in levels.transfers:
-        if t.src != HOST:
-            key = ValueOnMesh(t.var, t.src)
-            copied_before[key] = min(copied_before.get(key, t.level), t.level)
+        for var in t.vars if isinstance(t, PackedTransfer) else (t.var,):
+            if t.src != HOST:
+                key = ValueOnMesh(var, t.src)
+                copied_before[key] = min(copied_before.get(key, t.level), t.level)
     level: dict[tuple[int, int], int] = {}
     for i, q in sorted(group_of, reverse=True):
         group = group_of[(i, q)]
@@ -322,7 +329,7 @@ def emit_outer_program(
         for v, meshes in zip(outvars, assignment.output_meshes)
     ]
     calls, programs = _emit_calls(problem, levels, slots)
-    by_level: dict[tuple[Segment, int], list[OuterTransfer]] = {}
+    by_level: dict[tuple[Segment, int], list[OuterTransfer | PackedTransfer]] = {}
     for t in levels.transfers:
         by_level.setdefault((t.segment, t.level), []).append(t)
     max_level = max([g.level for g in levels.groups] + [t.level for t in levels.transfers] + [0])
@@ -330,7 +337,10 @@ def emit_outer_program(
     for segment in Segment:
         for lvl in range(max_level + 1):
             for t in by_level.get((segment, lvl), ()):
-                instructions.append(_transfer(problem, t, assignment.names, slots))
+                if isinstance(t, PackedTransfer):
+                    instructions.append(_packed_transfer(t, slots))
+                else:
+                    instructions.append(_transfer(problem, t, assignment.names, slots))
             for q in range(len(problem.submeshes)):
                 call = calls.get(OuterGroup(segment, lvl, q))
                 if call is not None:
@@ -344,10 +354,20 @@ def emit_outer_program(
     return OuterProgram(tuple(instructions), programs, output_slots, input_slots)
 
 
-def _kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
-    """Values read outside their program: by a transfer, the region or the step's outputs."""
+def kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
+    """Values read outside their program: by a transfer, the region or the step's outputs.
+
+    A `PackedTransfer`'s scalars are not: their program returns them packed.
+
+    Args:
+      problem: the step.
+      levels: `level_equations`'s result, or a later pass's.
+
+    Returns:
+      The values, by mesh.
+    """
     assignment = levels.assignment
-    kept = {ValueOnMesh(t.var, t.src) for t in levels.transfers}
+    kept = {ValueOnMesh(t.var, t.src) for t in levels.transfers if isinstance(t, OuterTransfer)}
     if assignment.region is not None:
         region_eqn = problem.jaxpr.eqns[assignment.region_at]
         kept |= {
@@ -368,7 +388,16 @@ def _emit_calls(
             for v in eqns[i].invars:
                 if not is_literal(v):
                     readers.setdefault(ValueOnMesh(v, group.mesh), set()).add(group)
-    kept = _kept_values(problem, levels)
+    kept = kept_values(problem, levels)
+    packs = [t for t in levels.transfers if isinstance(t, PackedTransfer)]
+    # A packed value, on its destination mesh and on its own: (its pack, offset and
+    # shape). Programs on the sending mesh read their own values from the array too,
+    # so the update programs of meshes holding equal layers stay twins.
+    in_pack: dict[ValueOnMesh, tuple[PackedTransfer, Any]] = {}
+    for p in packs:
+        for v, at in zip(p.vars, p.layout()):
+            in_pack[ValueOnMesh(v, p.dst)] = (p, at)
+            in_pack.setdefault(ValueOnMesh(v, p.src), (p, at))
     state_out = {
         ValueOnMesh(v, q): j
         for j, (v, targets) in enumerate(zip(problem.jaxpr.outvars, problem.outvar_targets))
@@ -384,23 +413,52 @@ def _emit_calls(
             o
             for e in group_eqns
             for o in e.outvars
-            if (readers.get(ValueOnMesh(o, q), set()) - {group}) or ValueOnMesh(o, q) in kept
+            if ValueOnMesh(o, q) in kept
+            or (
+                ValueOnMesh(o, q) not in in_pack
+                and (readers.get(ValueOnMesh(o, q), set()) - {group})
+            )
         ]
-        sub, free = make_subprogram(group_eqns, outs)
+        # One array per set of values, however many meshes it is sent to.
+        sent = list({p.on(q): p for p in packs if p.source == group}.values())
+        extra = list(dict.fromkeys(v for p in sent for v in p.vars if v not in outs))
+        sub, free = make_subprogram(group_eqns, outs + extra)
         shardings = [
             problem.out_sharding(state_out[ValueOnMesh(o, q)], q)
             if ValueOnMesh(o, q) in state_out
             else None
             for o in outs
         ]
+        # Arguments: the free values' own slots, then each packed array read.
+        own = [v for v in free if ValueOnMesh(v, q) not in in_pack]
+        read = {in_pack[ValueOnMesh(v, q)][0].on(q): None for v in free if v not in own}
+        read_packs = list(read)
+        unpack = [
+            (own.index(v), None)
+            if v in own
+            else (
+                len(own) + read_packs.index(in_pack[ValueOnMesh(v, q)][0].on(q)),
+                in_pack[ValueOnMesh(v, q)][1],
+            )
+            for v in free
+        ]
+        position = {v: j for j, v in enumerate(outs + extra)}
+        pack_out = [tuple(position[v] for v in p.vars) for p in sent]
         key = group.program_key
         label = str(key)
         pinned = problem.submeshes[q] if not free else None
-        fn = _group_function(sub, shardings, pinned, label)
+        run = sub
+        if read_packs or sent:
+            run = packed_function(sub, unpack, pack_out, len(outs))
+        fn = _group_function(run, shardings + [None] * len(sent), pinned, label)
         programs[label] = fn
-        args = tuple(slots(ValueOnMesh(v, q)) for v in free)
+        args = tuple(slots(ValueOnMesh(v, q)) for v in own)
+        args += tuple(slots(key) for key in read_packs)
         results = tuple(slots(ValueOnMesh(o, q)) for o in outs)
+        results += tuple(slots(p.on(q)) for p in sent)
         structure = _structure(sub, shardings, pinned)
+        if structure is not None and (read_packs or sent):
+            structure = (*structure, tuple(unpack), tuple(pack_out), len(outs))
         calls[group] = Call(q, key, fn, args, results, label, structure=structure)
     return calls, programs
 
@@ -438,6 +496,17 @@ def _transfer(
     )
 
 
+def _packed_transfer(pack: PackedTransfer, slots: SlotTable) -> Transfer:
+    return Transfer(
+        slots(pack.on(pack.src)),
+        slots(pack.on(pack.dst)),
+        pack.dst,
+        f"{len(pack.vars)} packed values {pack.src}->{pack.dst}",
+        src_mesh=pack.src,
+        nbytes=pack.nbytes,
+    )
+
+
 def report_transfers(
     problem: OuterProblem, levels: OuterLevels, *, stacklevel: int = 2
 ) -> list[CrossMeshTransfer]:
@@ -467,9 +536,11 @@ def report_transfers(
     """
     names = levels.assignment.names
     report = [
-        CrossMeshTransfer(names.get(t.var, str(t.var)), t.src, t.dst, var_bytes(t.var))
+        CrossMeshTransfer(t.text(names), t.src, t.dst, t.nbytes)
+        if isinstance(t, PackedTransfer)
+        else CrossMeshTransfer(names.get(t.var, str(t.var)), t.src, t.dst, var_bytes(t.var))
         for t in levels.transfers
-        if t.src != HOST and not t.as_batch
+        if isinstance(t, PackedTransfer) or (t.src != HOST and not t.as_batch)
     ]
     for t in report:
         if t.nbytes > problem.transfer_warning_bytes:
