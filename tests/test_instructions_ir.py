@@ -32,6 +32,11 @@ HANDWRITTEN = [
     Transfer(10, 11, 0, "argument leaf 0 host->0", reshape_microbatches=4, spec=P(None, "data")),
     Transfer(12, 13, 2, "grad", src_mesh=1, spec=P(("data", "model"), None, ("x",))),
     Transfer(14, 15, 3, "replicated", src_mesh=2, spec=P()),
+    Transfer(
+        16, 17, 0, "3 packed values 1->0", 1, 12, spec=P(None), value_type=((3,), "float32", False)
+    ),
+    Transfer(18, 19, 0, "scalar", 1, 4, spec=P(), value_type=((), "float32", True)),
+    Transfer(20, 21, 0, "matrix", 1, 24, spec=P(), value_type=((2, 3), "int32", False)),
     Free((3, 4, 5)),
     Free(()),
 ]
@@ -42,6 +47,7 @@ def test_handwritten_instructions_round_trip():
     text = format_instructions(HANDWRITTEN)
     assert parse_instructions(text, programs) == HANDWRITTEN
     assert "transfer 10@-1 -> 11@0" in text and "spec=[None,data]" in text
+    assert "spec=[None] type=float32[3]\n" in text and "type=float32[] weak_type\n" in text
 
 
 def test_comments_and_blank_lines_are_skipped():
@@ -58,6 +64,8 @@ def test_comments_and_blank_lines_are_skipped():
         ("call 0 F0 args=(1 outs=() label=x", r"args='\(1' is not a Python literal"),
         ("call 0 F0 args=() outs=() oops", r"cannot read 'oops'"),
         ("call 0 F-0 args=() outs=() label=x", r"'F-0' is not a program name"),
+        ("transfer 1@0 -> 2@1 label=x type=float32", r"transfer type 'float32'.*DTYPE\[D0"),
+        ("transfer 1@0 -> 2@1 label=x type=f32[a]", r"transfer type 'f32\[a\]'"),
     ],
 )
 def test_bad_text_is_a_compile_error(text, message):

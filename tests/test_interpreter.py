@@ -8,6 +8,7 @@ transfer; precompile compiles exactly the programs the run then uses.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -260,6 +261,37 @@ def test_precompile_leaves_a_failing_program_to_the_run(meshes):
     assert precompile(step, [BATCH], meshes, max_workers=2) == 1  # F0 only; F1, B0 unknown
     with pytest.raises(TypeError, match=r"dot_general requires contracting dimensions"):
         execute(step, [BATCH], meshes)
+
+
+def _typed_total(step):
+    """The step with its "total" transfer typed, as a packed transfer is."""
+    typed = [
+        dataclasses.replace(ins, spec=P(), value_type=((), "float32", False))
+        if isinstance(ins, Transfer) and ins.label == "total"
+        else ins
+        for ins in step.instructions
+    ]
+    return SimpleNamespace(**{**vars(step), "instructions": typed})
+
+
+def test_a_typed_transfer_lets_its_reader_compile_without_waiting_for_the_sender(meshes):
+    programs = _programs()
+    programs["F1"] = jax.jit(lambda x: (x @ jnp.ones((3, 3)), jnp.sum(x)))  # fails to compile
+    # untyped, B0 waits for F1's types and is left to the run; typed, it compiles
+    assert precompile(_step(programs), [BATCH], meshes, max_workers=2) == 1
+    assert precompile(_typed_total(_step(_programs())), [BATCH], meshes, max_workers=2) == 3
+    assert precompile(_typed_total(_step(programs)), [BATCH], meshes, max_workers=2) == 2
+
+
+def test_a_typed_transfer_types_its_value_as_the_run_moves_it(meshes):
+    step = _typed_total(_step(_programs()))
+    shardings = Shardings(meshes)
+    assert precompile(step, [BATCH], meshes, shardings, max_workers=2) == 3
+    with count_compilations() as running:
+        _, product = execute(step, [BATCH], meshes, shardings)
+        jax.block_until_ready(product)
+    assert running.count == 0, "B0 was compiled for another type than the run gave it"
+    np.testing.assert_allclose(product, _expected()[1])
 
 
 def test_precompile_models_host_scalars_as_the_run_puts_them(meshes):

@@ -510,7 +510,10 @@ def test_packed_programs_return_and_read_one_array_and_the_numbers_are_equal():
     plan, unpacked = plan_outer_problem(problem, SlotTable()), _unpacked_plan(problem)
     text = format_instructions(plan.instructions)
     assert text.count("packed values") == 2, text
-    assert "label='2 packed values 1->0' bytes=8" in text
+    assert "label='2 packed values 1->0' bytes=8 spec=[None] type=float32[2]\n" in text
+    packed = [i for i in plan.instructions if isinstance(i, Transfer) and "packed" in i.label]
+    # typed: ahead-of-time compilation need not wait for the sender (Explicit axes here)
+    assert {(t.spec, t.value_type) for t in packed} == {(P(None), ((2,), "float32", False))}
     count = lambda p: sum(isinstance(i, Transfer) for i in p.instructions)  # noqa: E731
     assert (count(unpacked), count(plan)) == (6, 4)
     mesh0 = next(i for i in plan.instructions if isinstance(i, Call) and i.mesh == 0)
@@ -539,6 +542,20 @@ def test_a_sender_returns_one_array_whatever_mesh_it_goes_to():
     assert [len(c.args) for c in receiving] == [5, 5], "its two leaves, three arrays"
     for got, want in zip(_run(plan, LEAVES), _run(_unpacked_plan(problem), LEAVES)):
         np.testing.assert_array_equal(got[0][1], want[0][1])
+
+
+def test_a_pack_on_auto_axes_is_moved_as_replicated():
+    auto = [
+        jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=[d])
+        for d in jax.devices()[:3]
+    ]
+    closed = jax.make_jaxpr(_leafwise_norm_scale)(*LEAVES)
+    problem = OuterProblem(
+        closed.jaxpr, LEAF_MESHES, LEAF_MESHES, LEAF_NAMES, auto, lambda j, q: None
+    )
+    plan = plan_outer_problem(problem, SlotTable())
+    packed = [i for i in plan.instructions if isinstance(i, Transfer) and "packed" in i.label]
+    assert len(packed) == 2 and {t.spec for t in packed} == {P()}  # as XLA returns it there
 
 
 def _unpacked_plan(problem):

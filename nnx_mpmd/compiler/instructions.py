@@ -149,7 +149,11 @@ class Transfer:
     ``reshape_microbatches`` (an int m) reshapes a batch ``[B, ...]`` to
     ``[m, B/m, ...]`` on the way; ``spec`` overrides the PartitionSpec (None
     keeps the source's). ``per_microbatch`` marks a stage's activation or
-    cotangent for one microbatch (a batch-sharded value).
+    cotangent for one microbatch (a batch-sharded value). ``value_type`` is
+    the moved value's ``(shape, dtype name, weak type)`` when the compiler
+    knows it (a packed transfer, which also sets ``spec``): ahead-of-time
+    compilation then types the destination without waiting for the source's
+    program (text form ``type=float32[18]``, and ``weak_type``).
     """
 
     src: int
@@ -161,6 +165,7 @@ class Transfer:
     reshape_microbatches: int | None = None
     spec: Any = None
     per_microbatch: bool = False
+    value_type: tuple[tuple[int, ...], str, bool] | None = None
 
     def reads(self) -> list[int]:
         return [self.src]
@@ -405,7 +410,24 @@ def _transfer_text(ins: Transfer) -> str:
         line += f" reshape={ins.reshape_microbatches}"
     if ins.spec is not None:
         line += f" spec={_spec_text(ins.spec)}"
+    if ins.value_type is not None:
+        shape, dtype, weak = ins.value_type
+        line += f" type={dtype}[{','.join(map(str, shape))}]" + (" weak_type" if weak else "")
     return line + (" per_microbatch" if ins.per_microbatch else "")
+
+
+def _parse_value_type(text: str, weak: bool, line_no: int) -> tuple[tuple[int, ...], str, bool]:
+    dtype, sep, rest = text.partition("[")
+    try:
+        if not sep or not rest.endswith("]"):
+            raise ValueError(text)
+        shape = tuple(int(d) for d in rest[:-1].split(",") if d)
+    except ValueError:
+        raise CompileError(
+            f"instruction line {line_no}: cannot read the transfer type {text!r}; write it as "
+            "type=DTYPE[D0,D1,...] (type=float32[] for a scalar)."
+        ) from None
+    return shape, dtype, weak
 
 
 def _spec_text(spec: PartitionSpec) -> str:
@@ -463,7 +485,7 @@ def _fields(tokens: list[str], line_no: int, line: str) -> dict[str, str]:
     out = {}
     for token in tokens:
         key, sep, value = token.partition("=")
-        if not sep and token != "per_microbatch":
+        if not sep and token not in ("per_microbatch", "weak_type"):
             raise CompileError(f"instruction line {line_no} ({line!r}): cannot read {token!r}.")
         out[key] = value
     return out
@@ -543,6 +565,9 @@ def _parse_transfer(tokens: list[str], line_no: int, line: str) -> Transfer | No
         reshape_microbatches=int(fields["reshape"]) if "reshape" in fields else None,
         spec=_parse_spec(spec, line_no) if spec is not None else None,
         per_microbatch="per_microbatch" in fields,
+        value_type=_parse_value_type(fields["type"], "weak_type" in fields, line_no)
+        if "type" in fields
+        else None,
     )
 
 

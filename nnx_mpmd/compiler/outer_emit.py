@@ -338,7 +338,7 @@ def emit_outer_program(
         for lvl in range(max_level + 1):
             for t in by_level.get((segment, lvl), ()):
                 if isinstance(t, PackedTransfer):
-                    instructions.append(_packed_transfer(t, slots))
+                    instructions.append(_packed_transfer(problem, t, slots))
                 else:
                     instructions.append(_transfer(problem, t, assignment.names, slots))
             for q in range(len(problem.submeshes)):
@@ -496,7 +496,14 @@ def _transfer(
     )
 
 
-def _packed_transfer(pack: PackedTransfer, slots: SlotTable) -> Transfer:
+def _packed_transfer(problem: OuterProblem, pack: PackedTransfer, slots: SlotTable) -> Transfer:
+    # The array's type is known here, so ahead-of-time compilation need not wait
+    # for the sender's program. The spec is the one the sender's replicated output
+    # has (typed ``P(None)`` on Explicit axes, ``P()`` on Auto ones), so the move
+    # keeps its layout and takes the batched copy.
+    axis_types = getattr(problem.submeshes[pack.src], "axis_types", ())
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in axis_types)
+    aval = pack.vars[0].aval
     return Transfer(
         slots(pack.on(pack.src)),
         slots(pack.on(pack.dst)),
@@ -504,6 +511,8 @@ def _packed_transfer(pack: PackedTransfer, slots: SlotTable) -> Transfer:
         f"{len(pack.vars)} packed values {pack.src}->{pack.dst}",
         src_mesh=pack.src,
         nbytes=pack.nbytes,
+        spec=jax.sharding.PartitionSpec(None) if explicit else jax.sharding.PartitionSpec(),
+        value_type=((pack.size,), str(aval.dtype), bool(aval.weak_type)),
     )
 
 

@@ -72,6 +72,11 @@ class PackedTransfer:
         """The array's bytes: the values' bytes."""
         return sum(var_bytes(v) for v in self.vars)
 
+    @property
+    def size(self) -> int:
+        """The array's length: the values' elements."""
+        return sum(math.prod(v.aval.shape) for v in self.vars)
+
     def on(self, mesh: int) -> PackOnMesh:
         """Slot key of the array on ``mesh`` (`src` or `dst`)."""
         return PackOnMesh(self.vars, mesh)

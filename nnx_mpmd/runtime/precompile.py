@@ -287,7 +287,17 @@ class _AbstractOperations:
         return start_compiling
 
     def transfer(self, index: int, ins: Transfer) -> Step:
-        def derive(slots: list[Any]) -> Future:
+        def derive(slots: list[Any]) -> Future | None:
+            if ins.value_type is not None and ins.spec is not None:
+                # the compiler knows the moved value's type: no need to wait for its program
+                shape, dtype, weak = ins.value_type
+                slots[ins.dst] = jax.ShapeDtypeStruct(
+                    transferred_shape(ins, shape),
+                    jax.numpy.dtype(dtype),
+                    sharding=self.shardings(ins.dst_mesh, ins.spec),
+                    weak_type=weak,
+                )
+                return None
             source = slots[ins.src]
             if (
                 ins.per_microbatch
