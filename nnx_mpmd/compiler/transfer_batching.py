@@ -233,7 +233,7 @@ def merge_frees(program: Sequence[Instruction]) -> list[Instruction]:
 
     Example:
       >>> merge_frees([Free((3,)), Free((1, 3)), Transfer(0, 2, 1, "x"), Free((0,))])
-      [Free(slots=(1, 3)), Transfer(src=0, dst=2, dst_mesh=1, label='x', src_mesh=-1, nbytes=0, reshape_microbatches=None, spec=None, per_microbatch=False), Free(slots=(0,))]
+      [Free(slots=(1, 3)), Transfer(src=0, dst=2, dst_mesh=1, label='x', src_mesh=-1, nbytes=0, reshape_microbatches=None, spec=None, per_microbatch=False, value_type=None), Free(slots=(0,))]
     """
     result: list[Instruction] = []
     for ins in program:
