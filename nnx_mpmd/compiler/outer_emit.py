@@ -357,7 +357,7 @@ def emit_outer_program(
 def kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
     """Values read outside their program: by a transfer, the region or the step's outputs.
 
-    A `PackedTransfer`'s scalars are not: their program returns them packed.
+    A `PackedTransfer`'s values are not: their program returns them packed.
 
     Args:
       problem: the step.
@@ -429,19 +429,7 @@ def _emit_calls(
             else None
             for o in outs
         ]
-        # Arguments: the free values' own slots, then each packed array read.
-        own = [v for v in free if ValueOnMesh(v, q) not in in_pack]
-        read = {in_pack[ValueOnMesh(v, q)][0].on(q): None for v in free if v not in own}
-        read_packs = list(read)
-        unpack = [
-            (own.index(v), None)
-            if v in own
-            else (
-                len(own) + read_packs.index(in_pack[ValueOnMesh(v, q)][0].on(q)),
-                in_pack[ValueOnMesh(v, q)][1],
-            )
-            for v in free
-        ]
+        own, read_packs, unpack = _packed_arguments(free, q, in_pack)
         position = {v: j for j, v in enumerate(outs + extra)}
         pack_out = [tuple(position[v] for v in p.vars) for p in sent]
         key = group.program_key
@@ -461,6 +449,29 @@ def _emit_calls(
             structure = (*structure, tuple(unpack), tuple(pack_out), len(outs))
         calls[group] = Call(q, key, fn, args, results, label, structure=structure)
     return calls, programs
+
+
+def _packed_arguments(
+    free: Sequence[Any], q: int, in_pack: Mapping[ValueOnMesh, tuple[PackedTransfer, Any]]
+) -> tuple[list[Any], list[Any], list[tuple[int, Any]]]:
+    """A program's arguments: its free values' own slots, then each packed array read.
+
+    Returns the free values with their own argument, the packed arrays' slot
+    keys, and per free value ``(argument, None)`` or ``(argument, (offset,
+    shape))`` (`outer_packing.packed_function`'s ``unpack``).
+    """
+    own = [v for v in free if ValueOnMesh(v, q) not in in_pack]
+    read_packs = list({in_pack[ValueOnMesh(v, q)][0].on(q): None for v in free if v not in own})
+    unpack = [
+        (own.index(v), None)
+        if v in own
+        else (
+            len(own) + read_packs.index(in_pack[ValueOnMesh(v, q)][0].on(q)),
+            in_pack[ValueOnMesh(v, q)][1],
+        )
+        for v in free
+    ]
+    return own, read_packs, unpack
 
 
 def _structure(sub: Any, shardings: list[Any], pinned: Any) -> Any:
