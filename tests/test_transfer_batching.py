@@ -18,7 +18,15 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss
+from pipeline_models import (
+    MLP,
+    WIDTH,
+    build,
+    make_batch,
+    make_mesh,
+    mlp_loss,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.instructions import (
@@ -174,6 +182,28 @@ def test_a_compiled_step_is_batched_and_every_mesh_sees_the_same_order(schedule,
         assert _events(after, q) == _events(before, q), q
     assert sorted(_freed(after)) == sorted(_freed(before))
     assert parse_instructions(lowered.ir_text(), lowered.programs) == after
+
+
+def test_a_global_norm_clip_moves_one_array_per_pair_of_meshes():
+    # optax's clip_by_global_norm: every mesh adds up every leaf's partial sum of squares
+    model, opt, loss_fn, kind = build("gated", "clip_adamw_cosine", 4)
+    ref_model, ref_opt, _, _ = build("gated", "clip_adamw_cosine", 4)
+    mesh, schedule = make_mesh(4, 1), mp.OneFOneB()
+    step = mp.jit(train_step_fn(loss_fn), mesh=mesh, schedule=schedule, num_microbatches=4)
+    batch = make_batch(kind, 16)
+    lowered = step.lower(model, opt, batch)
+    packs = [t for t in lowered.transfers if t.what.startswith("2 values (")]
+    assert sorted((t.src, t.dst) for t in packs) == [
+        (a, b) for a in range(4) for b in range(4) if a != b
+    ]
+    assert not [t for t in lowered.transfers if t.nbytes == 4], "no scalar moves alone"
+    text = lowered.ir_text()
+    assert text.count("packed values") == 12 and "type=float32[2]" in text
+    reference = nnx.jit(train_step_fn(loss_fn, 4))
+    for seed in range(2):
+        batch = make_batch(kind, 16, seed=seed)
+        got, want = float(step(model, opt, batch)), float(reference(ref_model, ref_opt, batch))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ the runtime
