@@ -128,10 +128,9 @@ def pack_transfers(levels: Any, kept: set[ValueOnMesh]) -> Any:
     A transfer is packed when it copies a replicated value of at most
     `PACK_MAX_BYTES` (not from the host, not a batch) computed by a program of
     the same segment on its source mesh, and on its destination mesh only
-    programs read it. Transfers with
-    the same source program, destination mesh, level, dtype and weak type form
-    one pack when there are two or more; a pack takes the place of its first
-    transfer.
+    programs read it. Transfers with the same source program, destination
+    mesh, level, dtype and weak type form one pack when there are two or more;
+    a pack takes the place of its first transfer.
 
     Args:
       levels: `outer_emit.defer_equations`'s result (an `outer_emit.OuterLevels`).
@@ -167,22 +166,18 @@ def pack_transfers(levels: Any, kept: set[ValueOnMesh]) -> Any:
             aval = t.var.aval
             key = (source, t.dst, t.segment, t.level, str(aval.dtype), aval.weak_type)
             bins.setdefault(key, []).append(t)
-    first: dict[int, PackedTransfer] = {}
-    packed_ids: set[int] = set()
+    pack_of: dict[int, tuple[PackedTransfer, bool]] = {}  # id(transfer) -> (pack, first?)
     for (source, dst, segment, level, _, _), members in bins.items():
-        if len(members) < 2:
-            continue
-        pack = PackedTransfer(
-            tuple(t.var for t in members), source.mesh, dst, segment, level, source
-        )
-        first[id(members[0])] = pack
-        packed_ids.update(id(t) for t in members)
+        if len(members) >= 2:
+            pack = PackedTransfer(
+                tuple(t.var for t in members), source.mesh, dst, segment, level, source
+            )
+            pack_of.update((id(t), (pack, t is members[0])) for t in members)
     transfers = []
     for t in levels.transfers:
-        if id(t) in first:
-            transfers.append(first[id(t)])
-        elif id(t) not in packed_ids:
-            transfers.append(t)
+        pack, first = pack_of.get(id(t), (None, False))
+        if pack is None or first:
+            transfers.append(pack or t)
     return dataclasses.replace(levels, transfers=tuple(transfers))
 
 
@@ -219,7 +214,7 @@ def _unpack_value(packed: Any, offset: int, shape: tuple[int, ...]) -> Any:
 
 def packed_function(
     run: Callable[..., tuple[Any, ...]],
-    unpack: Sequence[tuple[int, int | None]],
+    unpack: Sequence[tuple[int, tuple[int, tuple[int, ...]] | None]],
     pack: Sequence[tuple[int, ...]],
     num_outputs: int,
 ) -> Callable[..., tuple[Any, ...]]:
