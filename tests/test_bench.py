@@ -160,3 +160,65 @@ def test_mesh_shape_comes_from_the_command_line():
     settings = bench._settings(bench.parse_args(["--num-meshes=2", "--data=1", "--rounds=3"]))
     assert (settings.num_meshes, settings.data, settings.rounds) == (2, 1, 3)
     assert settings.warmup_rounds == bench.BenchSettings().warmup_rounds
+
+
+def test_warm_up_uses_sequences_the_tiny_model_accepts():
+    # `--seq 256` for a preset with a longer max_len must not break the tiny warm-up step.
+    settings = bench._settings(bench.parse_args(["--seq=256", "--presets=gpt2-124m"]))
+    assert bench._warm_up_settings(settings).seq == 64
+    assert bench._warm_up_settings(bench.BenchSettings(seq=16)).seq == 16
+
+
+def _probe_settings():
+    return bench._settings(bench.parse_args(["--overhead-repeats=1"]))
+
+
+def test_a_probe_out_of_device_memory_is_recorded_not_raised(monkeypatch):
+    def out_of_memory(*args):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 24.00MiB")
+
+    monkeypatch.setattr(bench, "measure_overhead", out_of_memory)
+    monkeypatch.setattr(bench, "measure_memory", lambda v: {"m": 1})
+    monkeypatch.setattr(bench, "measure_bubble", lambda v: {"b": 2})
+    probes = bench._probes(object(), _probe_settings())
+    assert probes["overhead"] == {"error": "RESOURCE_EXHAUSTED: Out of memory allocating 24.00MiB"}
+    assert probes["memory"] == {"m": 1} and probes["bubble"] == {"b": 2}
+
+
+def test_a_probe_failing_for_another_reason_raises(monkeypatch):
+    def broken(*args):
+        raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: buffer was deleted")
+
+    monkeypatch.setattr(bench, "measure_overhead", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
+        bench._probes(object(), _probe_settings())
+
+
+def test_format_markdown_marks_probes_that_ran_out_of_memory():
+    row = {
+        "n_layers": 12,
+        "median_s": 0.15,
+        "ratio_vs_one_device": 1.07,
+        "ratio_vs_spmd": 1.07,
+        "first_step_s": 26.0,
+        "first_step_ratio_vs_one_device": 1.69,
+        "overhead": {"error": "RESOURCE_EXHAUSTED: Out of memory"},
+        "memory": {"activation_peak_bytes": [2**20], "predicted_activation_bytes": [2**20]},
+        "bubble": {"error": "RESOURCE_EXHAUSTED: Out of memory"},
+    }
+    report = {
+        "machine": {},
+        "settings": {},
+        "presets": {
+            "gpt2-124m": {
+                "rows": {"gpipe": row},
+                "skipped": {},
+                "first_step_scaling": {"8": 15.4, "ratio": 1.0},
+            }
+        },
+    }
+    text = bench.format_markdown(report)
+    assert (
+        "| gpipe | 12 | 150.0 | 1.07 | 1.07 | 26.00 | 1.69 |  |  | OOM | OOM | OOM | 1.0 vs 1.0 |"
+        in text
+    )

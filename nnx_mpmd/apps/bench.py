@@ -305,6 +305,38 @@ def _first_step_scaling(settings: BenchSettings, preset: str) -> dict[str, Any]:
     return out
 
 
+def _out_of_memory(error: Exception) -> bool:
+    """Whether ``error`` is XLA running out of device memory (not a bug to raise)."""
+    return type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and (
+        "RESOURCE_EXHAUSTED" in str(error)
+    )
+
+
+def _probes(variant: Variant, settings: BenchSettings) -> dict[str, Any]:
+    """The overhead, memory and bubble probes of one pipelined variant.
+
+    Each probe holds buffers of its own beside every variant's model (the no-op
+    replay keeps every task's result), so on a large model one can run out of
+    device memory after the timed rounds: it is then recorded as
+    ``{"error": ...}`` and shown as ``OOM``, and the step times are kept.
+    Any other error is raised.
+    """
+    probes = {
+        "overhead": lambda: measure_overhead(variant, settings.overhead_repeats),
+        "memory": lambda: measure_memory(variant),
+        "bubble": lambda: measure_bubble(variant),
+    }
+    out: dict[str, Any] = {}
+    for name, probe in probes.items():
+        try:
+            out[name] = probe()
+        except Exception as error:
+            if not _out_of_memory(error):
+                raise
+            out[name] = {"error": str(error).splitlines()[0][:200]}
+    return out
+
+
 def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], None]) -> dict:
     from nnx_mpmd.models.presets import GPT_PRESETS
 
@@ -351,9 +383,7 @@ def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], No
             "ratio_vs_one_device": median(v.times) / median(one.times),
             "ratio_vs_spmd": median(v.times) / median(spmd.times),
             "first_step_ratio_vs_one_device": v.first_step_s / one.first_step_s,
-            "overhead": measure_overhead(v, settings.overhead_repeats),
-            "memory": measure_memory(v),
-            "bubble": measure_bubble(v),
+            **_probes(v, settings),
         }
     log(f"[{preset}] time to first step at {list(settings.first_step_microbatches)} microbatches")
     return {
@@ -397,6 +427,18 @@ def run_benchmarks(
     return report
 
 
+def _warm_up_settings(settings: BenchSettings) -> BenchSettings:
+    """The settings of the warm-up step: sequences no longer than ``tiny``'s ``max_len``.
+
+    Example:
+      >>> _warm_up_settings(BenchSettings(seq=256)).seq
+      64
+    """
+    from nnx_mpmd.models.presets import GPT_PRESETS
+
+    return dataclasses.replace(settings, seq=min(settings.seq, GPT_PRESETS["tiny"]["max_len"]))
+
+
 def _warm_up(settings: BenchSettings) -> None:
     """Runs one tiny pipelined and one tiny ``nnx.jit`` step before measuring.
 
@@ -408,7 +450,7 @@ def _warm_up(settings: BenchSettings) -> None:
 
     import nnx_mpmd as mp
 
-    batch = _batches(settings, 2 * settings.num_meshes, 1, 256)[0]
+    batch = _batches(_warm_up_settings(settings), 2 * settings.num_meshes, 1, 256)[0]
     model, opt = _model("tiny", settings.num_meshes, max(4, settings.num_meshes))
     step = mp.jit(
         _pipelined_fn(), mesh=_mpmd_mesh(settings), schedule=mp.OneFOneB(), num_microbatches=2
@@ -426,6 +468,21 @@ def _cpu_columns(row: dict[str, Any]) -> str:
     if "host_cpu_ms" not in row:  # a report written before these were measured
         return " | "
     return f"{row['host_cpu_ms']:.0f} | {row['process_cpu_s']:.2f}"
+
+
+def _probe_columns(row: dict[str, Any]) -> str:
+    """The µs/task, dispatch, bubble and activation columns; ``OOM`` where a probe ran out."""
+    o, b, mem = row["overhead"], row["bubble"], row["memory"]
+    columns = [
+        "OOM" if "error" in o else f"{o['us_per_task']:.0f}",
+        "OOM" if "error" in o else f"{o['dispatch_us_per_task']:.0f}",
+        "OOM" if "error" in b else f"{b['measured_bubble']:.2f}/{b['simulated_bubble']:.2f}",
+        "OOM"
+        if "error" in mem
+        else f"{_fmt_bytes(mem['activation_peak_bytes'])} vs "
+        f"{_fmt_bytes(mem['predicted_activation_bytes'])}",
+    ]
+    return " | ".join(columns)
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -468,15 +525,11 @@ def format_markdown(report: dict[str, Any]) -> str:
                     f"{r['first_step_s']:.2f} | | {_cpu_columns(r)} | | | | |"
                 )
                 continue
-            o, mem, b = r["overhead"], r["memory"], r["bubble"]
             lines.append(
                 f"| {name} | {r['n_layers']} | {r['median_s'] * 1e3:.1f} | "
                 f"{r['ratio_vs_one_device']:.2f} | {r['ratio_vs_spmd']:.2f} | "
                 f"{r['first_step_s']:.2f} | {r['first_step_ratio_vs_one_device']:.2f} | "
-                f"{_cpu_columns(r)} | {o['us_per_task']:.0f} | {o['dispatch_us_per_task']:.0f} | "
-                f"{b['measured_bubble']:.2f}/{b['simulated_bubble']:.2f} | "
-                f"{_fmt_bytes(mem['activation_peak_bytes'])} vs "
-                f"{_fmt_bytes(mem['predicted_activation_bytes'])} |"
+                f"{_cpu_columns(r)} | {_probe_columns(r)} |"
             )
         for name, note in p["skipped"].items():
             lines.append(f"| {name} | | {note} | | | | | | | | | | |")
