@@ -21,6 +21,7 @@ __all__ = [
     "compile_options_for_devices",
     "sharding_device_list",
     "cluster_environment_present",
+    "take_cached_partial_nodes",
     "convert_constvars_jaxpr",
     "coordination_state",
     "dce_jaxpr",
@@ -28,6 +29,26 @@ __all__ = [
     "variable_belongs_to_current_trace",
     "variables_bound_to_current_trace",
 ]
+
+
+def take_cached_partial_nodes() -> Any | None:
+    """Consumes the node cache ``nnx.cached_partial`` set for the call running now.
+
+    ``nnx.cached_partial(f, *nodes)`` calls ``f`` with private copies of
+    ``nodes`` (sharing their Variables) and expects ``f`` to take its cache out
+    of the graph context; it raises after the call otherwise.
+
+    Returns:
+      The cache (a mapping keyed by the private copies), or None outside such a
+      call.
+
+    Relies on: ``graphlib.GRAPH_CONTEXT.tmp_static_cache`` (flax 0.12).
+    """
+    from flax.nnx import graphlib
+
+    cache = graphlib.GRAPH_CONTEXT.tmp_static_cache
+    graphlib.GRAPH_CONTEXT.tmp_static_cache = None
+    return cache
 
 
 def variable_belongs_to_current_trace(variable: nnx.Variable) -> bool:

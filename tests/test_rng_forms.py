@@ -8,6 +8,8 @@ losses, parameters and final RNG counts over several steps, so no key is reused.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,19 +216,25 @@ def _step_global(model, opt, batch):
     return loss
 
 
-def test_rngs_that_is_no_argument_of_the_step_draws_the_reference_keys():
-    """A module-level Rngs closed over by the loss: an implicit argument of the step."""
+@pytest.mark.parametrize("cached", [False, True], ids=["direct", "cached_partial"])
+def test_rngs_that_is_no_argument_of_the_step_draws_the_reference_keys(cached):
+    """A module-level Rngs closed over by the loss: an implicit argument of the step.
+
+    Through ``nnx.cached_partial`` the step walks the graph on every call (the
+    global Rngs is no node of the partial), with the same keys.
+    """
     ref_model, ref_opt = _build(False)
     model, opt = _build(False)
     ref_rngs = nnx.Rngs(dropout=5, noise=6)
     start = int(GLOBAL_RNGS.dropout.count.get_value())
     step = mp.jit(_step_global, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=M)
+    call = (nnx.cached_partial if cached else functools.partial)(step, model, opt)
     for i in range(2):
         if i == 0:  # the reference starts where the global is now
             ref_rngs.dropout.count.set_value(jnp.uint32(start))
         batch = _batch(i)
         np.testing.assert_allclose(
-            float(step(model, opt, batch)),
+            float(call(batch)),
             float(_reference_step(ref_model, ref_opt, ref_rngs, batch)),
             rtol=1e-5,
         )
@@ -297,7 +305,8 @@ class OwnStreams(mp.PipelinedModel):
         return self.drop_out(self.b(self.drop_a(jnp.tanh(self.a(x)))))
 
 
-def test_glue_dropout_with_its_own_stream_equals_the_reference():
+@pytest.mark.parametrize("cached", [False, True], ids=["direct", "cached_partial"])
+def test_glue_dropout_with_its_own_stream_equals_the_reference(cached):
     def loss_fn(m, b):
         return jnp.mean((m(b["x"]) - b["y"]) ** 2)
 
@@ -321,10 +330,12 @@ def test_glue_dropout_with_its_own_stream_equals_the_reference():
     models = [OwnStreams(nnx.Rngs(0)) for _ in range(2)]
     opts = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
     pipelined = mp.jit(step, mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=M)
+    # Through nnx.cached_partial the RNG counters are read from the same Variables.
+    call = (nnx.cached_partial if cached else functools.partial)(pipelined, models[1], opts[1])
     for i in range(2):
         batch = _batch(i)
         np.testing.assert_allclose(
-            float(pipelined(models[1], opts[1], batch)),
+            float(call(batch)),
             float(reference(models[0], opts[0], batch)),
             rtol=1e-5,
         )

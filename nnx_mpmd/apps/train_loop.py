@@ -400,14 +400,15 @@ class Trainer:
             progress.console.print(f"resumed from step {self.start_step}")
         metrics_file = self.run_dir / "metrics.jsonl"
         metrics_file.write_text("".join(json.dumps(r) + "\n" for r in metrics))
+        # The model and optimizer keep their structure from here on (a restore only
+        # sets values), so the step needs not walk their graph on every call.
+        step_fn = nnx.cached_partial(self.step_fn, self.model, self.optimizer)
         started = time.perf_counter()
         with progress, metrics_file.open("a") as log:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
-                loss = float(
-                    self.step_fn(self.model, self.optimizer, batch, profile=step == profile_step)
-                )
+                loss = float(step_fn(batch, profile=step == profile_step))
                 seconds = time.perf_counter() - t0
                 if step == profile_step:
                     self._draw_profile()

@@ -13,9 +13,15 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nnx_mpmd._jax_compat import take_cached_partial_nodes
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
 from nnx_mpmd.compiler.step import CompiledStep, compile_step
-from nnx_mpmd.compiler.trace_step import FlatArgs, flatten_step_args
+from nnx_mpmd.compiler.trace_step import (
+    FlatArgs,
+    flatten_step_args,
+    refreshed_flat_args,
+    reusable_flat_args,
+)
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.frontend.losses import check_reduction, combine, region_loss
 from nnx_mpmd.frontend.stages import Compiled as Compiled
@@ -297,6 +303,10 @@ class PipelinedFunction:
         self._compiling: dict[int, tuple[Any, dict[str, AwaitedProgram]]] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self._last_graphdef: tuple[Any, int] = (None, 0)  # (graphdef, its hash): _signature
+        # Under `nnx.cached_partial`: the flattened arguments of its private node
+        # copies, by id of its node cache (kept, so that the id stays its own).
+        self._cached_partial_args: dict[int, tuple[Any, FlatArgs]] = {}
+        self._partial_nodes: Any = None  # the node cache of the call running now
         self.last_profile: Profile | None = None
         self.last_memory: dict[str, Any] | None = None
 
@@ -427,7 +437,7 @@ class PipelinedFunction:
         from nnx_mpmd.compiler.stage_programs import check_mesh_context
 
         check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
-        flat = flatten_step_args(self.fn, args)
+        flat = self._flatten(args)
         state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
         other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
         # Every cached lowering is for state placed where `place` puts it: a hit
@@ -439,13 +449,35 @@ class PipelinedFunction:
             planned = self._planned(flat)
             if [a.key() for a in planned] != [a.key() for a in state_avals]:
                 place(flat.nodes, self.mesh, self.schedule)
-                flat = flatten_step_args(self.fn, args)
+                flat = self._flatten(args, take_cache=False)
                 state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
             compiled = self._lowered(flat, state_avals, other_avals)
         if self.compile_threads != 1 and not self.mesh.is_multi_process:
             inputs = [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
             self._compile_programs(compiled, inputs, overlap=True)
         return flat, compiled
+
+    def _flatten(self, args: tuple[Any, ...], take_cache: bool = True) -> FlatArgs:
+        """The step's arguments flattened; under `nnx.cached_partial`, without walking the graph.
+
+        ``nnx.cached_partial(step, model, optimizer)`` passes private copies of
+        the nodes whose structure cannot change, so after the first call their
+        flattening is kept and only the Variables' arrays are read again.
+        """
+        if take_cache:
+            self._partial_nodes = take_cached_partial_nodes()
+        nodes = self._partial_nodes
+        if nodes is None:
+            return flatten_step_args(self.fn, args)
+        known = self._cached_partial_args.get(id(nodes))
+        if known is not None and known[0] is nodes:
+            flat = refreshed_flat_args(known[1], self.fn, args)
+            if flat is not None:
+                return flat
+        flat = flatten_step_args(self.fn, args)
+        if reusable_flat_args(flat, nodes):
+            self._cached_partial_args[id(nodes)] = (nodes, flat)
+        return flat
 
     def __call__(
         self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
