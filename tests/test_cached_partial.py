@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,3 +92,18 @@ def test_refresh_refuses_other_nodes_and_non_array_values():
     assert trace_step.refreshed_flat_args(flat, loss_fn, (model, optimizer)) is None
     flat.variables[0].set_raw_value(np.zeros(3))  # no longer a jax.Array
     assert trace_step.refreshed_flat_args(flat, loss_fn, (model, optimizer, 2.0)) is None
+
+
+def test_a_dropped_partial_releases_its_model_and_keeps_no_arrays():
+    step = mp.jit(train_step_fn(build("mlp", "sgd", 2)[2]), mesh=make_mesh(2, 1),
+                  schedule=mp.GPipe(), num_microbatches=2)  # fmt: skip
+    model, optimizer, _, kind = build("mlp", "sgd", 2)
+    cached = _cached(step, model, optimizer)
+    cached(make_batch(kind, 4))
+    cached(make_batch(kind, 4))
+    [(_, structure)] = step._cached_partial_args.values()
+    assert structure.state_leaves == [] and structure.args_leaves == []
+    released = weakref.ref(model)
+    del model, optimizer, cached
+    gc.collect()
+    assert released() is None and not step._cached_partial_args

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -303,10 +305,10 @@ class PipelinedFunction:
         self._compiling: dict[int, tuple[Any, dict[str, AwaitedProgram]]] = {}
         self._shardings = _Shardings(list(mesh.submeshes))
         self._last_graphdef: tuple[Any, int] = (None, 0)  # (graphdef, its hash): _signature
-        # Under `nnx.cached_partial`: the flattened arguments of its private node
-        # copies, by id of its node cache (kept, so that the id stays its own).
-        self._cached_partial_args: dict[int, tuple[Any, FlatArgs]] = {}
-        self._partial_nodes: Any = None  # the node cache of the call running now
+        # Under `nnx.cached_partial`: the structure of its private node copies'
+        # flattened arguments (no arrays), by id of its node cache; an entry goes
+        # when that cache does (with the partial), so no dropped model stays alive.
+        self._cached_partial_args: dict[int, tuple[weakref.ref, FlatArgs]] = {}
         self.last_profile: Profile | None = None
         self.last_memory: dict[str, Any] | None = None
 
@@ -437,7 +439,8 @@ class PipelinedFunction:
         from nnx_mpmd.compiler.stage_programs import check_mesh_context
 
         check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
-        flat = self._flatten(args)
+        partial_nodes = take_cached_partial_nodes()
+        flat = self._flatten(args, partial_nodes)
         state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
         other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
         # Every cached lowering is for state placed where `place` puts it: a hit
@@ -449,7 +452,7 @@ class PipelinedFunction:
             planned = self._planned(flat)
             if [a.key() for a in planned] != [a.key() for a in state_avals]:
                 place(flat.nodes, self.mesh, self.schedule)
-                flat = self._flatten(args, take_cache=False)
+                flat = self._flatten(args, partial_nodes)
                 state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
             compiled = self._lowered(flat, state_avals, other_avals)
         if self.compile_threads != 1 and not self.mesh.is_multi_process:
@@ -457,26 +460,27 @@ class PipelinedFunction:
             self._compile_programs(compiled, inputs, overlap=True)
         return flat, compiled
 
-    def _flatten(self, args: tuple[Any, ...], take_cache: bool = True) -> FlatArgs:
+    def _flatten(self, args: tuple[Any, ...], partial_nodes: Any) -> FlatArgs:
         """The step's arguments flattened; under `nnx.cached_partial`, without walking the graph.
 
         ``nnx.cached_partial(step, model, optimizer)`` passes private copies of
-        the nodes whose structure cannot change, so after the first call their
-        flattening is kept and only the Variables' arrays are read again.
+        the nodes whose structure cannot change (``partial_nodes`` is its node
+        cache), so after the first call their flattening is kept and only the
+        Variables' arrays are read again.
         """
-        if take_cache:
-            self._partial_nodes = take_cached_partial_nodes()
-        nodes = self._partial_nodes
-        if nodes is None:
+        if partial_nodes is None:
             return flatten_step_args(self.fn, args)
-        known = self._cached_partial_args.get(id(nodes))
-        if known is not None and known[0] is nodes:
+        known = self._cached_partial_args.get(id(partial_nodes))
+        if known is not None and known[0]() is partial_nodes:
             flat = refreshed_flat_args(known[1], self.fn, args)
             if flat is not None:
                 return flat
         flat = flatten_step_args(self.fn, args)
-        if reusable_flat_args(flat, nodes):
-            self._cached_partial_args[id(nodes)] = (nodes, flat)
+        if reusable_flat_args(flat, partial_nodes):
+            key, entries = id(partial_nodes), self._cached_partial_args
+            ref = weakref.ref(partial_nodes, lambda _: entries.pop(key, None))
+            structure = dataclasses.replace(flat, state_leaves=[], other_leaves=[], args_leaves=[])
+            self._cached_partial_args[key] = (ref, structure)
         return flat
 
     def __call__(
