@@ -275,10 +275,11 @@ class Generator:
         tokens = np.zeros((batch, self.window), np.int32)
         tokens[:, :length] = prompts
         base = jax.random.key(seed)
+        step = nnx.cached_partial(step, model)  # no graph walk per token (see _decode_cached)
         for position in range(length, length + max_new_tokens):
             keys = jax.random.split(jax.random.fold_in(base, position), batch)
             index = np.full((batch,), position - 1, np.int32)
-            new = step(model, tokens, index, jax.random.key_data(keys))
+            new = step(tokens, index, jax.random.key_data(keys))
             tokens[:, position] = np.asarray(jax.device_get(new))
         return tokens[:, : length + max_new_tokens].copy()
 
@@ -295,9 +296,13 @@ class Generator:
         rows = np.arange(batch, dtype=np.int32)
         tokens, first, index = prompts, np.zeros_like(rows), np.full_like(rows, length - 1)
         base = jax.random.key(seed)
+        # The model keeps its structure while it decodes (the cache was made above and
+        # only its values change), so the step reads its Variables without walking
+        # the graph for every token.
+        step = nnx.cached_partial(step, model)
         for position in range(length, length + max_new_tokens):
             keys = jax.random.split(jax.random.fold_in(base, position), batch)
-            new = step(model, tokens, first, rows, index, jax.random.key_data(keys))
+            new = step(tokens, first, rows, index, jax.random.key_data(keys))
             out[:, position] = np.asarray(jax.device_get(new))
             tokens, first = out[:, position : position + 1], np.full_like(rows, position)
             index = np.zeros_like(rows)
