@@ -107,3 +107,15 @@ def test_a_dropped_partial_releases_its_model_and_keeps_no_arrays():
     del model, optimizer, cached
     gc.collect()
     assert released() is None and not step._cached_partial_args
+
+
+def test_an_error_in_a_cached_call_is_ours_not_flax_s():
+    model, optimizer, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(),
+                  num_microbatches=2)  # fmt: skip
+    cached = _cached(step, model, optimizer)
+    with pytest.raises(mp.CompileError, match="is not a profiling mode"):
+        cached(make_batch(kind, 4), profile="sometimes")
+    with pytest.raises(mp.CompileError, match="cannot call"):
+        cached(make_batch(kind, 4), unknown=1)
+    assert float(cached(make_batch(kind, 4))) > 0  # the partial still works

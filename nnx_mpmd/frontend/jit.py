@@ -434,12 +434,14 @@ class PipelinedFunction:
         forget_prepared(compiled)
 
     def _prepare(
-        self, args: tuple[Any, ...], compiling: contextlib.ExitStack | None = None
+        self,
+        args: tuple[Any, ...],
+        compiling: contextlib.ExitStack | None = None,
+        partial_nodes: Any = None,
     ) -> tuple[FlatArgs, CompiledStep]:
         from nnx_mpmd.compiler.stage_programs import check_mesh_context
 
         check_mesh_context(self.mesh)  # before placing: no jax.set_mesh around the call
-        partial_nodes = take_cached_partial_nodes()
         flat = self._flatten(args, partial_nodes)
         state_avals = [placed_aval(x, self.mesh) for x in flat.state_leaves]
         other_avals = [placed_aval(x, self.mesh) for x in flat.other_leaves]
@@ -486,9 +488,13 @@ class PipelinedFunction:
     def __call__(
         self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
     ) -> Any:
+        # First: an error raised while nnx.cached_partial's cache is still set would
+        # surface as Flax's "no context consumed it" instead of our own.
+        partial_nodes = take_cached_partial_nodes()
         mode = _profile_mode(profile)
         with contextlib.ExitStack() as compiling:
-            flat, compiled = self._prepare(self._positional(args, kwargs), compiling)
+            positional = self._positional(args, kwargs)
+            flat, compiled = self._prepare(positional, compiling, partial_nodes)
             try:
                 return self._run(flat, compiled, mode, memory)
             finally:
