@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from flax import nnx
+from flax.nnx import graphlib
 from flax.nnx import tracers as nnx_tracers
 
 __all__ = [
@@ -44,8 +45,6 @@ def take_cached_partial_nodes() -> Any | None:
 
     Relies on: ``graphlib.GRAPH_CONTEXT.tmp_static_cache`` (flax 0.12).
     """
-    from flax.nnx import graphlib
-
     cache = graphlib.GRAPH_CONTEXT.tmp_static_cache
     graphlib.GRAPH_CONTEXT.tmp_static_cache = None
     return cache

@@ -307,9 +307,9 @@ def _first_step_scaling(settings: BenchSettings, preset: str) -> dict[str, Any]:
 
 def _out_of_memory(error: Exception) -> bool:
     """Whether ``error`` is XLA running out of device memory (not a bug to raise)."""
-    return type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and (
-        "RESOURCE_EXHAUSTED" in str(error)
-    )
+    import jax
+
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
 def _probes(variant: Variant, settings: BenchSettings) -> dict[str, Any]:
