@@ -132,6 +132,166 @@ def test_equal_middle_stages_compile_once_and_match_nnx_jit():
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+class _Layers(mp.PipelinedModel):
+    """One Linear + activation per stage: ``acts[k]`` is stage k's activation."""
+
+    def __init__(self, acts, remat=(), *, rngs):
+        self.layers = nnx.List(
+            [
+                mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=k, remat=k in remat)
+                for k in range(len(acts))
+            ]
+        )
+        self.acts = acts
+
+    def __call__(self, x):
+        for layer, act in zip(self.layers, self.acts):
+            x = act(layer(x))
+        return x
+
+
+def _counting_stage_traces(monkeypatch):
+    """Counts, per (program kind, stage), how often a stage program is traced."""
+    from collections import Counter
+
+    from nnx_mpmd.compiler.stage_programs import StageFunctions
+
+    traced = Counter()
+    for method in ("forward", "backward", "fused", "init"):
+        original = getattr(StageFunctions, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            traced[(_method, self.stage)] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(StageFunctions, method, counted)
+    return traced
+
+
+@pytest.mark.parametrize("axis_types", [None, jax.sharding.AxisType.Auto], ids=["explicit", "auto"])
+def test_equal_middle_stages_are_traced_once_and_match_nnx_jit(monkeypatch, axis_types):
+    # Stages 1 and 2 are the same program: one of them is traced and lowered, the
+    # other loads its executable (Call.structure), before and after donation.
+    traced = _counting_stage_traces(monkeypatch)
+    model, opt, loss_fn, kind = build("lm", "adamw", 4)
+    ref_model, ref_opt, _, _ = build("lm", "adamw", 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 2, axis_types),
+        schedule=mp.OneFOneB(),
+        num_microbatches=4,
+    )
+    lowered = step.lower(model, opt, make_batch(kind, 8))
+    calls = {c.label: c for c in lowered.compiled.instructions if hasattr(c, "structure")}
+    assert calls["F1.0"].structure is not None
+    assert calls["F1.0"].structure == calls["F2.0"].structure != calls["F0.0"].structure
+    assert calls["B1.0"].structure == calls["B2.0"].structure != calls["F1.0"].structure
+    ref_step = nnx.jit(train_step_fn(loss_fn, num_microbatches=4))
+    losses = [float(step(model, opt, make_batch(kind, 8, seed=s))) for s in (0, 1)]
+    assert traced[("forward", 1)] + traced[("forward", 2)] == 1, traced
+    assert traced[("backward", 1)] + traced[("backward", 2)] == 1, traced
+    assert traced[("forward", 0)] == 1 and traced[("fused", 3)] == 1, traced
+    want = [float(ref_step(ref_model, ref_opt, make_batch(kind, 8, seed=s))) for s in (0, 1)]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got, ref = params_of(mp.gather(model)), params_of(ref_model)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "acts, remat",
+    [
+        ((jnp.tanh, jnp.tanh, jax.nn.relu, jnp.tanh), ()),  # another activation
+        ((jnp.tanh,) * 4, (2,)),  # the same layer, rematerialized
+    ],
+    ids=["activation", "remat"],
+)
+def test_stages_that_differ_only_inside_are_not_twins(monkeypatch, acts, remat):
+    # Equal shapes everywhere: only the equations (or the remat policy) tell the
+    # middle stages apart. Each must run its own program.
+    traced = _counting_stage_traces(monkeypatch)
+    model = _Layers(acts, remat, rngs=nnx.Rngs(0))
+    ref_model = _Layers(acts, remat, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax_sgd(), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref_model, optax_sgd(), wrt=nnx.Param)
+
+    def loss_fn(m, batch):
+        return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
+
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(4, 2), schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    batch = {
+        "x": np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32),
+        "y": np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32),
+    }
+    lowered = step.lower(model, opt, batch)
+    calls = {c.label: c for c in lowered.compiled.instructions if hasattr(c, "structure")}
+    first, second = calls["F1.0"].structure, calls["F2.0"].structure
+    assert first is None or first != second
+    loss = float(step(model, opt, batch))
+    assert traced[("forward", 1)] == traced[("forward", 2)] == 1, traced
+    want = float(nnx.jit(train_step_fn(loss_fn, num_microbatches=4))(ref_model, ref_opt, batch))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    got, ref = params_of(mp.gather(model)), params_of(ref_model)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def optax_sgd():
+    import optax
+
+    return optax.sgd(0.1)
+
+
+def test_a_backward_traced_before_any_forward_of_its_stage_finds_its_residual_layout():
+    # A backward whose forward ran an equal stage's executable (never traced for
+    # this stage's StageFunctions) traces the forward abstractly for the layout.
+    from nnx_mpmd.compiler.stage_programs import StageFunctions
+
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    lowered = step.lower(model, opt, make_batch(kind, 4))
+    plan = lowered.compiled.plan
+    calls = [
+        c for c in lowered.compiled.instructions if getattr(c, "label", "") in ("F0.0", "B0.0")
+    ]
+    assert [c.label for c in calls] == ["F0.0", "B0.0"]
+    traced_here = StageFunctions(plan, 0)
+    never_traced = StageFunctions(plan, 0)
+    forward_args = _abstract_forward_args(traced_here, plan)
+    sends, kept, _, _ = jax.eval_shape(traced_here.forward, *forward_args)
+    cts = tuple((s,) for s in sends)
+    gacc = tuple(forward_args[0])
+    inputs = forward_args[:6]
+    want = jax.eval_shape(traced_here.backward, kept, inputs, cts, gacc)
+    got = jax.eval_shape(never_traced.backward, kept, inputs, cts, gacc)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert [a.shape for a in jax.tree.leaves(got)] == [a.shape for a in jax.tree.leaves(want)]
+
+
+def _abstract_forward_args(fns, plan):
+    body = plan.info.body
+
+    def of(r):
+        return jax.ShapeDtypeStruct(body.invars[r].aval.shape, body.invars[r].aval.dtype)
+
+    m = plan.info.num_microbatches  # a batch input holds every microbatch
+    batch = tuple(jax.ShapeDtypeStruct((m, *of(r).shape), of(r).dtype) for r in fns.batch_inputs)
+    racc = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fns.accumulated)
+    return (
+        tuple(of(r) for r in fns.param_inputs),
+        tuple(of(r) for r in fns.rest_inputs),
+        batch,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fns.xd),
+        tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in fns.xn),
+        racc,
+    )
+
+
 def test_a_fresh_executable_is_recalled_from_the_cache_directory(monkeypatch, tmp_path):
     before = jax.config.jax_compilation_cache_dir  # (JAX's own cache keeps its directory)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))

@@ -598,7 +598,8 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
             key, fn = ctx.program("reduce", k)
             gacc, q = ctx.grad_accumulators(k), ctx.stage_mesh[k]
             params = tuple(ctx.input(r, q) for r in ctx.fns[k].param_inputs)
-            after[n] = Call(q, key, fn, (gacc, params), gacc, f"reduce{k}")
+            structure = ctx.fns[k].structure("reduce")
+            after[n] = Call(q, key, fn, (gacc, params), gacc, f"reduce{k}", structure=structure)
     result: list[Instruction] = []
     for n, ins in enumerate(program):
         result.append(ins)

@@ -138,7 +138,7 @@ def init_accumulators(ctx: RegionContext) -> list[Instruction]:
         params = tuple(ctx.input(r, q) for r in f.param_inputs)
         key, fn = ctx.program("init", k)
         outs = (ctx.grad_accumulators(k), ctx.result_accumulators(k))
-        calls.append(Call(q, key, fn, (params,), outs, f"init{k}"))
+        calls.append(Call(q, key, fn, (params,), outs, f"init{k}", structure=f.structure("init")))
     return calls
 
 
@@ -200,7 +200,7 @@ def lower_task(ctx: RegionContext, mesh: int, task: Any) -> Call:
     kind, args, outs = lowering(ctx, k, i)
     key, fn = ctx.program(kind, k)
     label = f"{'F' if kind == 'Fwd' else kind}{k}.{i}"
-    return Call(mesh, key, fn, args, outs, label, task)
+    return Call(mesh, key, fn, args, outs, label, task, structure=ctx.fns[k].structure(kind))
 
 
 def lower_schedule(ctx: RegionContext, tasks: Any) -> list[Instruction]:
@@ -269,6 +269,7 @@ def _fused_call(ctx: RegionContext, forward: Call, backward: Call) -> Call:
         (sends, ct_out, gacc, racc, carried),
         f"FB{k}.{i}",
         forward.task,
+        structure=ctx.fns[k].structure("FB"),
     )
 
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking
+from nnx_mpmd.compiler.jaxpr_utils import structure_key
 from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
@@ -172,13 +173,18 @@ class StageFunctions:
     (differentiable / non-differentiable boundary inputs).
     """
 
-    def __init__(self, plan: StagePlan, stage: int) -> None:
+    def __init__(
+        self, plan: StagePlan, stage: int, residual_layouts: dict[Any, Any] | None = None
+    ) -> None:
         info: RegionInfo = plan.info
+        # The layout of the forward's residuals, by `structure`: shared by equal
+        # stages, since one's backward may run after only the other's forward was traced.
+        self._residual_layouts = {} if residual_layouts is None else residual_layouts
         self.plan = plan
         self.stage = stage
         self.slice = sl = plan.stages[stage]
         self.m = info.num_microbatches
-        kinds = [_input_kind(info, r)[0] for r in sl.region_inputs]
+        self.input_kinds = kinds = [_input_kind(info, r)[0] for r in sl.region_inputs]
         self.param_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k == "diff"]
         self.rest_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k in ("closure", "other")]
         self.batch_inputs = [r for r, k in zip(sl.region_inputs, kinds) if k == "batch"]
@@ -211,6 +217,58 @@ class StageFunctions:
         stacked = getattr(info, "stacked_axis", None) if info.with_grad else None
         if stacked is not None:
             self.reduction = StackedReduction(*stacked)
+
+    # -- equal stages ----------------------------------------------------------
+    @functools.cached_property
+    def _structure(self) -> tuple[Any, ...] | None:
+        sl, info = self.slice, self.plan.info
+        key = structure_key(sl.program.eqns, sl.program.invars, sl.program.outvars)
+        if key is None:
+            return None
+        out = {v: i for i, v in enumerate(sl.boundary_out)}
+        region = {r: i for i, r in enumerate(sl.region_inputs)}
+        interface = (
+            tuple(self.input_kinds),
+            tuple(_inexact(v) for v in sl.boundary_in),
+            tuple(out[v] for v in self.sends),
+            tuple(out[v] for v in self.yd),
+            tuple(out[v] for v in self.yn),
+            None if self.loss_var is None else out[self.loss_var],
+            tuple((region[r], out[v]) for r, v in self.carries.items()),
+            tuple(out[v] for v in self.accumulated),
+            (
+                self.m,
+                info.with_grad,
+                getattr(info, "unreduced_axis", None),
+                getattr(info, "stacked_axis", None),
+            ),
+            (sl.remat, sl.policy),
+        )
+        try:
+            hash(interface)
+        except TypeError:  # a remat policy without equality
+            return None
+        return (key, interface)
+
+    def structure(self, kind: str) -> tuple[Any, ...] | None:
+        """A key of what this stage's ``kind`` program computes, or None.
+
+        Two stages with equal keys have programs that compute the same function
+        of their arguments: equal equations (`jaxpr_utils.structure_key`), the
+        same interface (which inputs are parameters, state or batches, which
+        outputs are sent, differentiated, carried or averaged), microbatch
+        count, gradient reduction and remat policy. On equal-shaped submeshes,
+        with equal argument types, one's executable then serves the other
+        (`Call.structure`): identical middle stages are traced and lowered once.
+
+        Args:
+          kind: a `STAGE_PROGRAMS` kind, ``"init"`` or ``"reduce"``.
+
+        Returns:
+          A hashable key, or None when some equation parameter has no value
+          equality to rely on (such a stage is twin to none).
+        """
+        return None if self._structure is None else (kind, *self._structure)
 
     # -- helpers -----------------------------------------------------------
     def _program_args(self, params, rest, mb, xd, xn) -> list[Any]:
@@ -289,11 +347,18 @@ class StageFunctions:
         leaves, tree = jax.tree.flatten(vjp_fn)
         position = {id(x): i for i, x in enumerate(jax.tree.leaves(inputs))}
         layout = tuple(position.get(id(leaf), -1) for leaf in leaves)
-        self._residual_layout = (tree, layout)
+        self._residual_layouts[self._layout_key] = (tree, layout)
         return tuple(leaf for leaf, pos in zip(leaves, layout) if pos < 0)
 
+    @property
+    def _layout_key(self) -> Any:
+        return ("stage", self.stage) if self._structure is None else self._structure
+
     def _unpack(self, kept, inputs):
-        tree, layout = self._residual_layout
+        if self._layout_key not in self._residual_layouts:
+            # No forward of this stage (or an equal one) was traced: trace it for the layout.
+            jax.eval_shape(lambda *a: self._pack(self._forward(*a)[1], a), *inputs)
+        tree, layout = self._residual_layouts[self._layout_key]
         flat_inputs = jax.tree.leaves(inputs)
         kept_iter = iter(kept)
         leaves = [flat_inputs[pos] if pos >= 0 else next(kept_iter) for pos in layout]

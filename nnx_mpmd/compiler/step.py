@@ -281,7 +281,8 @@ def _region_passes(
         return None
     plan = cut_stages(traced.regions[0])
     record("cut_stages", lambda: _plan_text(plan))
-    fns = [StageFunctions(plan, k) for k in range(plan.num_stages)]
+    layouts: dict[Any, Any] = {}  # shared: equal stages have one residual layout
+    fns = [StageFunctions(plan, k, residual_layouts=layouts) for k in range(plan.num_stages)]
     record("stage_vjp", lambda: _vjp_text(fns))
     tasks, stage_mesh = schedule_tasks(plan, schedule, mesh, num_microbatches)
     if any(t.kind == "BW" for ts in tasks for t in ts):

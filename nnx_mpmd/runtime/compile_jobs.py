@@ -191,7 +191,7 @@ class ProgramCompiler:
                 if first is None:
                     twin = self.twins[twin_key] = Future()
             if first is not None:
-                return self._load_twin(first, fn, args, job, name, mesh)
+                return self._load_twin(first, fn, args, job, name, mesh, on_traced)
         return self._trace_and_compile(fn, args, on_traced, name, mesh, job, twin)
 
     def _trace_and_compile(
@@ -266,24 +266,36 @@ class ProgramCompiler:
         return job.result()
 
     def _load_twin(
-        self, first: Future, fn: Any, args: tuple[Any, ...], job: Future, name: str, mesh: Any
+        self,
+        first: Future,
+        fn: Any,
+        args: tuple[Any, ...],
+        job: Future,
+        name: str,
+        mesh: Any,
+        on_traced: Any,
     ) -> Future:
         """``job``, done once the twin's executable is loaded for ``mesh``.
 
-        If the twin has no shareable module (it failed, or runs elsewhere), this
-        program is traced and compiled as usual once that is known.
+        The twin's trace gives this program's output types (``on_traced``) as
+        soon as it is lowered, so the programs that read them need not wait
+        for its compilation. If the twin has no shareable module (it failed,
+        or runs elsewhere), this program is traced and compiled as usual once
+        that is known.
         """
 
         def go(done: Future) -> None:
             try:
                 found = done.result()
                 if found is None:
-                    self._trace_and_compile(fn, args, lambda _: None, name, mesh, job, None)
+                    self._trace_and_compile(fn, args, on_traced, name, mesh, job, None)
                     return
                 traced, share = found
+                typed = typed_outputs(traced.out_avals, mesh)
+                on_traced(abstract_outputs(traced.out_tree, traced.out_avals, typed))
                 with self.lock:
                     source = self.shared[share]
-                compile_here = lambda: fn.lower(*args).compile()  # noqa: E731
+                compile_here = lambda: fn.trace(*args).lower().compile()  # noqa: E731
                 self._load(share, source, traced, job, name, mesh, compile_here)
             except Exception:  # the real call compiles it, or raises where it belongs
                 if not job.done():

@@ -385,7 +385,9 @@ def _run_call(
     try:
         values = {slot: _resolve(value) for slot, value in reads.items()}
         args = tuple(build(values, a) for a in ins.args)
-        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program), mesh, ins.structure)
+        # Calls of one program may donate differently (`donate_dead_arguments`).
+        structure = None if ins.structure is None else (ins.structure, ins.donated)
+        result = compiler.outputs(ins.fn, args, on_traced, str(ins.program), mesh, structure)
     except Exception:
         result = UNKNOWN
     if isinstance(result, Future):  # a duplicate: finish when its owner does
