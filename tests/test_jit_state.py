@@ -184,3 +184,35 @@ def test_variable_holding_a_pytree_is_written_back_through_nnx_update():
     first, second = model.pair.get_value()
     np.testing.assert_allclose(np.asarray(first), 2.0)
     np.testing.assert_allclose(np.asarray(second), 4.0)
+
+
+class _StatisticOfTwoStages(mp.PipelinedModel):
+    """A batch statistic updated after stage 0 and again after stage 1."""
+
+    def __init__(self, rngs):
+        self.a = mp.Stage(nnx.Linear(4, 4, rngs=rngs), stage=0)
+        self.b = mp.Stage(nnx.Linear(4, 4, rngs=rngs), stage=1)
+        self.total = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        x = self.a(x)
+        self.total[...] += jnp.mean(x)
+        x = self.b(x)
+        self.total[...] += jnp.mean(x)
+        return x
+
+
+def test_state_updated_by_two_stages_is_an_error_naming_it():
+    # Stage 1 carries `total` without reading it as a region input: the stage
+    # programs' keys (StageFunctions.structure) must not fail first.
+    model = _StatisticOfTwoStages(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, optimizer, batch):
+        loss, grads = mp.value_and_grad(lambda m, b: jnp.mean(m(b) ** 2))(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2)
+    with pytest.raises(mp.CompileError, match=r"total is updated by stage 1 and used by stages"):
+        f(model, optimizer, jnp.ones((8, 4)))

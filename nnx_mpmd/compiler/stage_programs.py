@@ -221,20 +221,31 @@ class StageFunctions:
     # -- equal stages ----------------------------------------------------------
     @functools.cached_property
     def _structure(self) -> tuple[Any, ...] | None:
-        sl, info = self.slice, self.plan.info
+        sl = self.slice
         key = structure_key(sl.program.eqns, sl.program.invars, sl.program.outvars)
         if key is None:
             return None
+        try:
+            interface = self._interface()
+            hash(interface)
+        except (KeyError, TypeError):  # an output it does not return, a policy without ==
+            return None
+        return (key, interface)
+
+    def _interface(self) -> tuple[Any, ...]:
+        """What the programs read besides the stage's equations, by position."""
+        sl, info = self.slice, self.plan.info
         out = {v: i for i, v in enumerate(sl.boundary_out)}
         region = {r: i for i, r in enumerate(sl.region_inputs)}
-        interface = (
+        return (
             tuple(self.input_kinds),
             tuple(_inexact(v) for v in sl.boundary_in),
             tuple(out[v] for v in self.sends),
             tuple(out[v] for v in self.yd),
             tuple(out[v] for v in self.yn),
             None if self.loss_var is None else out[self.loss_var],
-            tuple((region[r], out[v]) for r, v in self.carries.items()),
+            # state this stage updates: the input it replaces (if it reads it), the output
+            tuple((region.get(r), out[v]) for r, v in self.carries.items()),
             tuple(out[v] for v in self.accumulated),
             (
                 self.m,
@@ -244,11 +255,6 @@ class StageFunctions:
             ),
             (sl.remat, sl.policy),
         )
-        try:
-            hash(interface)
-        except TypeError:  # a remat policy without equality
-            return None
-        return (key, interface)
 
     def structure(self, kind: str) -> tuple[Any, ...] | None:
         """A key of what this stage's ``kind`` program computes, or None.
