@@ -13,6 +13,11 @@ than compiling has no entry of its own until the warm run compiles it):
 Usage::
 
     python benchmarks/first_step_cache.py [--preset tiny] [--repeats 2] [--out FILE]
+        [--schedule 1f1b] [--layers N]
+
+``--schedule interleaved --layers 8`` (8 stages on the 4 meshes) times a
+pipeline whose middle stages are equal; ``--layers`` sets the blocks of both
+models (default: the preset's).
 
 It prints a table of seconds and ratios (pipelined / reference, cold and warm)
 and writes the raw figures as JSON when ``--out`` is given. Every repeat uses
@@ -43,7 +48,8 @@ enable_compile_cache(sys.argv[1])
 import nnx_mpmd as mp
 from nnx_mpmd.models import build_model, lm_loss
 preset, batch_size, seq_len, microbatches = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-model = build_model("gpt", preset, num_stages=1, rngs=nnx.Rngs(0))
+layers = {"n_layers": int(sys.argv[6])} if sys.argv[6] != "preset" else {}
+model = build_model("gpt", preset, num_stages=1, rngs=nnx.Rngs(0), **layers)
 optimizer = nnx.Optimizer(
     model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, b2=0.99)), wrt=nnx.Param
 )
@@ -74,7 +80,10 @@ def _pipelined(cache: pathlib.Path, run_dir: pathlib.Path, args: argparse.Namesp
         "--sample-tokens", "0", "--batch-size", str(args.batch_size),
         "--microbatches", str(args.microbatches), "--seq-len", str(args.seq_len),
         "--corpus-bytes", "200000", "--run-dir", str(run_dir), "--compile-cache", str(cache),
+        "--schedule", args.schedule,
     ]  # fmt: skip
+    if args.layers is not None:
+        command += ["--layers", str(args.layers)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
@@ -86,6 +95,7 @@ def _reference(cache: pathlib.Path, args: argparse.Namespace) -> float:
     command = [
         sys.executable, "-c", REFERENCE, str(cache), args.preset, str(args.batch_size),
         str(args.seq_len), str(args.microbatches),
+        "preset" if args.layers is None else str(args.layers),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if done.returncode:
@@ -101,6 +111,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--schedule", default="1f1b", help="as nnx-mpmd train --schedule")
+    parser.add_argument("--layers", type=int, default=None, help="blocks of both models")
     parser.add_argument("--out", default=None, help="write the raw figures here (JSON)")
     args = parser.parse_args()
     kinds = ("cold", "warm", "warm2")
@@ -115,7 +127,8 @@ def main() -> None:
                 samples[f"ref_{kind}"].append(_reference(root / "ref", args))
     best = {k: min(v) for k, v in samples.items()}
     print(f"GPT {args.preset}, batch {args.batch_size} x {args.seq_len}, m={args.microbatches}, "
-          f"4 meshes x 2 data, 1F1B; fastest of {args.repeats} (seconds)")  # fmt: skip
+          f"4 meshes x 2 data, {args.schedule}, layers {args.layers or 'of the preset'}; "
+          f"fastest of {args.repeats} (seconds)")  # fmt: skip
     print("| cache | pipelined s | one-device jit s | ratio |")
     print("| --- | --- | --- | --- |")
     for kind in kinds:
