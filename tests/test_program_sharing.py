@@ -242,6 +242,44 @@ def test_stages_that_differ_only_inside_are_not_twins(monkeypatch, acts, remat):
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def _dualpipev_first_step(monkeypatch, twins):
+    """(traces of stage functions, loss, model) of DualPipeV's first step, 8 stages."""
+    from nnx_mpmd.compiler.stage_programs import StageFunctions
+
+    with monkeypatch.context() as patch:
+        if not twins:
+            patch.setattr(StageFunctions, "structure", lambda self, kind: None)
+        traced = _counting_stage_traces(patch)
+        model, opt, loss_fn, kind = build("lm", "adamw", 8)
+        step = mp.jit(
+            train_step_fn(loss_fn),
+            mesh=make_mesh(4, 1),
+            schedule=mp.DualPipeV(),
+            num_microbatches=8,
+        )
+        lowered = step.lower(model, opt, make_batch(kind, 16))
+        pairs = {}
+        for c in lowered.compiled.instructions:
+            if "+" in getattr(c, "label", ""):
+                pairs.setdefault(c.mesh, set()).add(c.structure)
+        loss = float(step(model, opt, make_batch(kind, 16)))
+    return sum(traced.values()), pairs, loss, model
+
+
+def test_equal_overlapped_pairs_are_traced_once(monkeypatch, compiled_here):
+    # DualPipeV runs a forward and a backward of two stages as one program; on
+    # meshes 1 and 2 those pairs hold equal blocks, so one pair is traced.
+    traces, pairs, loss, model = _dualpipev_first_step(monkeypatch, twins=True)
+    assert None not in pairs[1] and pairs[1] == pairs[2], pairs
+    program_sharing.forget_kept()
+    plain_traces, _, plain_loss, plain_model = _dualpipev_first_step(monkeypatch, twins=False)
+    assert traces < plain_traces
+    assert loss == plain_loss
+    got, want = params_of(mp.gather(model)), params_of(mp.gather(plain_model))
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def optax_sgd():
     import optax
 

@@ -122,6 +122,8 @@ def overlapped_call(ctx: RegionContext, members: Sequence[Call]) -> Call:
     key = ProgramKey.overlapped([c.program for c in calls])
     if key not in ctx.programs:
         ctx.programs[key] = _composed(ctx, key, calls)
+    # The composed program is its members' programs side by side: equal members, equal program.
+    parts = tuple(ctx.fns[c.program.stage].structure(c.program.kind) for c in calls)
     return Call(
         members[0].mesh,
         key,
@@ -130,6 +132,7 @@ def overlapped_call(ctx: RegionContext, members: Sequence[Call]) -> Call:
         tuple(c.outs for c in calls),
         "+".join(c.label for c in calls),
         tuple(m.task for m in members),
+        structure=None if any(p is None for p in parts) else ("overlapped", parts),
     )
 
 
