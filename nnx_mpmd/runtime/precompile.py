@@ -16,10 +16,10 @@ the real run.
 Programs that are the same module on equal-shaped submeshes (middle stages,
 virtual stages) are compiled once when asked (``loaded=``): the others load
 that executable for their own devices (`nnx_mpmd.runtime.program_sharing`),
-and the caller routes their calls to it. A program whose `Call.structure`
-and argument types say it is such a program (an optimizer program of a mesh
-that holds the same layers as another) is not even traced or lowered: it
-waits for its twin's executable.
+and the caller routes their calls to it. A program whose `Call.structure`,
+donated arguments and argument types say it is such a program (a stage equal
+to another, or an optimizer program of a mesh that holds the same layers as
+another) is not even traced or lowered: it waits for its twin's executable.
 
 It is an optimisation only: a program whose abstract arguments turn out to
 differ from the real ones is compiled again by the real call, and a program
