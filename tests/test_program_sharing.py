@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -216,8 +217,8 @@ def test_stages_that_differ_only_inside_are_not_twins(monkeypatch, acts, remat):
     traced = _counting_stage_traces(monkeypatch)
     model = _Layers(acts, remat, rngs=nnx.Rngs(0))
     ref_model = _Layers(acts, remat, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax_sgd(), wrt=nnx.Param)
-    ref_opt = nnx.Optimizer(ref_model, optax_sgd(), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
 
     def loss_fn(m, batch):
         return jnp.mean((m(batch["x"]) - batch["y"]) ** 2)
@@ -278,12 +279,6 @@ def test_equal_overlapped_pairs_are_traced_once(monkeypatch, compiled_here):
     got, want = params_of(mp.gather(model)), params_of(mp.gather(plain_model))
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-
-
-def optax_sgd():
-    import optax
-
-    return optax.sgd(0.1)
 
 
 def test_a_backward_traced_before_any_forward_of_its_stage_finds_its_residual_layout():
