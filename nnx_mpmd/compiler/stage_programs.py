@@ -271,8 +271,9 @@ class StageFunctions:
           kind: a `STAGE_PROGRAMS` kind, ``"init"`` or ``"reduce"``.
 
         Returns:
-          A hashable key, or None when some equation parameter has no value
-          equality to rely on (such a stage is twin to none).
+          A hashable key, or None when some equation parameter or the remat
+          policy has no value equality to rely on, or an interface value is not
+          among the stage's outputs (such a stage is twin to none).
         """
         return None if self._structure is None else (kind, *self._structure)
 

@@ -107,6 +107,13 @@ def typed_outputs(out_avals: Any, mesh: Any) -> Any:
     return shardings
 
 
+def _traced_outputs(traced: Any, mesh: Any) -> Any:
+    """A traced program's abstract outputs on ``mesh``, before it is compiled."""
+    return abstract_outputs(
+        traced.out_tree, traced.out_avals, typed_outputs(traced.out_avals, mesh)
+    )
+
+
 def committed_to(args: Any, mesh: Any) -> bool:
     """Whether some argument is on ``mesh`` and none elsewhere (then jit runs on ``mesh``)."""
     on_mesh = False
@@ -212,11 +219,7 @@ class ProgramCompiler:
         shared: Future | None = None
         try:
             traced = fn.trace(*args)
-            on_traced(
-                abstract_outputs(
-                    traced.out_tree, traced.out_avals, typed_outputs(traced.out_avals, mesh)
-                )
-            )
+            on_traced(_traced_outputs(traced, mesh))
             lowered = traced.lower()
             share = None
             if self.share and committed_to(args, mesh):
@@ -291,8 +294,7 @@ class ProgramCompiler:
                     self._trace_and_compile(fn, args, on_traced, name, mesh, job, None)
                     return
                 traced, share = found
-                typed = typed_outputs(traced.out_avals, mesh)
-                on_traced(abstract_outputs(traced.out_tree, traced.out_avals, typed))
+                on_traced(_traced_outputs(traced, mesh))  # the twin's types, on this mesh
                 with self.lock:
                     source = self.shared[share]
                 compile_here = lambda: fn.trace(*args).lower().compile()  # noqa: E731
