@@ -26,6 +26,7 @@ __all__ = [
     "convert_constvars_jaxpr",
     "coordination_state",
     "dce_jaxpr",
+    "jaxpr_value_types",
     "explicit_sharding_rejection",
     "variable_belongs_to_current_trace",
     "variables_bound_to_current_trace",
@@ -114,6 +115,16 @@ def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool | list[boo
     from jax._src.interpreters import partial_eval as pe
 
     return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
+
+
+def jaxpr_value_types() -> tuple[type, type]:
+    """``(AbstractValue, JaxprEqnContext)``: the base class of avals, and an equation's context.
+
+    Relies on: ``jax._src.core.AbstractValue`` and ``jax._src.core.JaxprEqnContext``.
+    """
+    from jax._src import core
+
+    return core.AbstractValue, core.JaxprEqnContext
 
 
 def coordination_state() -> tuple[Any, Any]:

@@ -66,10 +66,13 @@ def _no_executables_kept_by_earlier_tests(monkeypatch):
     """
     import uuid
 
-    from nnx_mpmd.runtime import program_sharing
+    from nnx_mpmd.runtime import program_sharing, step_store
 
     program_sharing.forget_kept()
     monkeypatch.setattr(program_sharing, "_STORE_FOLDER", f"nnx_mpmd_shared-{uuid.uuid4().hex}")
+    # Whole steps are stored only where a test asks (tests/test_step_store.py): a
+    # step stored by an earlier test would compile nothing in a later one.
+    monkeypatch.setattr(step_store, "ENABLED", False)
 
 
 @pytest.fixture

@@ -119,6 +119,8 @@ class CompiledStep:
     # mp.jit's batch_axis unless the step's code rejects a sharded batch.
     batch_axis: str | None = None
     passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    # The traced step (`trace_step`): what `nnx_mpmd.runtime.step_store` keys it by.
+    jaxpr: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +413,7 @@ def compile_step(
         stage_mesh=region.stage_mesh if region else [],
         batch_axis=traced.batch_axis,
         passes=passes,
+        jaxpr=traced.jaxpr,
     )
 
 

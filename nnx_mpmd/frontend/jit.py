@@ -31,6 +31,7 @@ from nnx_mpmd.frontend.stages import Lowered as Lowered
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.place import place
+from nnx_mpmd.runtime import step_store
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.interpreter import forget_prepared
 from nnx_mpmd.runtime.precompile import AwaitedProgram, start_precompile
@@ -401,6 +402,15 @@ class PipelinedFunction:
             return found
         found = self._executables[id(compiled)] = {}
         loaded: dict[str, list[Any]] | None = None if self.mesh.is_multi_process else {}
+        key = None
+        if loaded is not None:  # an earlier process may have stored this step's programs
+            key, stored = step_store.lookup(
+                compiled, inputs, self.mesh, self.schedule, self.num_microbatches
+            )
+            if stored is not None:
+                found.update(stored)
+                _route_calls(compiled, lambda name, fn: step_store.stored_program(fn, stored, name))
+                return found
         compiling = start_precompile(
             compiled,
             inputs,
@@ -418,7 +428,7 @@ class PipelinedFunction:
         awaited = _route_calls(
             compiled, lambda name, fn: AwaitedProgram(name, fn, compiling, found)
         )
-        self._compiling[id(compiled)] = (compiling, awaited)
+        self._compiling[id(compiled)] = (compiling, awaited, key)
         if not overlap:
             self._finish_compiling(compiled)
         return found
@@ -428,8 +438,10 @@ class PipelinedFunction:
         pending = self._compiling.pop(id(compiled), None)
         if pending is None:
             return
-        compiling, awaited = pending
+        compiling, awaited, key = pending
         compiling.finish()
+        if key is not None:
+            step_store.store_step(key, self._executables.get(id(compiled), {}), compiling.sources)
         _route_calls(compiled, lambda name, fn: awaited[name].resolved())
         forget_prepared(compiled)
 

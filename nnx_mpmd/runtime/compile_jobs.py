@@ -157,6 +157,9 @@ class ProgramCompiler:
         # twin key -> Future of (traced, share key) of the first program traced for it
         self.twins: dict[Any, Future] = {}
         self.loaded: dict[str, list[Any]] = {}
+        # How to serialize each executable for `nnx_mpmd.runtime.step_store`, by its
+        # id: ``(thunk, submesh)``; none for one that JAX's persistent cache loaded.
+        self.sources: dict[int, tuple[Any, Any]] = {}
 
     def outputs(
         self,
@@ -237,19 +240,25 @@ class ProgramCompiler:
                 twin.set_result(None)
             recalled = None
             if shared is None:
-                compiled = lowered.compile()
+                compiled, fresh = program_sharing.compile_fresh(lowered)
+                if fresh and mesh is not None and program_sharing.runs_on(compiled, mesh):
+                    self._note_source(
+                        compiled, program_sharing.serialized, compiled, mesh, mesh=mesh
+                    )
             else:
                 # An equal module compiled earlier (another step of this process, or
                 # another submesh in an earlier process): loaded for this submesh.
                 recalled = _recalled(share, mesh)
                 if recalled is not None:
                     compiled, fresh = recalled, False
+                    self._note_source(compiled, program_sharing.recall, share, mesh=mesh)
                 else:
                     compiled, fresh = program_sharing.compile_fresh(lowered)
                 runs_here = program_sharing.runs_on(compiled, mesh)
                 shared.set_result((compiled, mesh, fresh) if runs_here else None)
                 if fresh and runs_here:
                     program_sharing.keep_fresh(share, compiled, mesh)
+                    self._note_source(compiled, program_sharing.recall_in_process, share, mesh=mesh)
             job.set_result(
                 abstract_outputs(traced.out_tree, traced.out_avals, compiled.output_shardings)
             )
@@ -267,6 +276,11 @@ class ProgramCompiler:
                 twin.set_result(None)
             job.set_result(UNKNOWN)
         return job.result()
+
+    def _note_source(self, compiled: Any, serialize: Any, *args: Any, mesh: Any) -> None:
+        """``serialize(*args)`` gives ``compiled`` as `program_sharing.Serialized`, for ``mesh``."""
+        with self.lock:
+            self.sources[id(compiled)] = (lambda: serialize(*args), mesh)
 
     def _load_twin(
         self,
@@ -335,6 +349,7 @@ class ProgramCompiler:
                         executable = program_sharing.serialized(source, source_mesh)
                         program_sharing.remember(key, executable)
                     compiled, shared = program_sharing.load_serialized(executable, mesh), True
+                    self._note_source(compiled, lambda: executable, mesh=mesh)
                 else:  # the first one failed, runs elsewhere, or only the disk cache has it
                     compiled, shared = compile_here(), False
                 with self.lock:

@@ -192,6 +192,11 @@ class Precompiling:
         self._pool, self._operations, self._loaded = pool, operations, loaded
         self._compiled: int | None = None
 
+    @property
+    def sources(self) -> dict[int, Any]:
+        """How to serialize each executable, by id (`compile_jobs.ProgramCompiler.sources`)."""
+        return self._operations.compiler.sources
+
     def wait_for(self, name: str) -> None:
         """Waits until every compilation of program ``name`` has finished (or failed)."""
         wait(self._operations.by_name.get(name, ()))

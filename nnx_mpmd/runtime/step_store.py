@@ -1,0 +1,313 @@
+"""A step's executables kept across processes, under what the step is.
+
+With JAX's persistent compilation cache on, a later process still traces and
+lowers every stage program of a step before the cache can answer for it (the
+cache is keyed by the lowered module). On a step of a small model that Python
+work is most of the first step. This store skips it: once a step's programs
+are compiled, their executables are written in one file of the cache
+directory (``nnx_mpmd_steps/``), under the text of everything the step's
+programs are made from (`step_key`):
+
+* the traced step itself (`nnx_mpmd.compiler.fingerprint`, which refuses
+  what it cannot write down completely: then nothing is stored);
+* the instruction list the passes made of it;
+* each input's shape, dtype and placement; the submeshes' devices, axis names,
+  sizes and types; the schedule, the number of microbatches, the batch axis;
+* the versions of Python, JAX, jaxlib, Flax, optax and NumPy, the bytes of
+  nnx_mpmd's own sources, the backend, ``XLA_FLAGS`` and JAX's configuration.
+
+A later process whose step has the same key loads those executables for its
+calls (`load_step`) and compiles nothing; every call still checks that its
+arguments have the types the executable was compiled for, and calls with
+others compile as usual (`nnx_mpmd.runtime.program_sharing.SharedProgram`).
+
+The store is written only by a process that compiled every program itself (an
+executable JAX's own cache loaded cannot be serialized again), only for
+single-process steps, and only on the platforms of
+`nnx_mpmd.runtime.program_sharing.SHARED_PLATFORMS`. Set `ENABLED` to False,
+or turn the compilation cache off, to do without it.
+
+Example:
+  >>> import jax
+  >>> jax.config.jax_enable_compilation_cache in (True, False)
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from nnx_mpmd.compiler.fingerprint import jaxpr_fingerprint, value_fingerprint
+from nnx_mpmd.compiler.instructions import format_instructions
+from nnx_mpmd.placement.abstract import placed_aval
+from nnx_mpmd.runtime import program_sharing
+
+__all__ = [
+    "ENABLED",
+    "StepSources",
+    "load_step",
+    "lookup",
+    "step_key",
+    "store_step",
+    "stored_program",
+]
+
+#: Whether steps are stored and loaded at all (the test suite turns it off).
+ENABLED = True
+
+#: The folder of the compilation cache directory that holds the stored steps.
+_STORE_FOLDER = "nnx_mpmd_steps"
+
+_FORMAT = 1
+
+# JAX options that cannot change a compiled program (where caches and logs go).
+_IGNORED_OPTIONS = (
+    "compilation_cache",
+    "persistent_cache",
+    "log",
+    "dump",
+    "transfer_socket",
+    "transport_addresses",
+    "timeout",
+)
+
+#: How a stored program is made again: ``(serialize, target mesh)``, by ``id`` of
+#: the executable (`nnx_mpmd.runtime.compile_jobs.ProgramCompiler.sources`).
+StepSources = dict[int, tuple[Callable[[], Any], Any]]
+
+
+def _directory() -> pathlib.Path | None:
+    directory = jax.config.jax_compilation_cache_dir
+    if not ENABLED or not directory or not jax.config.jax_enable_compilation_cache:
+        return None
+    if jax.process_count() > 1:
+        return None
+    return pathlib.Path(directory) / _STORE_FOLDER
+
+
+def step_key(
+    compiled: Any,
+    inputs: Sequence[Any],
+    mesh: Any,
+    schedule: Any,
+    num_microbatches: int,
+) -> str | None:
+    """The key ``compiled``'s programs are stored under, or None (not stored).
+
+    Args:
+      compiled: the `CompiledStep`.
+      inputs: its inputs (consts, state leaves, other leaves), or their avals.
+      mesh: the `MpmdMesh`.
+      schedule: the schedule object.
+      num_microbatches: microbatches per step.
+
+    Returns:
+      A hex digest; None when the store is off (no compilation cache, several
+      processes, another platform) or some part cannot be written down
+      completely (see `nnx_mpmd.compiler.fingerprint`).
+
+    Example:
+      >>> step_key(None, [], None, None, 1) is None or True
+      True
+    """
+    if _directory() is None or compiled is None or getattr(compiled, "jaxpr", None) is None:
+        return None
+    submeshes = list(mesh.submeshes)
+    if any(m.devices.flat[0].platform not in program_sharing.SHARED_PLATFORMS for m in submeshes):
+        return None
+    step = jaxpr_fingerprint(compiled.jaxpr)
+    if step is None:
+        return None
+    try:
+        avals = [placed_aval(x, mesh).key() for x in inputs]
+    except Exception:
+        return None
+    rest = value_fingerprint(
+        (
+            _FORMAT,
+            _library_text(),
+            _backend_text(),
+            _options(),
+            submeshes,
+            schedule,
+            num_microbatches,
+            compiled.batch_axis,
+            avals,
+            format_instructions(compiled.instructions),
+        )
+    )
+    if rest is None:
+        return None
+    digest = hashlib.sha256(rest.encode())
+    digest.update(step.encode())
+    return digest.hexdigest()
+
+
+def lookup(
+    compiled: Any, inputs: Sequence[Any], mesh: Any, schedule: Any, num_microbatches: int
+) -> tuple[str | None, dict[str, list[Any]] | None]:
+    """`step_key` and, if an earlier process stored that step, `load_step`.
+
+    Args:
+      compiled: the `CompiledStep`.
+      inputs: its inputs (consts, state leaves, other leaves), or their avals.
+      mesh: the `MpmdMesh`.
+      schedule: the schedule object.
+      num_microbatches: microbatches per step.
+
+    Returns:
+      ``(key, executables by program name)``; either may be None.
+
+    Example:
+      >>> lookup(None, [], None, None, 1)
+      (None, None)
+    """
+    key = step_key(compiled, inputs, mesh, schedule, num_microbatches)
+    return key, (load_step(key, list(mesh.submeshes)) if key is not None else None)
+
+
+def stored_program(fn: Callable[..., Any], stored: dict[str, list[Any]], name: str) -> Any:
+    """The callable a stored step's calls of program ``name`` go to.
+
+    Args:
+      fn: the program's jitted function (what calls whose argument types no
+        stored executable was compiled for run).
+      stored: `load_step`'s executables.
+      name: the program's name.
+
+    Returns:
+      A `program_sharing.SharedProgram`, or ``fn`` when nothing is stored for ``name``.
+
+    Example:
+      >>> stored_program(abs, {}, "F0") is abs
+      True
+    """
+    found = stored.get(name)
+    return program_sharing.SharedProgram(fn, found) if found else fn
+
+
+def load_step(key: str, submeshes: Sequence[Any]) -> dict[str, list[Any]] | None:
+    """The executables stored under ``key``, loaded on their submeshes, by program name.
+
+    Args:
+      key: a `step_key`.
+      submeshes: the jax Mesh of each mesh id.
+
+    Returns:
+      ``{program name: [executables]}``, or None when nothing (readable) is stored.
+
+    Example:
+      >>> load_step("0" * 64, []) is None
+      True
+    """
+    directory = _directory()
+    path = directory / f"{key}.pkl" if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        version, stored_key, entries = pickle.loads(path.read_bytes())
+        if version != _FORMAT or stored_key != key:
+            return None
+        by_devices = {tuple(d.id for d in m.devices.flat): m for m in submeshes}
+        loaded: dict[str, list[Any]] = {}
+        for name, executable, target_ids in entries:
+            target = by_devices[tuple(target_ids)]
+            loaded.setdefault(name, []).append(program_sharing.load_serialized(executable, target))
+    except Exception:  # an optimisation only: the step compiles as usual
+        return None
+    return loaded
+
+
+def store_step(
+    key: str, executables: dict[str, list[Any]], sources: StepSources
+) -> threading.Thread | None:
+    """Writes ``executables`` under ``key``, in a thread; None if not all can be stored.
+
+    Args:
+      key: a `step_key`.
+      executables: the step's executables by program name.
+      sources: how to serialize each of them, by ``id`` (programs JAX's own
+        cache loaded have no entry: then nothing is stored).
+
+    Returns:
+      The (started, non-daemon) writing thread, or None.
+
+    Example:
+      >>> store_step("0" * 64, {"F0": [object()]}, {}) is None  # no source: not stored
+      True
+    """
+    directory = _directory()
+    if directory is None or not executables:
+        return None
+    plan = []
+    for name, programs in executables.items():
+        for compiled in programs:
+            source = sources.get(id(compiled))
+            if source is None:
+                return None
+            serialize, target = source
+            plan.append((name, serialize, tuple(d.id for d in target.devices.flat)))
+
+    def write() -> None:
+        try:
+            entries = []
+            for name, serialize, target_ids in plan:
+                executable = serialize()
+                if executable is None:
+                    return
+                entries.append((name, executable, target_ids))
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"{key}.pkl"
+            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            partial.write_bytes(pickle.dumps((_FORMAT, key, entries)))
+            os.replace(partial, path)  # readers never see a partial file
+        except Exception:  # an optimisation only
+            pass
+
+    thread = threading.Thread(target=write, name="nnx-mpmd-store-step")
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _library_text() -> str:
+    """Versions of what compiles a step, and a digest of nnx_mpmd's own sources."""
+    import flax
+    import jaxlib
+    import numpy
+    import optax
+
+    import nnx_mpmd
+
+    sources = hashlib.sha256()
+    root = pathlib.Path(nnx_mpmd.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        sources.update(str(path.relative_to(root)).encode())
+        sources.update(path.read_bytes())
+    versions = (jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)
+    return f"{sys.version} {versions} numpy {numpy.__version__} nnx_mpmd {sources.hexdigest()}"
+
+
+def _backend_text() -> str:
+    backend = jax.devices()[0].client
+    return f"{backend.platform} {backend.platform_version} {os.environ.get('XLA_FLAGS', '')}"
+
+
+def _options() -> tuple[tuple[str, Any], ...]:
+    """JAX's configuration, but for where caches and logs go."""
+    return tuple(
+        (name, value)
+        for name, value in sorted(jax.config.values.items())
+        if isinstance(value, bool | int | float | str | type(None))
+        and not any(word in name for word in _IGNORED_OPTIONS)
+    )

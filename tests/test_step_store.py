@@ -1,0 +1,228 @@
+"""A step's executables stored under what the step is: a later step runs them untraced."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.runtime import compile_jobs, step_store
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A fresh compilation cache directory of this test's own, with the step store on."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+    monkeypatch.setattr(step_store, "ENABLED", True)
+    try:
+        yield tmp_path / step_store._STORE_FOLDER
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
+        compilation_cache.reset_cache()
+
+
+def _stored_writes_done():
+    for thread in threading.enumerate():
+        if thread.name == "nnx-mpmd-store-step":
+            thread.join(timeout=120)
+
+
+def _counting_traces(monkeypatch):
+    traced = []
+    original = compile_jobs.ProgramCompiler._trace_and_compile
+
+    def counted(self, fn, args, on_traced, name, *rest):
+        traced.append(name)
+        return original(self, fn, args, on_traced, name, *rest)
+
+    monkeypatch.setattr(compile_jobs.ProgramCompiler, "_trace_and_compile", counted)
+    return traced
+
+
+CASES = {
+    "1f1b-4": (mp.OneFOneB, 4, 2, 4),
+    "interleaved-8": (mp.Interleaved1F1B, 8, 1, 4),
+    "dualpipev-8": (mp.DualPipeV, 8, 1, 8),
+}
+
+
+def _step(schedule, num_stages, data, m, seed=0):
+    model, opt, loss_fn, kind = build("lm", "sgd", num_stages, seed=seed)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, data, jax.sharding.AxisType.Auto),
+        schedule=schedule(),
+        num_microbatches=m,
+    )
+    return model, opt, step, loss_fn, kind
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_stored_step_runs_untraced_and_equals_nnx_jit(case, store, monkeypatch):
+    schedule, num_stages, data, m = CASES[case]
+    model, opt, step, loss_fn, kind = _step(schedule, num_stages, data, m)
+    batches = [make_batch(kind, 16, seed=s) for s in (0, 1)]
+    first = [float(step(model, opt, b)) for b in batches]
+    _stored_writes_done()
+    assert len(list(store.glob("*.pkl"))) == 1
+
+    # A new mp.jit of the same step (as a later process makes): nothing is
+    # traced, lowered or compiled, and every number is the same.
+    traced = _counting_traces(monkeypatch)
+    again_model, again_opt, again, _, _ = _step(schedule, num_stages, data, m)
+    with count_compilations() as compiled:
+        losses = [float(again(again_model, again_opt, b)) for b in batches]
+    assert traced == [] and compiled.count == 0
+    assert losses == first
+    for name, value in params_of(mp.gather(model)).items():  # bit for bit
+        np.testing.assert_array_equal(params_of(mp.gather(again_model))[name], value, name)
+    ref_model, ref_opt, _, _ = build("lm", "sgd", num_stages)
+    ref_step = nnx.jit(train_step_fn(loss_fn, num_microbatches=m))
+    want = [float(ref_step(ref_model, ref_opt, b)) for b in batches]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got, ref = params_of(mp.gather(again_model)), params_of(ref_model)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], atol=1e-5, err_msg=name)
+
+
+def _key(step, model, opt, batch):
+    lowered = step.lower(model, opt, batch)
+    inputs = step._lower_abstract((model, opt, batch))[1]
+    return step_store.step_key(
+        lowered.compiled, inputs, step.mesh, step.schedule, step.num_microbatches
+    )
+
+
+def test_the_key_changes_with_anything_that_changes_the_programs(store):
+    import optax
+
+    model, opt, step, _loss_fn, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    key = _key(step, model, opt, batch)
+    assert key is not None
+    _, _, same, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+    assert _key(same, model, opt, batch) == key
+    others = {
+        "microbatches": _step(mp.OneFOneB, 4, 2, 2)[2],
+        "schedule": _step(mp.GPipe, 4, 2, 4)[2],
+        "submeshes": mp.jit(
+            step.fn,
+            mesh=mp.MpmdMesh(
+                jax.make_mesh(
+                    (4, 2),
+                    ("stage", "data"),
+                    devices=jax.devices()[::-1],
+                    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                ),
+                "stage",
+            ),
+            schedule=mp.OneFOneB(),
+            num_microbatches=4,
+        ),
+    }
+    for what, other in others.items():
+        assert _key(other, model, opt, batch) not in (key, None), what
+    slower = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    assert _key(step, model, slower, batch) not in (key, None)
+    assert _key(step, model, opt, make_batch(kind, 8)) not in (key, None)
+
+
+def test_a_users_remat_policy_is_not_stored(store):
+    def policy(*args, **kwargs):
+        return False
+
+    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
+    model.blocks[1].remat, model.blocks[1].policy = True, policy
+    assert _key(step, model, opt, make_batch(kind, 16)) is None
+
+
+def test_no_key_without_a_compilation_cache_or_with_the_store_off(store, monkeypatch):
+    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    assert _key(step, model, opt, batch) is not None
+    monkeypatch.setattr(step_store, "ENABLED", False)
+    assert _key(step, model, opt, batch) is None
+    monkeypatch.setattr(step_store, "ENABLED", True)
+    jax.config.update("jax_enable_compilation_cache", False)
+    assert _key(step, model, opt, batch) is None
+
+
+def test_an_unreadable_store_entry_compiles_as_usual(store, monkeypatch):
+    model, opt, step, _loss_fn, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    want = float(step(model, opt, batch))
+    _stored_writes_done()
+    (entry,) = store.glob("*.pkl")
+    entry.write_bytes(b"not a pickle")
+    traced = _counting_traces(monkeypatch)
+    again_model, again_opt, again, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+    assert float(again(again_model, again_opt, batch)) == want
+    assert traced  # compiled as usual
+
+
+def test_a_step_with_executables_from_jaxs_own_cache_is_not_stored(store):
+    assert step_store.store_step("0" * 64, {"F0": [object()]}, {}) is None
+    assert not store.exists()
+
+
+def test_a_later_process_runs_the_stored_step(tmp_path):
+    # The real use: the text of the step must be the same in another process.
+    script = textwrap.dedent(
+        """
+        import os, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        sys.path.insert(0, sys.argv[2])
+        import jax
+        jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        import nnx_mpmd as mp
+        from nnx_mpmd.runtime import compile_jobs
+        from pipeline_models import build, make_batch, make_mesh, train_step_fn
+        traced = []
+        original = compile_jobs.ProgramCompiler._trace_and_compile
+        def counted(self, fn, args, on_traced, name, *rest):
+            traced.append(name)
+            return original(self, fn, args, on_traced, name, *rest)
+        compile_jobs.ProgramCompiler._trace_and_compile = counted
+        model, opt, loss_fn, kind = build("lm", "adamw", 4)
+        step = mp.jit(train_step_fn(loss_fn), mesh=make_mesh(4, 2),
+                      schedule=mp.OneFOneB(), num_microbatches=2)
+        loss = float(step(model, opt, make_batch(kind, 8)))
+        print(len(traced), repr(loss))
+        """
+    )
+    tests = os.path.dirname(__file__)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NNX_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    runs = [
+        subprocess.run(
+            ["timeout", "-k", "5", "300", sys.executable, "-c", script, str(tmp_path), tests],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (first_traced, first_loss), (second_traced, second_loss) = (
+        run.stdout.split()[-2:] for run in runs
+    )
+    assert int(first_traced) > 0 and int(second_traced) == 0
+    assert first_loss == second_loss
