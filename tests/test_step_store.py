@@ -176,6 +176,36 @@ def test_an_unreadable_store_entry_compiles_as_usual(store, monkeypatch):
     assert traced  # compiled as usual
 
 
+def test_a_changed_step_whose_programs_jax_cached_is_stored_again(store, monkeypatch):
+    # After nnx_mpmd (or the learning rate, ...) changes, the step's key is new
+    # while JAX's cache still holds its programs; such executables cannot be
+    # serialized again, but the programs kept one by one (nnx_mpmd_shared) can.
+    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    want = float(step(model, opt, batch))
+    _stored_writes_done()
+    monkeypatch.setattr(step_store, "_library_text", lambda: "another nnx_mpmd")
+    for expect_traced in (True, False):
+        traced = _counting_traces(monkeypatch)
+        again_model, again_opt, again, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+        assert float(again(again_model, again_opt, batch)) == want
+        _stored_writes_done()
+        assert bool(traced) == expect_traced
+        assert len(list(store.glob("*.pkl"))) == 2
+
+
+def test_a_stored_step_profiles_and_measures_memory(store):
+    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    step(model, opt, batch)
+    _stored_writes_done()
+    again_model, again_opt, again, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+    again(again_model, again_opt, batch, profile=True)
+    assert len(again.last_profile) > 0 and again.last_profile.timeline().makespan > 0
+    again(again_model, again_opt, batch, memory=True)
+    assert again.last_memory
+
+
 def test_a_step_with_executables_from_jaxs_own_cache_is_not_stored(store):
     assert step_store.store_step("0" * 64, {"F0": [object()]}, {}) is None
     assert not store.exists()

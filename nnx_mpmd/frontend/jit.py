@@ -34,7 +34,7 @@ from nnx_mpmd.placement.place import place
 from nnx_mpmd.runtime import step_store
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.interpreter import forget_prepared
-from nnx_mpmd.runtime.precompile import AwaitedProgram, start_precompile
+from nnx_mpmd.runtime.precompile import AwaitedProgram, route_calls, start_precompile
 from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
 from nnx_mpmd.schedules.registry import as_schedule
 
@@ -393,7 +393,10 @@ class PipelinedFunction:
         the compilations are scheduled: each program's first call waits for
         its own (`nnx_mpmd.runtime.precompile.AwaitedProgram`), so the first
         tasks run while later programs compile; `_finish_compiling` then
-        routes the calls to their executables directly.
+        routes the calls to their executables directly, and stores them for
+        later processes (`nnx_mpmd.runtime.step_store`). A step that an earlier
+        process stored is neither traced nor compiled: its calls go to the
+        stored executables.
         """
         found = self._executables.get(id(compiled))
         if found is not None:
@@ -409,7 +412,8 @@ class PipelinedFunction:
             )
             if stored is not None:
                 found.update(stored)
-                _route_calls(compiled, lambda name, fn: step_store.stored_program(fn, stored, name))
+                route_calls(compiled, lambda name, fn: step_store.stored_program(fn, stored, name))
+                forget_prepared(compiled)
                 return found
         compiling = start_precompile(
             compiled,
@@ -425,9 +429,7 @@ class PipelinedFunction:
             compiling.finish()
             return found
         # Before the step is first prepared (the prepared steps are cached on it).
-        awaited = _route_calls(
-            compiled, lambda name, fn: AwaitedProgram(name, fn, compiling, found)
-        )
+        awaited = route_calls(compiled, lambda name, fn: AwaitedProgram(name, fn, compiling, found))
         self._compiling[id(compiled)] = (compiling, awaited, key)
         if not overlap:
             self._finish_compiling(compiled)
@@ -442,7 +444,7 @@ class PipelinedFunction:
         compiling.finish()
         if key is not None:
             step_store.store_step(key, self._executables.get(id(compiled), {}), compiling.sources)
-        _route_calls(compiled, lambda name, fn: awaited[name].resolved())
+        route_calls(compiled, lambda name, fn: awaited[name].resolved())
         forget_prepared(compiled)
 
     def _prepare(
@@ -609,27 +611,6 @@ class PipelinedFunction:
     def num_compiled_steps(self) -> int:
         """How many distinct input signatures have been lowered (and are cached)."""
         return len(self._cache)
-
-
-def _route_calls(
-    compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
-) -> dict[str, Any]:
-    """Replaces each call's function by ``make(program name, function)``, one per program."""
-    import dataclasses
-
-    from nnx_mpmd.compiler.instructions import Call
-
-    made: dict[str, Any] = {}
-    routed = []
-    for ins in compiled.instructions:
-        if isinstance(ins, Call):
-            name = str(ins.program)
-            if name not in made:
-                made[name] = make(name, ins.fn)
-            ins = dataclasses.replace(ins, fn=made[name])
-        routed.append(ins)
-    compiled.instructions = routed
-    return made
 
 
 def jit(

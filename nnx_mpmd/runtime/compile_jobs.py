@@ -30,6 +30,7 @@ __all__ = [
     "abstract",
     "abstract_outputs",
     "committed_to",
+    "on_devices_of",
     "contains_unknown",
     "signature",
     "typed_outputs",
@@ -122,6 +123,26 @@ def committed_to(args: Any, mesh: Any) -> bool:
         if sharding is None:
             continue
         if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+            return False
+        on_mesh = True
+    return on_mesh
+
+
+def on_devices_of(args: Any, mesh: Any) -> bool:
+    """Whether some argument is on ``mesh``'s devices, in its order, and none elsewhere.
+
+    Unlike `committed_to`, an argument whose mesh has other axis types (an Auto
+    copy of an Explicit submesh, say) counts: the program still runs on
+    ``mesh``'s devices, so its executable can be kept and loaded for them.
+    """
+    on_mesh = False
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            continue
+        if not isinstance(sharding, NamedSharding) or not program_sharing.same_devices(
+            sharding.mesh, mesh
+        ):
             return False
         on_mesh = True
     return on_mesh
@@ -225,7 +246,7 @@ class ProgramCompiler:
             on_traced(_traced_outputs(traced, mesh))
             lowered = traced.lower()
             share = None
-            if self.share and committed_to(args, mesh):
+            if self.share and on_devices_of(args, mesh):
                 share = program_sharing.share_key(lowered.as_text(), mesh)
             if share is not None:
                 with self.lock:

@@ -29,9 +29,10 @@ belongs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from nnx_mpmd.runtime.compile_jobs import (
 from nnx_mpmd.runtime.executor import Shardings, kept_spec, transferred_shape
 from nnx_mpmd.runtime.interpreter import Step, build
 
-__all__ = ["AwaitedProgram", "Precompiling", "precompile", "start_precompile"]
+__all__ = ["AwaitedProgram", "Precompiling", "precompile", "route_calls", "start_precompile"]
 
 
 _STEP_BATCH_AXIS = object()  # precompile's default: the step's own batch axis
@@ -437,3 +438,33 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
     return jax.ShapeDtypeStruct(
         shape, value.dtype, sharding=shardings(ins.dst_mesh, spec), weak_type=value.weak_type
     )
+
+
+def route_calls(
+    compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+) -> dict[str, Any]:
+    """Replaces each call's function by ``make(program name, function)``, one per program.
+
+    Args:
+      compiled: the step; its ``instructions`` are replaced.
+      make: the new callable of a program, from its name and jitted function.
+
+    Returns:
+      The callables made, by program name.
+
+    Example:
+      >>> # `nnx_mpmd.jit` routes a step's calls to their compiled executables.
+      >>> callable(route_calls)
+      True
+    """
+    made: dict[str, Any] = {}
+    routed = []
+    for ins in compiled.instructions:
+        if isinstance(ins, Call):
+            name = str(ins.program)
+            if name not in made:
+                made[name] = make(name, ins.fn)
+            ins = dataclasses.replace(ins, fn=made[name])
+        routed.append(ins)
+    compiled.instructions = routed
+    return made
