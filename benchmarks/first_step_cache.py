@@ -2,8 +2,8 @@
 
 Runs each variant as fresh processes: first with an empty cache directory
 (cold), then twice again with the cache the runs before filled (warm, warm2;
-a program that the cold run loaded from an equal stage's executable rather
-than compiling has no entry of its own until the warm run compiles it):
+the pipelined warm runs load the step the cold run stored in it,
+`nnx_mpmd.runtime.step_store`, and trace no program):
 
 * ``pipelined``: ``nnx-mpmd train`` (GPT ``tiny`` by default, 4 meshes x 2 data,
   1F1B, 8 microbatches), one step; its first step's time from ``metrics.jsonl``;
