@@ -27,6 +27,7 @@ __all__ = [
     "coordination_state",
     "dce_jaxpr",
     "jaxpr_value_types",
+    "primitive_rules",
     "explicit_sharding_rejection",
     "variable_belongs_to_current_trace",
     "variables_bound_to_current_trace",
@@ -125,6 +126,24 @@ def jaxpr_value_types() -> tuple[type, type]:
     from jax._src import core
 
     return core.AbstractValue, core.JaxprEqnContext
+
+
+def primitive_rules(primitive: Any) -> list[Any]:
+    """The functions JAX differentiates, transposes and lowers ``primitive`` with.
+
+    Lowering rules of every platform are included; each is the registered
+    callable as it is (often a ``functools.partial``).
+
+    Relies on: ``jax._src.interpreters.ad.primitive_jvps`` and
+    ``primitive_transposes``, ``jax._src.interpreters.mlir._lowerings`` and
+    ``_platform_specific_lowerings`` (entries with a ``rule``).
+    """
+    from jax._src.interpreters import ad, mlir
+
+    rules = [ad.primitive_jvps.get(primitive), ad.primitive_transposes.get(primitive)]
+    tables = [mlir._lowerings, *mlir._platform_specific_lowerings.values()]
+    rules += [getattr(table.get(primitive), "rule", None) for table in tables]
+    return [rule for rule in rules if rule is not None]
 
 
 def coordination_state() -> tuple[Any, Any]:

@@ -162,3 +162,14 @@ def test_the_text_is_the_same_in_another_process():
         check=True,
     )
     assert result.stdout.strip() == hashlib.sha256(here.encode()).hexdigest()
+
+
+def test_a_primitive_with_rules_of_the_users_has_no_text():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    double = Primitive("double_of_the_user")
+    double.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(double, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
+    assert _text(lambda a: double.bind(a) + 1.0, X) is None
+    assert _text(lambda a: jax.lax.sin(a) + 1.0, X) is not None

@@ -16,7 +16,8 @@ completely, the answer is None and nothing is stored:
 * a ``custom_jvp`` rule is written as the jaxpr it traces to (the rule JAX's
   differentiation will use), so a changed rule changes the text;
 * ``custom_vjp`` and host callbacks give None (their Python code runs at
-  differentiation or run time);
+  differentiation or run time), and so does a primitive that code outside
+  those libraries differentiates or lowers (a primitive of the user's);
 * an object whose ``repr`` shows a memory address gives None.
 
 Example:
@@ -45,7 +46,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd._jax_compat import jaxpr_value_types
+from nnx_mpmd._jax_compat import jaxpr_value_types, primitive_rules
 
 __all__ = ["LIBRARY_MODULES", "jaxpr_fingerprint", "value_fingerprint"]
 
@@ -119,6 +120,7 @@ class _Writer:
         self._alive: list[Any] = []  # keeps memoized objects alive, so ids stay theirs
         self._avals: dict[Any, str] = {}
         self._in_rule = False  # writing a custom_jvp rule's jaxpr
+        self._checked: set[int] = set()  # primitives whose rules are library code
 
     def write(self, *parts: str) -> None:
         self.out.extend(parts)
@@ -284,6 +286,7 @@ class _Writer:
         name = eqn.primitive.name
         if any(word in name for word in _REFUSED_PRIMITIVES):
             raise _Refused(f"{name}: Python code outside the jaxpr")
+        self.check_rules(eqn.primitive)
         self.write("eqn:", name, "(")
         for v in eqn.invars:
             atom(v)
@@ -307,6 +310,21 @@ class _Writer:
             bind(v)
         self.write(";")
 
+    def check_rules(self, primitive: Any) -> None:
+        """Refuses a primitive that code outside the libraries differentiates or lowers.
+
+        A primitive of the user's, with its rules in the user's code, is only
+        its name in the text: a changed rule would not change it.
+        """
+        if id(primitive) in self._checked:
+            return
+        for rule in primitive_rules(primitive):
+            for module in _modules_of(rule, 0):
+                if module.partition(".")[0] not in LIBRARY_MODULES:
+                    raise _Refused(f"{primitive} has a rule in {module}")
+        self._checked.add(id(primitive))
+        self._alive.append(primitive)
+
     def custom_jvp_rule(self, rule: Any, eqn: Any, depth: int) -> None:
         """The jaxpr of the rule for all tangents nonzero (the call JAX memoizes)."""
         if eqn.params.get("symbolic_zeros"):
@@ -325,6 +343,27 @@ class _Writer:
             self._in_rule = False
         self.value(list(out_zeros), depth + 1)
         self.write("}")
+
+
+def _modules_of(rule: Any, depth: int) -> list[str]:
+    """The modules defining ``rule``'s functions, through partials and tuples of them."""
+    if depth > 8:
+        return []
+    if isinstance(rule, functools.partial):
+        parts = [rule.func, *rule.args, *rule.keywords.values()]
+        return [m for part in parts for m in _modules_of(part, depth + 1)]
+    if isinstance(rule, tuple | list):
+        return [m for part in rule for m in _modules_of(part, depth + 1)]
+    module = getattr(rule, "__module__", None) if callable(rule) else None
+    modules = [module] if isinstance(module, str) else []
+    for cell in getattr(rule, "__closure__", None) or ():  # a library wrapper of the user's
+        try:
+            contents = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(contents) or isinstance(contents, tuple | list):
+            modules += _modules_of(contents, depth + 1)
+    return modules
 
 
 def _refuse() -> str:

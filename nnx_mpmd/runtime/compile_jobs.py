@@ -134,7 +134,18 @@ def on_devices_of(args: Any, mesh: Any) -> bool:
     Unlike `committed_to`, an argument whose mesh has other axis types (an Auto
     copy of an Explicit submesh, say) counts: the program still runs on
     ``mesh``'s devices, so its executable can be kept and loaded for them.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> explicit = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> auto = jax.make_mesh((2,), ("data",), (AxisType.Auto,), devices=jax.devices()[:2])
+      >>> x = jax.device_put(jnp.ones(4), NamedSharding(auto, P("data")))
+      >>> on_devices_of((x,), explicit), committed_to((x,), explicit), on_devices_of((x,), None)
+      (True, False, False)
     """
+    if mesh is None:
+        return False
     on_mesh = False
     for leaf in jax.tree.leaves(args):
         sharding = getattr(leaf, "sharding", None)
