@@ -168,11 +168,11 @@ def lookup(
     """`step_key` and, if an earlier process stored that step, `load_step`.
 
     Args:
-      compiled: the `CompiledStep`.
-      inputs: its inputs (consts, state leaves, other leaves), or their avals.
-      mesh: the `MpmdMesh`.
-      schedule: the schedule object.
-      num_microbatches: microbatches per step.
+      compiled: the `CompiledStep`; the other arguments are `step_key`'s.
+      inputs: see `step_key`.
+      mesh: see `step_key`.
+      schedule: see `step_key`.
+      num_microbatches: see `step_key`.
 
     Returns:
       ``(key, executables by program name)``; either may be None.
