@@ -109,6 +109,20 @@ def _key(step, model, opt, batch):
     )
 
 
+def test_a_lowered_step_compiles_from_the_store_too(store, monkeypatch):
+    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
+    batch = make_batch(kind, 16)
+    lowered_key = _key(step, model, opt, batch)
+    step(model, opt, batch)
+    _stored_writes_done()
+    assert [p.stem for p in store.glob("*.pkl")] == [lowered_key]
+    traced = _counting_traces(monkeypatch)
+    again_model, again_opt, again, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+    with count_compilations() as compiled:
+        executables = again.lower(again_model, again_opt, batch).compile().executables()
+    assert traced == [] and compiled.count == 0 and executables
+
+
 def test_the_key_changes_with_anything_that_changes_the_programs(store):
     import optax
 

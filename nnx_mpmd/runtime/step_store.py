@@ -54,7 +54,7 @@ import jax
 
 from nnx_mpmd.compiler.fingerprint import jaxpr_fingerprint, value_fingerprint
 from nnx_mpmd.compiler.instructions import format_instructions
-from nnx_mpmd.placement.abstract import placed_aval
+from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.runtime import program_sharing
 
 __all__ = [
@@ -138,7 +138,7 @@ def step_key(
     if step is None:
         return None
     try:
-        avals = [placed_aval(x, mesh).key() for x in inputs]
+        avals = [(x if isinstance(x, PlacedAval) else placed_aval(x, mesh)).key() for x in inputs]
     except Exception:
         return None
     rest = value_fingerprint(
