@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -62,11 +63,11 @@ CASES = {
 }
 
 
-def _step(schedule, num_stages, data, m, seed=0):
+def _step(schedule, num_stages, data, m, seed=0, axis_types=jax.sharding.AxisType.Auto):
     model, opt, loss_fn, kind = build("lm", "sgd", num_stages, seed=seed)
     step = mp.jit(
         train_step_fn(loss_fn),
-        mesh=make_mesh(4, data, jax.sharding.AxisType.Auto),
+        mesh=make_mesh(4, data, axis_types),
         schedule=schedule(),
         num_microbatches=m,
     )
@@ -190,18 +191,43 @@ def test_an_unreadable_store_entry_compiles_as_usual(store, monkeypatch):
     assert traced  # compiled as usual
 
 
-def test_a_changed_step_whose_programs_jax_cached_is_stored_again(store, monkeypatch):
+def _gpt_step():
+    """GPT tiny on Explicit axes: its embedding replicates the batch, and B0 then
+    reads a residual typed on an Auto copy of its submesh."""
+    import optax
+
+    from nnx_mpmd.models import build_model, lm_loss
+
+    model = build_model("gpt", "tiny", num_stages=4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(
+        train_step_fn(lm_loss), mesh=make_mesh(4, 2), schedule=mp.OneFOneB(), num_microbatches=2
+    )
+    return model, opt, step, lm_loss, "tokens"
+
+
+@pytest.mark.parametrize("model_name", ["lm-auto", "gpt-explicit"])
+@pytest.mark.filterwarnings("ignore::nnx_mpmd.ReplicatedBatchWarning")
+def test_a_changed_step_whose_programs_jax_cached_is_stored_again(model_name, store, monkeypatch):
     # After nnx_mpmd (or the learning rate, ...) changes, the step's key is new
     # while JAX's cache still holds its programs; such executables cannot be
-    # serialized again, but the programs kept one by one (nnx_mpmd_shared) can.
-    model, opt, step, _, kind = _step(mp.OneFOneB, 4, 2, 4)
-    batch = make_batch(kind, 16)
+    # serialized again, but the programs kept one by one (nnx_mpmd_shared) can,
+    # B0's too (`compile_jobs.on_devices_of`).
+    if model_name == "gpt-explicit":
+        make = _gpt_step
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 60, size=(8, 17)).astype(np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    else:
+        make = functools.partial(_step, mp.OneFOneB, 4, 2, 4)
+        batch = make_batch("tokens", 16)
+    model, opt, step, _, _ = make()
     want = float(step(model, opt, batch))
     _stored_writes_done()
     monkeypatch.setattr(step_store, "_library_text", lambda: "another nnx_mpmd")
     for expect_traced in (True, False):
         traced = _counting_traces(monkeypatch)
-        again_model, again_opt, again, _, _ = _step(mp.OneFOneB, 4, 2, 4)
+        again_model, again_opt, again, _, _ = make()
         assert float(again(again_model, again_opt, batch)) == want
         _stored_writes_done()
         assert bool(traced) == expect_traced
