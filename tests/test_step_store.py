@@ -246,6 +246,21 @@ def test_a_stored_step_profiles_and_measures_memory(store):
     assert again.last_memory
 
 
+def test_stored_steps_beyond_the_limit_go_least_recently_used_first(store, monkeypatch):
+    import time
+
+    store.mkdir(parents=True)
+    for i, name in enumerate(["old", "used", "new"]):
+        (store / f"{name}.pkl").write_bytes(b"x" * 100)
+        os.utime(store / f"{name}.pkl", (1000 + i, 1000 + i))
+    assert step_store.load_step("used", []) is None  # unreadable, yet touched on reading
+    time.sleep(0.01)
+    step_store._evict(store, 250)
+    assert sorted(p.stem for p in store.glob("*.pkl")) == ["new", "used"]
+    step_store._evict(store, 100)
+    assert [p.stem for p in store.glob("*.pkl")] == ["used"]
+
+
 def test_a_step_with_executables_from_jaxs_own_cache_is_not_stored(store):
     assert step_store.store_step("0" * 64, {"F0": [object()]}, {}) is None
     assert not store.exists()

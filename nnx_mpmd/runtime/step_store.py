@@ -59,6 +59,7 @@ from nnx_mpmd.runtime import program_sharing
 
 __all__ = [
     "ENABLED",
+    "MAX_STORED_BYTES",
     "StepSources",
     "load_step",
     "lookup",
@@ -69,6 +70,10 @@ __all__ = [
 
 #: Whether steps are stored and loaded at all (the test suite turns it off).
 ENABLED = True
+
+#: The stored steps of one cache directory take at most this many bytes: writing
+#: a step deletes the least recently used others beyond it.
+MAX_STORED_BYTES = 1 << 30
 
 #: The folder of the compilation cache directory that holds the stored steps.
 _STORE_FOLDER = "nnx_mpmd_steps"
@@ -224,6 +229,7 @@ def load_step(key: str, submeshes: Sequence[Any]) -> dict[str, list[Any]] | None
     if path is None or not path.is_file():
         return None
     try:
+        os.utime(path)  # recently used: evicted last
         version, stored_key, entries = pickle.loads(path.read_bytes())
         if version != _FORMAT or stored_key != key:
             return None
@@ -285,12 +291,30 @@ def store_step(
             partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             partial.write_bytes(pickle.dumps((_FORMAT, key, entries)))
             os.replace(partial, path)  # readers never see a partial file
+            _evict(directory, MAX_STORED_BYTES)
         except Exception:  # an optimisation only
             pass
 
     thread = threading.Thread(target=write, name="nnx-mpmd-store-step")
     thread.start()
     return thread
+
+
+def _evict(directory: pathlib.Path, limit: int) -> None:
+    """Deletes the least recently used stored steps until they take at most ``limit`` bytes."""
+    entries = []
+    for path in directory.glob("*.pkl"):
+        try:
+            stat = path.stat()
+        except OSError:  # deleted meanwhile by another process
+            continue
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
 
 
 @functools.cache
