@@ -57,6 +57,7 @@ from nnx_mpmd.errors import CompileError
 __all__ = [
     "SHARED_PLATFORMS",
     "Serialized",
+    "backend_environment",
     "SharedProgram",
     "compile_fresh",
     "forget_kept",
@@ -70,6 +71,7 @@ __all__ = [
     "same_devices",
     "serialized",
     "share_key",
+    "write_whole",
 ]
 
 #: Platforms whose executables are loaded on other devices. Others compile every
@@ -315,9 +317,7 @@ def remember(key: Any, executable: Serialized) -> None:
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            partial.write_bytes(pickle.dumps((_full_key(key), executable)))
-            os.replace(partial, path)  # readers never see a partial file
+            write_whole(path, pickle.dumps((_full_key(key), executable)))
         except Exception:  # an optimisation only: this process has it in memory
             pass
 
@@ -408,18 +408,44 @@ def recall(key: Any) -> Serialized | None:
 
 
 def _full_key(key: Any) -> tuple[Any, ...]:
-    """``key`` with what else decides the executable: versions, backend, XLA flags."""
+    """``key`` with what else decides the executable (`backend_environment`)."""
+    return (key, *backend_environment())
+
+
+def backend_environment() -> tuple[str, ...]:
+    """What decides an executable besides its module: versions, backend, XLA flags.
+
+    Returns:
+      ``(jax version, jaxlib version, platform, platform version, XLA_FLAGS)``.
+
+    Example:
+      >>> len(backend_environment())
+      5
+    """
     import jaxlib
 
     backend = jax.devices()[0].client
     return (
-        key,
         jax.__version__,
         jaxlib.__version__,
         backend.platform,
         backend.platform_version,
         os.environ.get("XLA_FLAGS", ""),
     )
+
+
+def write_whole(path: pathlib.Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "entry.pkl"
+      >>> write_whole(path, b"abc"); path.read_bytes()
+      b'abc'
+    """
+    partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 #: The folder of the cache directory that `remember` stores executables in.

@@ -131,7 +131,7 @@ def step_key(
       completely (see `nnx_mpmd.compiler.fingerprint`).
 
     Example:
-      >>> step_key(None, [], None, None, 1) is None or True
+      >>> step_key(None, [], None, None, 1) is None  # nothing compiled: no key
       True
     """
     if _directory() is None or compiled is None or getattr(compiled, "jaxpr", None) is None:
@@ -150,7 +150,7 @@ def step_key(
         (
             _FORMAT,
             _library_text(),
-            _backend_text(),
+            program_sharing.backend_environment(),
             _options(),
             submeshes,
             schedule,
@@ -288,9 +288,7 @@ def store_step(
                 entries.append((name, executable, target_ids))
             directory.mkdir(parents=True, exist_ok=True)
             path = directory / f"{key}.pkl"
-            partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            partial.write_bytes(pickle.dumps((_FORMAT, key, entries)))
-            os.replace(partial, path)  # readers never see a partial file
+            program_sharing.write_whole(path, pickle.dumps((_FORMAT, key, entries)))
             _evict(directory, MAX_STORED_BYTES)
         except Exception:  # an optimisation only
             pass
@@ -319,9 +317,8 @@ def _evict(directory: pathlib.Path, limit: int) -> None:
 
 @functools.cache
 def _library_text() -> str:
-    """Versions of what compiles a step, and a digest of nnx_mpmd's own sources."""
+    """Versions of the libraries above JAX, and a digest of nnx_mpmd's own sources."""
     import flax
-    import jaxlib
     import numpy
     import optax
 
@@ -332,13 +329,8 @@ def _library_text() -> str:
     for path in sorted(root.rglob("*.py")):
         sources.update(str(path.relative_to(root)).encode())
         sources.update(path.read_bytes())
-    versions = (jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)
-    return f"{sys.version} {versions} numpy {numpy.__version__} nnx_mpmd {sources.hexdigest()}"
-
-
-def _backend_text() -> str:
-    backend = jax.devices()[0].client
-    return f"{backend.platform} {backend.platform_version} {os.environ.get('XLA_FLAGS', '')}"
+    versions = (flax.__version__, optax.__version__, numpy.__version__)
+    return f"{sys.version} {versions} nnx_mpmd {sources.hexdigest()}"
 
 
 def _options() -> tuple[tuple[str, Any], ...]:
