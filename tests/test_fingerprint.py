@@ -173,3 +173,15 @@ def test_a_primitive_with_rules_of_the_users_has_no_text():
     mlir.register_lowering(double, mlir.lower_fun(lambda x: x * 2, multiple_results=False))
     assert _text(lambda a: double.bind(a) + 1.0, X) is None
     assert _text(lambda a: jax.lax.sin(a) + 1.0, X) is not None
+
+
+def test_a_rule_nested_too_deep_to_read_is_not_trusted():
+    from nnx_mpmd.compiler.fingerprint import LIBRARY_MODULES, _modules_of
+
+    rule = jnp.sin  # library code, nested deeper than is read
+    for _ in range(12):
+        rule = functools.partial(jax.jit, (rule,))
+    assert any(m.partition(".")[0] not in LIBRARY_MODULES for m in _modules_of(rule, 0))
+    assert all(
+        m.partition(".")[0] in LIBRARY_MODULES for m in _modules_of(functools.partial(jnp.sin), 0)
+    )

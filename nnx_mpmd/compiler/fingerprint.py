@@ -346,9 +346,13 @@ class _Writer:
 
 
 def _modules_of(rule: Any, depth: int) -> list[str]:
-    """The modules defining ``rule``'s functions, through partials and tuples of them."""
+    """The modules defining ``rule``'s functions, through partials and tuples of them.
+
+    Nesting deeper than it looks gives a module no library has, so that the
+    rule is refused rather than trusted unread.
+    """
     if depth > 8:
-        return []
+        return ["<nested too deep to read>"]
     if isinstance(rule, functools.partial):
         parts = [rule.func, *rule.args, *rule.keywords.values()]
         return [m for part in parts for m in _modules_of(part, depth + 1)]
