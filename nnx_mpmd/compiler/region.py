@@ -17,25 +17,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 from jax.extend.core import Primitive
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd._jax_compat import convert_constvars_jaxpr, dce_jaxpr
+from nnx_mpmd._jax_compat import convert_constvars_jaxpr
 from nnx_mpmd.compiler.captured import (
     CapturedVariable,
     bound_variables,
     captured_variables,
     outer_trace_error,
 )
-from nnx_mpmd.compiler.jaxpr_utils import put_scalar
+from nnx_mpmd.compiler.region_rng import advance_counts, rng_count_inputs, rng_counts_from_index
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.frontend import markers
 
@@ -294,111 +293,6 @@ def _new_state_leaves(local: Any, wrt: Any, other_tree: Any) -> list[Any]:
     return leaves
 
 
-def _concrete_count(count: int) -> Any:
-    """An RNG counter value to evaluate a counter update with, eagerly.
-
-    The update's equations were recorded under the submeshes' abstract mesh
-    (`mp.jit` traces there) and evaluating them enters it again; on Explicit
-    axes an eager computation there needs its devices from an argument, so the
-    value is committed to the concrete submesh given to `region_tracing`.
-    """
-    value = np.uint32(count)
-    submesh = _region_state.submesh
-    if submesh is None or not submesh.axis_names:
-        return value
-    return put_scalar(value, NamedSharding(submesh, PartitionSpec()))
-
-
-def _count_positions(state: Any, first: int = 0) -> list[int]:
-    """Leaf positions (from ``first``) of the RNG counters among ``state``'s leaves."""
-    positions, cursor = [], first
-    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        n = len(jax.tree.leaves(variable))
-        if isinstance(variable, nnx.RngCount) and n == 1:
-            positions.append(cursor)
-        cursor += n
-    return positions
-
-
-def _count_increments(
-    jaxpr: jcore.Jaxpr, counts: list[int], first_in: int, first_out: int, paths: list[str]
-) -> dict[int, int]:
-    """How much each RNG counter advances per microbatch (``{other index: K}``).
-
-    An NNX RNG stream adds 1 to its counter per key drawn, independently of the
-    data, so the counter after microbatch ``i`` is ``count0 + (i + 1) * K``. Each
-    counter's update is cut out of the body (dead-code elimination) and evaluated
-    at two concrete counts to find ``K`` and check that the update is that shift.
-
-    Raises:
-      CompileError: a counter's new value depends on anything but the counter, or
-        is not the counter plus a constant.
-    """
-    increments: dict[int, int] = {}
-    for j in counts:
-        keep = [i == first_out + j for i in range(len(jaxpr.outvars))]
-        sub, used = dce_jaxpr(jaxpr, keep, instantiate=False)
-        used_inputs = [i for i, u in enumerate(used) if u]
-        fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
-
-        def at(count: int, fn: Any = fn) -> int:
-            with jax.ensure_compile_time_eval():
-                return int(fn(_concrete_count(count))[0])
-
-        # A new value that does not read the counter (a constant) is never a shift.
-        k = at(0) if used_inputs == [first_in + j] else None
-        if k is None or at(1000) != (1000 + k) % (1 << 32):
-            raise CompileError(
-                f"the RNG counter {paths[j]} is changed in a way other than drawing keys (its "
-                "new value is not its old value plus the number of keys drawn). Pipelined "
-                "microbatches derive each counter from the microbatch index; do not assign "
-                "RNG counters inside the loss function."
-            )
-        increments[j] = k
-    return increments
-
-
-def _derive_counts(
-    closed: Any, increments: dict[int, int], first_in: int, first_out: int, in_avals: list[Any]
-) -> Any:
-    """The body with each RNG counter read as ``count0 + index * K`` and left unchanged.
-
-    The new body takes one more input, the microbatch index (a ``[1]`` uint32
-    array, one per microbatch), and returns each counter's input as its new
-    value: stages that draw from one stream need no value from each other, so
-    they pipeline; the counters advance by ``m * K`` after the region.
-    """
-    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
-    consts = list(closed.consts)
-    run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
-
-    def body(const_vals: list[Any], args: list[Any], index: Any) -> list[Any]:
-        args = list(args)
-        inputs = list(args)
-        for j, k in increments.items():
-            count = args[first_in + j]
-            args[first_in + j] = count + index[0].astype(count.dtype) * jnp.asarray(k, count.dtype)
-        outs = list(run(*const_vals, *args))
-        for j in increments:
-            outs[first_out + j] = inputs[first_in + j]
-        return outs
-
-    index_aval = _microbatch_aval((1,), jnp.uint32)  # placed like a batch leaf
-    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
-    derived = jax.make_jaxpr(body)(const_avals, in_avals, index_aval)
-    return derived, consts
-
-
-def _advance_counts(
-    leaves: list[Any], increments: dict[int, int], num_microbatches: int
-) -> list[Any]:
-    out = list(leaves)
-    for j, k in increments.items():
-        count = leaves[j]
-        out[j] = count + jnp.asarray(num_microbatches * k, jnp.result_type(count))
-    return out
-
-
 def _held_used(jaxpr: jcore.Jaxpr, first_in: int, first_out: int, n_held: int) -> list[bool]:
     """Which captured leaves the traced body reads or changes.
 
@@ -510,37 +404,6 @@ def _check_loss(loss_aval: Any, with_grad: bool) -> None:
         )
 
 
-def _rng_counts_from_index(
-    closed: Any,
-    counts: list[int],
-    num_diff: int,
-    first_out: int,
-    in_avals: list[Any],
-    paths: list[str],
-) -> tuple[Any, list[Any], dict[int, int]]:
-    """The body with its RNG counters derived from the microbatch index, if any advance.
-
-    Returns:
-      ``(closed body, its closure constants, {counter position: K})``; the
-      increments are empty (and the body unchanged) when no counter advances.
-    """
-    first_in = len(closed.consts) + num_diff
-    increments = _count_increments(
-        convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, paths
-    )
-    if not any(increments.values()):
-        return closed, list(closed.consts), {}
-    derived, body_consts = _derive_counts(closed, increments, num_diff, first_out, in_avals)
-    return derived, [*derived.consts, *body_consts], increments
-
-
-def _rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) -> list[int]:
-    """Positions, among the region's state inputs, of the RNG counters (held, then captured)."""
-    return _count_positions(other_state) + [
-        n_other + i for i, c in enumerate(captured) if isinstance(c.variable, nnx.RngCount)
-    ]
-
-
 def trace_region(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -553,7 +416,7 @@ def trace_region(
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
     RNG state the loss function closes over is region state like the model's;
-    RNG counters are derived from the microbatch index (`_derive_counts`).
+    RNG counters are derived from the microbatch index (`region_rng`).
     Returns what `value_and_grad` returns: ``(loss, grads)`` or
     ``((loss, aux), grads)``; with ``with_grad=False`` the stacked outputs.
     """
@@ -589,10 +452,17 @@ def trace_region(
     _check_writable(captured)
     _check_loss(closed.out_avals[0], with_grad)
     other_paths = [*_paths(other_state), *(c.path for c in captured)]
-    counts = _rng_count_inputs(other_state, len(other_leaves), captured)
+    counts = rng_count_inputs(other_state, len(other_leaves), captured)
     in_avals = [*map(_aval, diff_leaves), *map(_aval, state_leaves), *mb_avals]
-    closed, consts, increments = _rng_counts_from_index(
-        closed, counts, len(diff_leaves), 1 + n_aux, in_avals, other_paths
+    closed, consts, increments = rng_counts_from_index(
+        closed,
+        counts,
+        num_diff=len(diff_leaves),
+        first_out=1 + n_aux,
+        in_avals=in_avals,
+        paths=other_paths,
+        index_aval=_microbatch_aval((1,), jnp.uint32),  # placed like a batch leaf
+        submesh=_region_state.submesh,
     )
     index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)] if increments else []
     info = RegionInfo(
@@ -614,7 +484,7 @@ def trace_region(
     _region_state.regions.append(info)
     inputs = [*consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves]
     head, grads, new_state = _bind_region(info, inputs, diff_tree)
-    new_state = _advance_counts(new_state, increments, num_microbatches)
+    new_state = advance_counts(new_state, increments, num_microbatches)
     _store_state(model, other_tree, captured, new_state)
     if not with_grad:
         return jax.tree.unflatten(aux_tree_box[-1], head)

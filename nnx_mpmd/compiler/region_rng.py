@@ -1,0 +1,228 @@
+"""RNG counters inside the pipelined region: derived from the microbatch index.
+
+An NNX RNG stream adds 1 to its counter per key drawn, independently of the
+data. Run one microbatch after another, the counter a stage reads depends on
+every earlier microbatch's stages, which would chain the stages of one stream
+together and stop them from pipelining. `trace_region` therefore rewrites the
+traced body so that each counter is read as ``count0 + index * K`` (``index``
+the microbatch's position, ``K`` the keys drawn per microbatch) and left
+unchanged, and advances every counter by ``m * K`` after the region. The keys
+drawn are then the ones the unpipelined step draws, microbatch by microbatch.
+
+``K`` is found by evaluating the counter's update at two concrete counts; an
+update that is not such a shift is refused (`CompileError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nnx_mpmd._jax_compat import convert_constvars_jaxpr, dce_jaxpr
+from nnx_mpmd.compiler.jaxpr_utils import put_scalar
+from nnx_mpmd.errors import CompileError
+
+__all__ = ["advance_counts", "rng_count_inputs", "rng_counts_from_index"]
+
+
+def rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) -> list[int]:
+    """Positions, among the region's state inputs, of the RNG counters (held, then captured).
+
+    Args:
+      other_state: the model's non-differentiated state (an ``nnx.State``).
+      n_other: how many leaves ``other_state`` has; captured leaves follow them.
+      captured: the captured variables (`captured.CapturedVariable`) the loss
+        function closes over.
+
+    Returns:
+      The positions of the ``nnx.RngCount`` leaves.
+
+    Example:
+      >>> from flax import nnx
+      >>> _, state = nnx.split(nnx.Rngs(0))
+      >>> rng_count_inputs(state, len(jax.tree.leaves(state)), [])
+      [0]
+    """
+    return _count_positions(other_state) + [
+        n_other + i for i, c in enumerate(captured) if isinstance(c.variable, nnx.RngCount)
+    ]
+
+
+def rng_counts_from_index(
+    closed: Any,
+    counts: list[int],
+    *,
+    num_diff: int,
+    first_out: int,
+    in_avals: list[Any],
+    paths: list[str],
+    index_aval: Any,
+    submesh: Mesh | None,
+) -> tuple[Any, list[Any], dict[int, int]]:
+    """The body with its RNG counters derived from the microbatch index, if any advance.
+
+    Args:
+      closed: the traced body (a closed jaxpr): closure constants, then
+        ``num_diff`` differentiated leaves, the state leaves and the microbatch.
+      counts: positions of the RNG counters among the state leaves
+        (`rng_count_inputs`).
+      num_diff: how many differentiated leaves precede the state leaves.
+      first_out: the position of the first state leaf among the body's outputs.
+      in_avals: the body's input types, without its closure constants.
+      paths: each state leaf's path, for error messages.
+      index_aval: the type of the microbatch-index input the new body takes.
+      submesh: a concrete submesh of the step: the counter updates, recorded
+        under its abstract mesh, are evaluated on it (None: on the default
+        device).
+
+    Returns:
+      ``(closed body, its closure constants, {counter position: K})``; the
+      increments are empty (and the body unchanged) when no counter advances.
+
+    Raises:
+      CompileError: a counter is changed other than by drawing keys.
+    """
+    first_in = len(closed.consts) + num_diff
+    increments = _count_increments(
+        convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, paths, submesh
+    )
+    if not any(increments.values()):
+        return closed, list(closed.consts), {}
+    derived, body_consts = _derive_counts(
+        closed, increments, num_diff, first_out, in_avals, index_aval
+    )
+    return derived, [*derived.consts, *body_consts], increments
+
+
+def advance_counts(
+    leaves: list[Any], increments: dict[int, int], num_microbatches: int
+) -> list[Any]:
+    """``leaves`` with each counter advanced by what ``num_microbatches`` microbatches draw.
+
+    Args:
+      leaves: the region's new state leaves (the counters unchanged).
+      increments: ``{counter position: K}`` from `rng_counts_from_index`.
+      num_microbatches: m.
+
+    Returns:
+      The leaves, counter ``j`` now ``count + m * K``.
+
+    Example:
+      >>> advance_counts([np.uint32(3), 1.5], {0: 2}, 4)
+      [Array(11, dtype=uint32), 1.5]
+    """
+    out = list(leaves)
+    for j, k in increments.items():
+        count = leaves[j]
+        out[j] = count + jnp.asarray(num_microbatches * k, jnp.result_type(count))
+    return out
+
+
+def _concrete_count(count: int, submesh: Mesh | None) -> Any:
+    """An RNG counter value to evaluate a counter update with, eagerly.
+
+    The update's equations were recorded under the submeshes' abstract mesh
+    (`mp.jit` traces there) and evaluating them enters it again; on Explicit
+    axes an eager computation there needs its devices from an argument, so the
+    value is committed to the concrete ``submesh``.
+    """
+    value = np.uint32(count)
+    if submesh is None or not submesh.axis_names:
+        return value
+    return put_scalar(value, NamedSharding(submesh, PartitionSpec()))
+
+
+def _count_positions(state: Any, first: int = 0) -> list[int]:
+    """Leaf positions (from ``first``) of the RNG counters among ``state``'s leaves."""
+    positions, cursor = [], first
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        n = len(jax.tree.leaves(variable))
+        if isinstance(variable, nnx.RngCount) and n == 1:
+            positions.append(cursor)
+        cursor += n
+    return positions
+
+
+def _count_increments(
+    jaxpr: jcore.Jaxpr,
+    counts: list[int],
+    first_in: int,
+    first_out: int,
+    paths: list[str],
+    submesh: Mesh | None,
+) -> dict[int, int]:
+    """How much each RNG counter advances per microbatch (``{other index: K}``).
+
+    An NNX RNG stream adds 1 to its counter per key drawn, independently of the
+    data, so the counter after microbatch ``i`` is ``count0 + (i + 1) * K``. Each
+    counter's update is cut out of the body (dead-code elimination) and evaluated
+    at two concrete counts to find ``K`` and check that the update is that shift.
+
+    Raises:
+      CompileError: a counter's new value depends on anything but the counter, or
+        is not the counter plus a constant.
+    """
+    increments: dict[int, int] = {}
+    for j in counts:
+        keep = [i == first_out + j for i in range(len(jaxpr.outvars))]
+        sub, used = dce_jaxpr(jaxpr, keep, instantiate=False)
+        used_inputs = [i for i, u in enumerate(used) if u]
+        fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
+
+        def at(count: int, fn: Any = fn) -> int:
+            with jax.ensure_compile_time_eval():
+                return int(fn(_concrete_count(count, submesh))[0])
+
+        # A new value that does not read the counter (a constant) is never a shift.
+        k = at(0) if used_inputs == [first_in + j] else None
+        if k is None or at(1000) != (1000 + k) % (1 << 32):
+            raise CompileError(
+                f"the RNG counter {paths[j]} is changed in a way other than drawing keys (its "
+                "new value is not its old value plus the number of keys drawn). Pipelined "
+                "microbatches derive each counter from the microbatch index; do not assign "
+                "RNG counters inside the loss function."
+            )
+        increments[j] = k
+    return increments
+
+
+def _derive_counts(
+    closed: Any,
+    increments: dict[int, int],
+    first_in: int,
+    first_out: int,
+    in_avals: list[Any],
+    index_aval: Any,
+) -> Any:
+    """The body with each RNG counter read as ``count0 + index * K`` and left unchanged.
+
+    The new body takes one more input, the microbatch index (a ``[1]`` uint32
+    array, one per microbatch), and returns each counter's input as its new
+    value: stages that draw from one stream need no value from each other, so
+    they pipeline; the counters advance by ``m * K`` after the region.
+    """
+    jaxpr = convert_constvars_jaxpr(closed.jaxpr)
+    consts = list(closed.consts)
+    run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
+
+    def body(const_vals: list[Any], args: list[Any], index: Any) -> list[Any]:
+        args = list(args)
+        inputs = list(args)
+        for j, k in increments.items():
+            count = args[first_in + j]
+            args[first_in + j] = count + index[0].astype(count.dtype) * jnp.asarray(k, count.dtype)
+        outs = list(run(*const_vals, *args))
+        for j in increments:
+            outs[first_out + j] = inputs[first_in + j]
+        return outs
+
+    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+    derived = jax.make_jaxpr(body)(const_avals, in_avals, index_aval)
+    return derived, consts
