@@ -22,10 +22,15 @@ T = TypeVar("T")
 
 
 def shared_dir(name: str) -> Path:
-    """A directory under this test run's shared directory (made by tests/conftest.py)."""
-    path = Path(os.environ["NNX_MPMD_TEST_RUN_DIR"]) / "shared" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where ``name``'s files go, under this test run's shared directory (tests/conftest.py).
+
+    Only the parent is made here: `once_per_test_run` makes the directory itself
+    while it holds the lock, so no worker can create it between another's
+    ``rmtree`` and ``mkdir``.
+    """
+    root = Path(os.environ["NNX_MPMD_TEST_RUN_DIR"]) / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / name
 
 
 def once_per_test_run(key: str, compute: Callable[[Path], T]) -> T:
@@ -41,7 +46,7 @@ def once_per_test_run(key: str, compute: Callable[[Path], T]) -> T:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if result.exists():
             return pickle.loads(result.read_bytes())
-        shutil.rmtree(directory)  # what an earlier, failed attempt left
+        shutil.rmtree(directory, ignore_errors=True)  # what an earlier, failed attempt left
         directory.mkdir()
         value = compute(directory)
         partial = result.with_suffix(".partial")
