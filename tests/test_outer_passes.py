@@ -761,6 +761,8 @@ def test_plan_records_every_pass():
         "level_equations",
         "defer_equations",
         "pack_transfers",
+        "drop_unread_equations",
+        "split_common_parts",
         "emit_outer_program",
         "report_transfers",
     ]

@@ -24,8 +24,15 @@ a value must arrive from another mesh. Transfers run between levels.
    readers instead of being passed between programs.
 5. ``pack_transfers`` (`outer_packing.pack_transfers`): the small values one
    program sends to one mesh (a global norm's partial sums) move as one array.
-6. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
-7. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
+6. ``drop_unread_equations`` (`outer_parts.drop_unread_equations`): equations
+   removed from the meshes where nothing reads their results.
+7. ``split_common_parts`` (`outer_parts.split_common_parts`): a program that
+   holds an equal-shaped mesh's whole program and more is split into its
+   prologue, the rest and the part they share, which is then compiled once
+   (the block updates of the first and last meshes, besides the embedding's
+   and the final norm's).
+8. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
+9. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
    transfers outside the region, with a warning for large ones.
 """
 
@@ -57,6 +64,7 @@ from nnx_mpmd.compiler.outer_emit import (
     report_transfers,
 )
 from nnx_mpmd.compiler.outer_packing import pack_transfers
+from nnx_mpmd.compiler.outer_parts import drop_unread_equations, split_common_parts
 
 __all__ = [
     "HOST",
@@ -135,14 +143,18 @@ def plan_outer_problem(
     levels = level_equations(assignment)
     deferred = defer_equations(levels)
     packed = pack_transfers(deferred, kept_values(problem, deferred))
-    program = emit_outer_program(problem, packed, slots)
-    transfers = report_transfers(problem, packed, stacklevel=warning_stacklevel)
+    trimmed = drop_unread_equations(packed, kept_values(problem, packed))
+    split = split_common_parts(trimmed)
+    program = emit_outer_program(problem, split, slots)
+    transfers = report_transfers(problem, split, stacklevel=warning_stacklevel)
     passes: list[tuple[str, Any]] = [
         ("needed_meshes", _need_text(problem, need)),
         ("assign_meshes", assignment),
         ("level_equations", levels),
         ("defer_equations", deferred),
         ("pack_transfers", packed),
+        ("drop_unread_equations", trimmed),
+        ("split_common_parts", split),
         ("emit_outer_program", list(program.instructions)),
         ("report_transfers", "\n".join(map(str, transfers)) or "no transfers between meshes"),
     ]

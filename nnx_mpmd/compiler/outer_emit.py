@@ -16,6 +16,7 @@ After `outer_assign.assign_meshes` decided where every equation runs:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,6 +52,7 @@ __all__ = [
     "OuterLevels",
     "OuterProgram",
     "OuterTransfer",
+    "Part",
     "constrain_to",
     "emit_outer_program",
     "defer_equations",
@@ -74,18 +76,38 @@ class CrossMeshTransfer:
     nbytes: int
 
 
+class Part(enum.IntEnum):
+    """Which part of a split outer program (`outer_parts.split_common_parts`) a group is.
+
+    A program that is not split is ``WHOLE``. A split one runs as the rest
+    (``WHOLE``, or ``PROLOGUE`` when only the small values the common part reads
+    are left), then the ``COMMON`` part it shares with other meshes.
+    """
+
+    PROLOGUE = -1
+    WHOLE = 0
+    COMMON = 1
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class OuterGroup:
-    """One program of the outer code: a segment's equations of one level on one mesh."""
+    """One program of the outer code: a segment's equations of one level on one mesh.
+
+    ``part`` tells which part of a split program it is (`Part`).
+    """
 
     segment: Segment
     level: int
     mesh: int
+    part: Part = Part.WHOLE
 
     @property
     def program_key(self) -> ProgramKey:
-        """The program's name: ``pre.L0.mesh1``."""
-        return ProgramKey(self.segment.name.lower(), index=self.level, mesh=self.mesh)
+        """The program's name: ``pre.L0.mesh1`` (a part: ``post_common.L1.mesh0``)."""
+        kind = self.segment.name.lower()
+        if self.part is not Part.WHOLE:
+            kind += f"_{self.part.name.lower()}"
+        return ProgramKey(kind, index=self.level, mesh=self.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,10 +363,9 @@ def emit_outer_program(
                     instructions.append(_packed_transfer(problem, t, slots))
                 else:
                     instructions.append(_transfer(problem, t, assignment.names, slots))
-            for q in range(len(problem.submeshes)):
-                call = calls.get(OuterGroup(segment, lvl, q))
-                if call is not None:
-                    instructions.append(call)
+            instructions.extend(
+                calls[g] for g in sorted(calls) if (g.segment, g.level) == (segment, lvl)
+            )
         if segment is Segment.PRE and assignment.region is not None:
             instructions.extend(assignment.region.instructions)
     input_slots = [

@@ -26,18 +26,25 @@ _installed = False
 
 
 class CompilationCounter:
-    """Counts backend (XLA) compilations while active."""
+    """Counts backend (XLA) compilations while active.
+
+    Attributes:
+      count: how many compilations ran.
+      names: the compiled functions' names, in order (``jit(F0)``, ...).
+    """
 
     def __init__(self) -> None:
         self.count = 0
+        self.names: list[str] = []
 
 
 def _listener(event: str, duration: float, **kwargs: object) -> None:
-    del duration, kwargs
+    del duration
     if event == _EVENT:
         with _lock:
             for counter in _active:
                 counter.count += 1
+                counter.names.append(str(kwargs.get("fun_name", "?")))
 
 
 @contextlib.contextmanager
