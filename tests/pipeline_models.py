@@ -167,6 +167,23 @@ def build(model_name: str, opt_name: str, num_stages: int, seed: int = 0):
     return model, optimizer, loss_fn, kind
 
 
+def lm_on_four_meshes(opt_name: str, axis_types=None, num_microbatches: int = 4):
+    """The 4-stage LM under 1F1B on 4 meshes x 2 data, and a twin model for the reference.
+
+    Returns:
+      ``(step, (model, optimizer), (reference model, optimizer), loss_fn, kind)``.
+    """
+    model, opt, loss_fn, kind = build("lm", opt_name, 4)
+    ref_model, ref_opt, _, _ = build("lm", opt_name, 4)
+    step = mp.jit(
+        train_step_fn(loss_fn),
+        mesh=make_mesh(4, 2, axis_types),
+        schedule=mp.OneFOneB(),
+        num_microbatches=num_microbatches,
+    )
+    return step, (model, opt), (ref_model, ref_opt), loss_fn, kind
+
+
 def params_of(model) -> dict[str, np.ndarray]:
     """Every Param by logical path, as NumPy arrays."""
     logical = mp.annotate.logical_paths(model) if hasattr(mp, "annotate") else None

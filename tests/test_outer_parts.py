@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import lm_on_four_meshes, make_batch, params_of, train_step_fn
 from test_outer_passes import _assign, _problem, _run
 
 import nnx_mpmd as mp
@@ -167,13 +167,8 @@ def test_a_clipped_adam_update_compiles_its_block_part_once_and_equals_nnx_jit(
     # The LM's first mesh holds the embedding and a block, the last a block and the
     # head; with a global-norm clip, the block updates of all four meshes are one
     # program, compiled once.
-    model, opt, loss_fn, kind = build("lm", "clip_adamw_cosine", 4)
-    ref_model, ref_opt, _, _ = build("lm", "clip_adamw_cosine", 4)
-    step = mp.jit(
-        train_step_fn(loss_fn),
-        mesh=make_mesh(4, 2, axis_types),
-        schedule=mp.OneFOneB(),
-        num_microbatches=4,
+    step, (model, opt), (ref_model, ref_opt), loss_fn, kind = lm_on_four_meshes(
+        "clip_adamw_cosine", axis_types
     )
     with count_compilations() as compiled:
         lowered = step.lower(model, opt, make_batch(kind, 8))

@@ -10,7 +10,14 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import (
+    build,
+    lm_on_four_meshes,
+    make_batch,
+    make_mesh,
+    params_of,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.stats import count_compilations
@@ -181,14 +188,7 @@ def test_equal_middle_stages_are_traced_once_and_match_nnx_jit(
     # (compiled_here: an executable from JAX's disk cache cannot be serialized for
     # the twin, which then traces and compiles itself.)
     traced = _counting_stage_traces(monkeypatch)
-    model, opt, loss_fn, kind = build("lm", "adamw", 4)
-    ref_model, ref_opt, _, _ = build("lm", "adamw", 4)
-    step = mp.jit(
-        train_step_fn(loss_fn),
-        mesh=make_mesh(4, 2, axis_types),
-        schedule=mp.OneFOneB(),
-        num_microbatches=4,
-    )
+    step, (model, opt), (ref_model, ref_opt), loss_fn, kind = lm_on_four_meshes("adamw", axis_types)
     lowered = step.lower(model, opt, make_batch(kind, 8))
     calls = {c.label: c for c in lowered.compiled.instructions if hasattr(c, "structure")}
     assert calls["F1.0"].structure is not None
