@@ -404,6 +404,13 @@ def _check_loss(loss_aval: Any, with_grad: bool) -> None:
         )
 
 
+def _rng_counts_from_index(closed: Any, *args: Any) -> tuple[Any, list[Any], dict[int, int]]:
+    """`region_rng.rng_counts_from_index` on the traced step's submesh, its index a batch leaf."""
+    index_aval = _microbatch_aval((1,), jnp.uint32)  # placed like a batch leaf
+    submesh = _region_state.submesh
+    return rng_counts_from_index(closed, *args, index_aval=index_aval, submesh=submesh)
+
+
 def trace_region(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -454,15 +461,8 @@ def trace_region(
     other_paths = [*_paths(other_state), *(c.path for c in captured)]
     counts = rng_count_inputs(other_state, len(other_leaves), captured)
     in_avals = [*map(_aval, diff_leaves), *map(_aval, state_leaves), *mb_avals]
-    closed, consts, increments = rng_counts_from_index(
-        closed,
-        counts,
-        num_diff=len(diff_leaves),
-        first_out=1 + n_aux,
-        in_avals=in_avals,
-        paths=other_paths,
-        index_aval=_microbatch_aval((1,), jnp.uint32),  # placed like a batch leaf
-        submesh=_region_state.submesh,
+    closed, consts, increments = _rng_counts_from_index(
+        closed, counts, len(diff_leaves), 1 + n_aux, in_avals, other_paths
     )
     index_leaves = [jnp.arange(num_microbatches, dtype=jnp.uint32)] if increments else []
     info = RegionInfo(

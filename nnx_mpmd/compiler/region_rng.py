@@ -58,11 +58,11 @@ def rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) ->
 def rng_counts_from_index(
     closed: Any,
     counts: list[int],
-    *,
     num_diff: int,
     first_out: int,
     in_avals: list[Any],
     paths: list[str],
+    *,
     index_aval: Any,
     submesh: Mesh | None,
 ) -> tuple[Any, list[Any], dict[int, int]]:
