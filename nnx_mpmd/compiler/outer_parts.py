@@ -16,8 +16,8 @@ compiles it again in each module, kernel by kernel. Such a program is cut into
 the rest (with the prologue) and a *common* part equal to the smallest program
 of its level that the others contain; a program that is all common part runs
 its prologue as a program of its own. The common parts of every mesh are then
-one program, compiled once, and the rest is small. The pieces are independent, so running
-them as separate programs computes the same values. A program that sends a
+one program, compiled once, and the rest is small. The pieces are independent,
+so running them as separate programs computes the same values. A program that sends a
 packed transfer, or that has effects, is not split. Whether two parts are
 really equal is decided later, as for any program, by `Call.structure`; this
 pass only arranges for them to be.
@@ -38,7 +38,7 @@ from nnx_mpmd.compiler.outer_packing import PackedTransfer
 __all__ = ["drop_unread_equations", "split_common_parts"]
 
 # The prologue's values are at most this big (a global norm's partial sums, the
-# small gradients some meshes send every mesh): each part computes them again.
+# small gradients some meshes send every mesh): bigger work is a piece of its own.
 _PROLOGUE_BYTES = 16 * 1024
 
 # A common part smaller than this many equations is not worth a program of its own.
@@ -50,9 +50,9 @@ class _Pieces:
     """A program's equations: the prologue and the independent pieces after it.
 
     ``prologue`` lists the small equations that compute scalars, and the small
-    equations they read, from the program's inputs (in
-    program order); ``pieces`` the connected sets of the other equations, in
-    order of their first equation; ``keys[k]`` says what piece ``k`` computes
+    equations they read, from the program's inputs (in program order);
+    ``pieces`` the connected sets of the other equations, in order of their
+    first equation; ``keys[k]`` says what piece ``k`` computes
     and which prologue values it reads.
     """
 
