@@ -27,10 +27,9 @@ a value must arrive from another mesh. Transfers run between levels.
 6. ``drop_unread_equations`` (`outer_parts.drop_unread_equations`): equations
    removed from the meshes where nothing reads their results.
 7. ``split_common_parts`` (`outer_parts.split_common_parts`): a program that
-   holds an equal-shaped mesh's whole program and more is split into its
-   prologue, the rest and the part they share, which is then compiled once
-   (the block updates of the first and last meshes, besides the embedding's
-   and the final norm's).
+   holds an equal-shaped mesh's whole program and more is split into the rest
+   and the part they share, which is then compiled once (the block updates of
+   the first and last meshes, besides the embedding's and the final norm's).
 8. ``emit_outer_program`` (`outer_emit.emit_outer_program`): the instructions.
 9. ``report_transfers`` (`outer_emit.report_transfers`): the cross-mesh
    transfers outside the region, with a warning for large ones.

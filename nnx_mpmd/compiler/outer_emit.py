@@ -354,6 +354,9 @@ def emit_outer_program(
     by_level: dict[tuple[Segment, int], list[OuterTransfer | PackedTransfer]] = {}
     for t in levels.transfers:
         by_level.setdefault((t.segment, t.level), []).append(t)
+    calls_at: dict[tuple[Segment, int], list[Call]] = {}  # each level's calls, mesh by mesh
+    for g in sorted(calls):
+        calls_at.setdefault((g.segment, g.level), []).append(calls[g])
     max_level = max([g.level for g in levels.groups] + [t.level for t in levels.transfers] + [0])
     instructions: list[Instruction] = []
     for segment in Segment:
@@ -363,9 +366,7 @@ def emit_outer_program(
                     instructions.append(_packed_transfer(problem, t, slots))
                 else:
                     instructions.append(_transfer(problem, t, assignment.names, slots))
-            instructions.extend(
-                calls[g] for g in sorted(calls) if (g.segment, g.level) == (segment, lvl)
-            )
+            instructions.extend(calls_at.get((segment, lvl), ()))
         if segment is Segment.PRE and assignment.region is not None:
             instructions.extend(assignment.region.instructions)
     input_slots = [

@@ -52,8 +52,8 @@ class _Pieces:
     ``prologue`` lists the small equations that compute scalars, and the small
     equations they read, from the program's inputs (in program order);
     ``pieces`` the connected sets of the other equations, in order of their
-    first equation; ``keys[k]`` says what piece ``k`` computes
-    and which prologue values it reads.
+    first equation; ``keys[k]`` says what piece ``k`` computes and which
+    prologue values it reads.
     """
 
     prologue: tuple[int, ...]
@@ -161,7 +161,7 @@ def split_common_parts(levels: OuterLevels) -> OuterLevels:
       ...
     """
     eqns = levels.assignment.jaxpr.eqns
-    senders = {t.source for t in levels.transfers if getattr(t, "source", None) is not None}
+    senders = {t.source for t in levels.transfers if isinstance(t, PackedTransfer)}
     families: dict[tuple[Any, int], list[OuterGroup]] = {}
     for group, members in levels.groups.items():
         if group.part is not Part.WHOLE or group in senders:
