@@ -8,7 +8,9 @@ process per version and preset reports, per schedule:
   (every program replaced by its recorded result, as `nnx-mpmd bench`'s
   **µs/task (no-op)**: what remains is the runtime's own work);
 * the host CPU ms of a real step (the calling thread's CPU time until the step
-  returns, not blocked), median and minimum over 16 steps.
+  returns, not blocked), median and minimum over 16 steps;
+* the wall time of those steps until their results are ready (median), and
+  the program calls per step.
 
 Replays and steps of the schedules alternate inside a worker; workers of the
 two versions alternate, ``--rounds`` times. ``--before`` is a checkout of the
@@ -67,7 +69,7 @@ def _replay(variant):
 
     replay = with_fns({n: replaying(n) for n, _ in calls})
     tasks = sum(1 for _, ins in calls if ins.task is not None)
-    return lambda: block(executor.execute(replay, inputs, submeshes)), tasks
+    return lambda: block(executor.execute(replay, inputs, submeshes)), tasks, len(calls)
 
 
 def worker(preset: str, schedules: list[str]) -> list[dict]:
@@ -89,23 +91,25 @@ def worker(preset: str, schedules: list[str]) -> list[dict]:
         for name, variant in variants.items():
             for r in range(4):
                 variant.once(r)
-            replay, _ = replays[name]
+            replay = replays[name][0]
             for _ in range(15):
                 start = time.perf_counter()
                 replay()
                 times[name].append(time.perf_counter() - start)
     rows = []
     for name, variant in variants.items():
-        tasks = replays[name][1]
+        _, tasks, num_calls = replays[name]
         rows.append(
             {
                 "preset": preset,
                 "schedule": name,
                 "tasks": tasks,
+                "calls": num_calls,
                 "us_per_task_median": statistics.median(times[name]) / tasks * 1e6,
                 "us_per_task_min": min(times[name]) / tasks * 1e6,
                 "host_cpu_ms_median": statistics.median(variant.host_cpu) * 1e3,
                 "host_cpu_ms_min": min(variant.host_cpu) * 1e3,
+                "step_ms_median": statistics.median(variant.times) * 1e3,
                 "load": os.getloadavg()[0],
             }
         )
@@ -125,8 +129,9 @@ def run_worker(root: str, preset: str, schedules: str) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| preset / schedule | version | µs/task median (per round) | µs/task min "
-        "| host CPU ms median (per round) | host CPU ms min |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| host CPU ms median (per round) | host CPU ms min | step ms median (per round) "
+        "| calls |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     keys = sorted({(r["preset"], r["schedule"], r["version"]) for r in rows})
     for preset, schedule, version in keys:
@@ -137,10 +142,11 @@ def _table(rows: list[dict]) -> str:
         ]
         medians = ", ".join(f"{r['us_per_task_median']:.1f}" for r in rs)
         cpus = ", ".join(f"{r['host_cpu_ms_median']:.1f}" for r in rs)
+        steps = ", ".join(f"{r.get('step_ms_median', float('nan')):.1f}" for r in rs)
         lines.append(
             f"| {preset} {schedule} | {version} | {medians} | "
             f"{min(r['us_per_task_min'] for r in rs):.1f} | {cpus} | "
-            f"{min(r['host_cpu_ms_min'] for r in rs):.1f} |"
+            f"{min(r['host_cpu_ms_min'] for r in rs):.1f} | {steps} | {rs[0].get('calls', '')} |"
         )
     return "\n".join(lines)
 
