@@ -25,7 +25,8 @@ from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
-from nnx_mpmd.frontend.jit import jit, value_and_grad
+from nnx_mpmd.frontend.jit import jit
+from nnx_mpmd.frontend.losses import value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh

@@ -27,10 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
 from nnx_mpmd.errors import CompileError
 
-__all__ = ["REDUCTIONS", "check_reduction", "combine", "region_loss"]
+__all__ = ["REDUCTIONS", "check_reduction", "combine", "region_loss", "value_and_grad"]
 
 REDUCTIONS = ("mean", "sum", "token_mean")
 """The reductions `value_and_grad` accepts."""
@@ -119,3 +121,82 @@ def combine(out: Any, reduction: str, has_aux: bool, num_microbatches: int) -> A
     loss = mean_sum / mean_count  # the 1/m of both means cancels
     grads = jax.tree.map(lambda g: g / mean_count.astype(g.dtype), grads)
     return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any],
+    has_aux: bool = False,
+    *,
+    wrt: Any = nnx.Param,
+    num_microbatches: int | None = None,
+    reduction: str = "mean",
+) -> Callable[[Any, Any], Any]:
+    """Marks the pipelined region: the loss and gradient reduced over microbatches.
+
+    ``value_and_grad(loss_fn)(model, batch)`` splits every leaf of ``batch``
+    along axis 0 into microbatches and returns the mean loss and the mean
+    gradient (an ``nnx.State`` like ``nnx.value_and_grad`` gives). Inside
+    `jit` the region is pipelined with the step's schedule; outside it runs
+    unpipelined with the same numbers, so one step works both ways.
+
+    ``reduction`` says how the microbatches combine
+    (`nnx_mpmd.frontend.losses`): ``"mean"`` averages the microbatches' mean
+    losses; ``"sum"`` adds the sums the loss returns; ``"token_mean"`` takes
+    ``(sum, count)`` from the loss and returns ``Σ sum / Σ count`` with the
+    gradient of that, the full batch's token-weighted mean however the real
+    tokens fall into microbatches.
+
+    Args:
+      loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``);
+        for ``reduction="token_mean"`` the loss is ``(sum, count)``.
+      has_aux: whether ``loss_fn`` also returns aux values (averaged over the
+        microbatches in every mode).
+      wrt: an NNX filter of the differentiated Variables (default ``nnx.Param``).
+      num_microbatches: microbatches when run outside `jit` (default 1;
+        inside `jit` the step's ``num_microbatches`` is used).
+      reduction: ``"mean"``, ``"sum"`` or ``"token_mean"``.
+
+    Returns:
+      A function ``(model, batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
+
+    Raises:
+      CompileError: an unknown ``reduction``, or a ``"token_mean"`` loss that
+        does not return a scalar ``(sum, count)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.zeros((4, 1))}
+      >>> loss, grads = mp.value_and_grad(loss_fn, num_microbatches=2)(model, batch)
+      >>> grads["kernel"].shape
+      (2, 1)
+      >>> masked = lambda m, b: (jnp.sum(b["w"] * (m(b["x"]) - b["y"]) ** 2), jnp.sum(b["w"]))
+      >>> batch["w"] = jnp.array([[1.0], [1.0], [1.0], [0.0]])  # the last row is padding
+      >>> loss, _ = mp.value_and_grad(masked, num_microbatches=2, reduction="token_mean")(
+      ...     model, batch)
+      >>> bool(jnp.allclose(loss, masked(model, batch)[0] / 3))
+      True
+    """
+    check_reduction(reduction)
+    traced_fn, traced_aux = region_loss(loss_fn, reduction, has_aux)
+
+    def wrapped(model: Any, batch: Any) -> Any:
+        active = active_microbatches()
+        if active is not None:
+            if num_microbatches not in (None, active):
+                raise CompileError(
+                    f"value_and_grad(num_microbatches={num_microbatches}) inside a step "
+                    f"compiled with num_microbatches={active}; drop one of them."
+                )
+            out = trace_region(traced_fn, model, batch, has_aux=traced_aux, wrt=wrt)
+            return combine(out, reduction, has_aux, active)
+        count = num_microbatches or 1
+        out = reference_value_and_grad(
+            traced_fn, model, batch, num_microbatches=count, has_aux=traced_aux, wrt=wrt
+        )
+        return combine(out, reduction, has_aux, count)
+
+    return wrapped
