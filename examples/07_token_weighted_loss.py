@@ -5,8 +5,11 @@ per-token cross entropy over the *real* tokens of the whole batch. Split into
 microbatches, the real tokens fall unevenly, so the mean of the microbatches'
 means is not that loss. ``mp.value_and_grad(..., reduction="token_mean")``
 takes each microbatch's ``(sum, count)`` and returns ``Σ sum / Σ count`` and
-its gradient. Every step is checked against the same model trained on the
-whole batch at once under ``nnx.jit``.
+its gradient. The loss also returns each sequence's mean loss as aux;
+``aux_reduction="concat"`` gives those for the whole batch, in order (averaging
+them over the microbatches would mix different sequences). Every step is
+checked against the same model trained on the whole batch at once under
+``nnx.jit``.
 
 Run:  python examples/07_token_weighted_loss.py --steps 10
 """
@@ -33,9 +36,11 @@ VOCAB, SEQ, BATCH = 64, 32, 32
 
 
 def token_sum_and_count(model, batch):
+    """``((masked sum, real tokens), per-sequence mean loss)``."""
     logits = model(batch["inputs"])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(batch["mask"] * nll), jnp.sum(batch["mask"])
+    per_sequence = jnp.sum(batch["mask"] * nll, axis=1) / jnp.sum(batch["mask"], axis=1)
+    return (jnp.sum(batch["mask"] * nll), jnp.sum(batch["mask"])), per_sequence
 
 
 def padded_batch(step: int) -> dict[str, np.ndarray]:
@@ -62,28 +67,38 @@ def main() -> None:
     reference, ref_optimizer = fresh()
 
     def train_step(model, optimizer, batch):
-        loss, grads = mp.value_and_grad(token_sum_and_count, reduction="token_mean")(model, batch)
+        (loss, per_sequence), grads = mp.value_and_grad(
+            token_sum_and_count, has_aux=True, reduction="token_mean", aux_reduction="concat"
+        )(model, batch)
         optimizer.update(model, grads)
-        return loss
+        return loss, per_sequence
 
     @nnx.jit
     def whole_batch_step(model, optimizer, batch):
-        loss_fn = lambda m, b: jnp.divide(*token_sum_and_count(m, b))  # noqa: E731
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        def loss_fn(m, b):
+            (total, count), per_sequence = token_sum_and_count(m, b)
+            return total / count, per_sequence
+
+        (loss, per_sequence), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         optimizer.update(model, grads)
-        return loss
+        return loss, per_sequence
 
     step = mp.jit(train_step, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=args.microbatches)
     for i in range(args.steps):
         batch = padded_batch(i)
         counts = batch["mask"].reshape(args.microbatches, -1).sum(axis=1)
-        loss = float(step(model, optimizer, batch))
-        expected = float(whole_batch_step(reference, ref_optimizer, batch))
-        np.testing.assert_allclose(loss, expected, rtol=2e-4)
+        loss, per_sequence = step(model, optimizer, batch)
+        expected, expected_per_sequence = whole_batch_step(reference, ref_optimizer, batch)
+        np.testing.assert_allclose(float(loss), float(expected), rtol=2e-4)
+        np.testing.assert_allclose(per_sequence, expected_per_sequence, rtol=2e-4, atol=1e-5)
         if i == 0:
             print(f"real tokens per microbatch: {counts.astype(int).tolist()}")
-        print(f"step {i}: token-weighted loss {loss:.4f} (whole batch: {expected:.4f})")
-    print(f"every loss equals the whole-batch token-weighted mean ({args.steps} steps)")
+        worst = int(np.argmax(per_sequence))
+        print(
+            f"step {i}: token-weighted loss {float(loss):.4f} (whole batch: "
+            f"{float(expected):.4f}); worst sequence {worst}: {float(per_sequence[worst]):.4f}"
+        )
+    print(f"every loss, and every sequence's loss, equals the whole batch's ({args.steps} steps)")
 
 
 if __name__ == "__main__":

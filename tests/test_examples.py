@@ -21,7 +21,11 @@ CASES = [
     ("04_checkpoint_resume.py", ["--steps", "4"], "resumed losses match"),
     ("05_annotate_existing_model.py", ["--steps", "3"], "equal to nnx.jit at every step"),
     ("06_custom_schedule.py", ["--steps", "5"], "with and without overlapped pairs"),
-    ("07_token_weighted_loss.py", ["--steps", "2"], "equals the whole-batch token-weighted"),
+    (
+        "07_token_weighted_loss.py",
+        ["--steps", "2"],
+        "every sequence's loss, equals the whole batch's",
+    ),
     ("08_generate.py", ["--steps", "2", "--new-tokens", "6"], "equal the one-device decoding"),
     (
         "09_plan.py",

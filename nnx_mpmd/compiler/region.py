@@ -34,6 +34,7 @@ from nnx_mpmd.compiler.captured import (
     captured_variables,
     outer_trace_error,
 )
+from nnx_mpmd.compiler.region_aux import aux_modes, join_stacked, stacked_aval
 from nnx_mpmd.compiler.region_rng import advance_counts, rng_count_inputs, rng_counts_from_index
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.frontend import markers
@@ -82,6 +83,8 @@ class RegionInfo:
     # The same on an Auto axis: (axis, its size). Gradients accumulate as stacked
     # per-device partial sums and are reduced once per step (`grad_reduction_auto`).
     stacked_axis: tuple[str, int] | None = None
+    # Per aux leaf, "mean" or "concat" (`region_aux`); empty: every leaf averaged.
+    aux_modes: tuple[str, ...] = ()
 
     @property
     def reduces_once(self) -> bool:
@@ -419,13 +422,15 @@ def trace_region(
     has_aux: bool,
     wrt: Any,
     with_grad: bool = True,
+    aux_reduction: Any = None,
 ) -> Any:
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
     RNG state the loss function closes over is region state like the model's;
     RNG counters are derived from the microbatch index (`region_rng`).
     Returns what `value_and_grad` returns: ``(loss, grads)`` or
-    ``((loss, aux), grads)``; with ``with_grad=False`` the stacked outputs.
+    ``((loss, aux), grads)``, each aux leaf combined as ``aux_reduction`` says
+    (`region_aux`); with ``with_grad=False`` the stacked outputs.
     """
     num_microbatches = _region_state.num_microbatches
     assert num_microbatches is not None and _region_state.regions is not None
@@ -458,6 +463,8 @@ def trace_region(
     n_aux = len(closed.out_avals) - 1 - len(state_leaves)
     _check_writable(captured)
     _check_loss(closed.out_avals[0], with_grad)
+    aux_avals = closed.out_avals[1 : 1 + n_aux] if with_grad else None  # forward: outputs
+    modes = _aux_modes(aux_reduction, aux_tree_box[-1], aux_avals, batch, num_microbatches)
     other_paths = [*_paths(other_state), *(c.path for c in captured)]
     counts = rng_count_inputs(other_state, len(other_leaves), captured)
     in_avals = [*map(_aval, diff_leaves), *map(_aval, state_leaves), *mb_avals]
@@ -477,40 +484,56 @@ def trace_region(
         with_grad=with_grad,
         diff_paths=tuple(_paths(diff_state)),
         other_paths=tuple(other_paths),
-        out_avals=_region_out_avals(closed, n_aux, diff_leaves, num_microbatches, with_grad),
+        out_avals=_region_out_avals(closed, modes, diff_leaves, num_microbatches, with_grad),
         unreduced_axis=_unreduced_axis(with_grad),
         stacked_axis=_stacked_axis(with_grad),
+        aux_modes=modes if with_grad else (),
     )
     _region_state.regions.append(info)
     inputs = [*consts, *diff_leaves, *state_leaves, *batch_leaves, *index_leaves]
     head, grads, new_state = _bind_region(info, inputs, diff_tree)
     new_state = advance_counts(new_state, increments, num_microbatches)
     _store_state(model, other_tree, captured, new_state)
-    if not with_grad:
-        return jax.tree.unflatten(aux_tree_box[-1], head)
-    loss, aux = head[0], jax.tree.unflatten(aux_tree_box[-1], head[1:])
-    return ((loss, aux), grads) if has_aux else (loss, grads)
+    return _user_result(head, grads, aux_tree_box[-1], modes if with_grad else None, has_aux)
 
 
-def _stacked_aval(aval: Any, num_microbatches: int) -> Any:
-    """``[m, *aval.shape]``, sharded like each microbatch (an Explicit type stays)."""
-    shape = (num_microbatches, *aval.shape)
-    sharding = getattr(aval, "sharding", None)
-    if sharding is None or all(entry is None for entry in sharding.spec):
-        return jax.core.ShapedArray(shape, aval.dtype)
-    spec = PartitionSpec(None, *sharding.spec)
-    return aval.update(shape=shape, sharding=NamedSharding(sharding.mesh, spec))
+def _user_result(head: list[Any], grads: Any, tree: Any, modes: Any, has_aux: bool) -> Any:
+    """What `value_and_grad` returns from the region's results (``modes`` None: forward only)."""
+    if modes is None:
+        return jax.tree.unflatten(tree, head)
+    aux = jax.tree.unflatten(tree, _aux_leaves(modes, *_split_by_mode(head[1:], modes)))
+    return ((head[0], aux), grads) if has_aux else (head[0], grads)
+
+
+def _aux_modes(
+    aux_reduction: Any, aux_tree: Any, aux_avals: Any, batch: Any, num_microbatches: int
+) -> tuple:
+    """`region_aux.aux_modes` for a microbatch of ``batch`` (no leaves: no row count).
+
+    ``aux_avals`` None: a forward-only step, whose outputs are all stacked.
+    """
+    if aux_avals is None:
+        return ("mean",) * (aux_tree.num_leaves - 1)
+    leaves = jax.tree.leaves(batch)
+    rows = jnp.shape(leaves[0])[0] // num_microbatches if leaves else -1
+    return aux_modes(aux_reduction, aux_tree, aux_avals, rows)
 
 
 def _region_out_avals(
-    closed: Any, n_aux: int, diff_leaves: list[Any], num_microbatches: int, with_grad: bool
+    closed: Any, modes: tuple, diff_leaves: list[Any], num_microbatches: int, with_grad: bool
 ) -> tuple[Any, ...]:
     """The region equation's outputs: means (or stacked outputs), grads, new state."""
+    n_aux = len(modes)
     head, state = closed.out_avals[: 1 + n_aux], tuple(closed.out_avals[1 + n_aux :])
     if not with_grad:  # forward only: stacked per-microbatch outputs
-        return tuple(_stacked_aval(a, num_microbatches) for a in head) + state
+        return tuple(stacked_aval(a, num_microbatches) for a in head) + state
     means = [
-        a if jnp.issubdtype(a.dtype, jnp.inexact) else a.update(dtype=jnp.float32) for a in head
+        stacked_aval(a, num_microbatches)
+        if mode == "concat"
+        else a
+        if jnp.issubdtype(a.dtype, jnp.inexact)
+        else a.update(dtype=jnp.float32)
+        for a, mode in zip(head, ("mean", *modes), strict=True)
     ]
     grads = [jax.core.ShapedArray(jnp.shape(x), jnp.result_type(x)) for x in diff_leaves]
     return (*means, *grads, *state)
@@ -524,13 +547,15 @@ def reference_value_and_grad(
     num_microbatches: int,
     has_aux: bool,
     wrt: Any,
+    aux_reduction: Any = None,
 ) -> Any:
     """Unpipelined value-and-grad with the pipeline's microbatch semantics.
 
     Splits the batch into ``num_microbatches`` along axis 0, runs the
     microbatches in order (threading non-differentiated state such as RNG
     counters and batch statistics, and RNG state the loss function closes
-    over), and returns the mean loss, mean aux and mean gradients.
+    over), and returns the mean loss, the aux values (averaged or
+    concatenated as ``aux_reduction`` says, `region_aux`) and mean gradients.
     """
     graphdef, diff_state, other_state = _split_model(model, wrt)
     captured = captured_variables(loss_fn, exclude=[model])
@@ -567,29 +592,44 @@ def reference_value_and_grad(
     held_leaves = [c.variable.get_raw_value() for c in captured]
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
+    state0 = (other_leaves, held_leaves)
+    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
+    aux_tree = jax.tree.structure(aux0)
+    modes = _aux_modes(aux_reduction, aux_tree, jax.tree.leaves(aux0), batch, num_microbatches)
+
     def step(carry: Any, mb: Any) -> Any:
         state, loss_sum, aux_sum, grad_sum = carry
         (loss, (aux, state)), grads = grad_fn(diff_leaves, state, mb)
+        means, stacked = _split_by_mode(jax.tree.leaves(aux), modes)
         add = lambda a, b: a + b  # noqa: E731
-        aux_sum = jax.tree.map(add, aux_sum, aux) if aux_sum is not None else aux
-        return (state, loss_sum + loss, aux_sum, jax.tree.map(add, grad_sum, grads)), None
+        aux_sum = jax.tree.map(add, aux_sum, means)
+        return (state, loss_sum + loss, aux_sum, jax.tree.map(add, grad_sum, grads)), stacked
 
     zeros = [jnp.zeros_like(x) for x in diff_leaves]
-    state0 = (other_leaves, held_leaves)
-    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
-    aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
+    aux_zeros = [
+        jnp.zeros(a.shape, a.dtype) for a in _split_by_mode(jax.tree.leaves(aux0), modes)[0]
+    ]
     init = (state0, jnp.zeros(loss0.shape, loss0.dtype), aux_zeros, zeros)
-    ((other_leaves, held_leaves), loss_sum, aux_sum, grad_sum), _ = jax.lax.scan(
+    ((other_leaves, held_leaves), loss_sum, aux_sum, grad_sum), aux_stacked = jax.lax.scan(
         step, init, stacked
     )
-    nnx.update(model, jax.tree.unflatten(other_tree, other_leaves))
-    for c, value in zip(captured, held_leaves, strict=True):
-        c.variable.set_raw_value(value)
-    grad_sum = jax.tree.unflatten(diff_tree, grad_sum)
+    _store_state(model, other_tree, captured, [*other_leaves, *held_leaves])
     scale = 1.0 / num_microbatches
+    grads = jax.tree.map(lambda g: g * scale, jax.tree.unflatten(diff_tree, grad_sum))
+    aux = _aux_leaves(modes, [a * scale for a in aux_sum], aux_stacked)
     loss = loss_sum * scale
-    grads = jax.tree.map(lambda g: g * scale, grad_sum)
-    if has_aux:
-        aux = jax.tree.map(lambda a: a * scale, aux_sum)
-        return (loss, aux), grads
-    return loss, grads
+    return ((loss, jax.tree.unflatten(aux_tree, aux)), grads) if has_aux else (loss, grads)
+
+
+def _aux_leaves(modes: tuple, means: list[Any], stacked: list[Any]) -> list[Any]:
+    """The aux leaves in order: the means, and the stacked values joined along their rows."""
+    means_iter, stacked_iter = iter(means), iter(stacked)
+    return [
+        join_stacked(next(stacked_iter)) if mode == "concat" else next(means_iter) for mode in modes
+    ]
+
+
+def _split_by_mode(leaves: list[Any], modes: tuple) -> tuple[list[Any], list[Any]]:
+    """The aux leaves averaged over the microbatches, and those concatenated."""
+    means = [x for x, mode in zip(leaves, modes, strict=True) if mode != "concat"]
+    return means, [x for x, mode in zip(leaves, modes, strict=True) if mode == "concat"]

@@ -67,7 +67,7 @@ def _stacked_outputs(ctx: RegionContext) -> tuple[list[Instruction], OutputLocat
                 "return values computed by the model."
             )
         k, q = source.stage, ctx.stage_mesh[source.stage]
-        j = ctx.fns[k].accumulated.index(source.var)
+        j = ctx.fns[k].accumulated_outputs.index(o_index)
         parts = tuple(ctx.outputs(k, i)[j] for i in range(ctx.num_microbatches))
         out = RegionValue("stacked", (o_index,), None, q)
         key = ProgramKey("stack", index=o_index, mesh=q)
@@ -100,7 +100,7 @@ def collect_results(ctx: RegionContext) -> tuple[list[Instruction], OutputLocati
                 "from the model's outputs."
             )
         k = source.stage
-        j = ctx.fns[k].accumulated.index(source.var)
+        j = ctx.fns[k].accumulated_outputs.index(o_index)
         locations.append([(ctx.stage_mesh[k], ctx.result_accumulators(k)[j])])
     return [], locations
 

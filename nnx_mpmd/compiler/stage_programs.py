@@ -25,12 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking
 from nnx_mpmd.compiler.jaxpr_utils import structure_key
 from nnx_mpmd.compiler.region import RegionInfo
+from nnx_mpmd.compiler.region_aux import stacked_aval
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
@@ -154,6 +155,30 @@ def mean_dtype(dtype: Any) -> Any:
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
 
 
+def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
+    """Zeros for ``num_microbatches`` values of ``aval``, sharded like each one."""
+    stacked = stacked_aval(aval, num_microbatches)
+    sharding = getattr(stacked, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return jnp.zeros(stacked.shape, stacked.dtype)
+    return jnp.zeros(stacked.shape, stacked.dtype, out_sharding=sharding)
+
+
+def _stack_into(buffer: Any, value: Any, idx: Any) -> Any:
+    """``buffer`` with ``value`` as its row ``idx``.
+
+    On Explicit axes the update must have the buffer's sharding: a microbatch
+    value sharded over the data axis is gathered into a replicated buffer.
+    """
+    value = value.astype(buffer.dtype)
+    want = getattr(jax.typeof(buffer).sharding, "spec", None)
+    have = jax.typeof(value).sharding
+    if want is not None and tuple(want[1:]) != tuple(getattr(have, "spec", ())):
+        value = jax.sharding.reshard(value, NamedSharding(have.mesh, PartitionSpec(*want[1:])))
+    return lax.dynamic_update_index_in_dim(buffer, value, idx, 0)
+
+
 def _type_key(aval: Any) -> tuple[str, ...]:
     """An aval's type as comparable text: shape, dtype, weak type, sharding."""
     sharding = getattr(aval, "sharding", None)
@@ -205,11 +230,21 @@ class StageFunctions:
         for j, source in enumerate(plan.outputs[1 + info.n_aux :]):
             if source.kind == "stage" and source.stage == stage:
                 self.carries[first_other + j] = source.var
-        # Region outputs produced here (loss, aux) are averaged over microbatches
-        # (forward-only steps collect them instead).
-        self.accumulated = [
-            o.var for o in plan.outputs[: 1 + info.n_aux] if o.kind == "stage" and o.stage == stage
+        # Region outputs produced here (loss, aux) are averaged over microbatches,
+        # or stacked per microbatch for a "concat" aux leaf (`region_aux`);
+        # forward-only steps collect them instead.
+        produced = [
+            (o.var, index)
+            for index, o in enumerate(plan.outputs[: 1 + info.n_aux])
+            if o.kind == "stage" and o.stage == stage
         ]
+        self.accumulated = [var for var, _ in produced]
+        # The region output each accumulator is (the loss may also be an aux value).
+        self.accumulated_outputs = [index for _, index in produced]
+        modes = ("mean", *getattr(info, "aux_modes", ()))
+        self.stacked_results = tuple(
+            index < len(modes) and modes[index] == "concat" for _, index in produced
+        )
         # Data parallelism on an Explicit axis: gradients accumulate unreduced over it.
         axis = getattr(info, "unreduced_axis", None)
         self.reduction = GradientReduction(axis) if axis is not None else None
@@ -247,6 +282,7 @@ class StageFunctions:
             # state this stage updates: the input it replaces (if it reads it), the output
             tuple((region.get(r), out[v]) for r, v in self.carries.items()),
             tuple(out[v] for v in self.accumulated),
+            self.stacked_results,
             (
                 self.m,
                 info.with_grad,
@@ -307,10 +343,12 @@ class StageFunctions:
         values.update(zip(self.yn, yn))
         return values, vjp_fn
 
-    def _accumulate(self, values, racc):
+    def _accumulate(self, values, racc, idx):
+        """The result accumulators after microbatch ``idx``: means, or stacked values."""
         scale = 1.0 / self.m
         return tuple(
-            a + (values[v] * scale).astype(a.dtype) for a, v in zip(racc, self.accumulated)
+            _stack_into(a, values[v], idx) if stacked else a + (values[v] * scale).astype(a.dtype)
+            for a, v, stacked in zip(racc, self.accumulated, self.stacked_results)
         )
 
     def _add_grads(self, gacc, grads):
@@ -381,7 +419,7 @@ class StageFunctions:
         values, vjp_fn = self._forward(*inputs)
         kept = self._pack(vjp_fn, inputs)
         sends = tuple(values[v] for v in self.sends)
-        return sends, kept, self._accumulate(values, racc), self._carried(values)
+        return sends, kept, self._accumulate(values, racc, idx), self._carried(values)
 
     def forward_only(self, params, rest, batch, idx, xd, xn):
         """Inference: -> (sends, this microbatch's outputs, carried state)."""
@@ -404,7 +442,7 @@ class StageFunctions:
         values, vjp_fn = self._forward(params, rest, batch, idx, xd, xn)
         ct_xd, gacc = self._backward(vjp_fn, cts, gacc, xd)
         sends = tuple(values[v] for v in self.sends)
-        return sends, ct_xd, gacc, self._accumulate(values, racc), self._carried(values)
+        return sends, ct_xd, gacc, self._accumulate(values, racc, idx), self._carried(values)
 
     def _seeds(self, cts):
         seeds = []
@@ -459,7 +497,10 @@ class StageFunctions:
                 red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
             )
         return gacc, tuple(
-            jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype)) for v in self.accumulated
+            _stacked_zeros(v.aval, self.m)
+            if stacked
+            else jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype))
+            for v, stacked in zip(self.accumulated, self.stacked_results)
         )
 
     def reduce(self, gacc, params):

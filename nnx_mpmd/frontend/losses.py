@@ -17,7 +17,8 @@ the outer compiler places on every mesh:
   batch's token-weighted mean, whatever the microbatches' token counts; the
   division happens once, after the region.
 
-Aux values (``has_aux=True``) are averaged over the microbatches in every mode.
+Aux values (``has_aux=True``) are averaged over the microbatches in every
+mode, or concatenated where ``aux_reduction`` says (`nnx_mpmd.compiler.region_aux`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def value_and_grad(
     wrt: Any = nnx.Param,
     num_microbatches: int | None = None,
     reduction: str = "mean",
+    aux_reduction: Any = None,
 ) -> Callable[[Any, Any], Any]:
     """Marks the pipelined region: the loss and gradient reduced over microbatches.
 
@@ -155,13 +157,21 @@ def value_and_grad(
       num_microbatches: microbatches when run outside `jit` (default 1;
         inside `jit` the step's ``num_microbatches`` is used).
       reduction: ``"mean"``, ``"sum"`` or ``"token_mean"``.
+      aux_reduction: how each aux leaf combines over the microbatches:
+        ``"mean"`` (a summary such as an accuracy), ``"concat"`` (per-example
+        values such as logits: the full batch's values in order, as
+        ``nnx.value_and_grad`` on the full batch gives them), or a pytree
+        prefix of the aux value with one of those per subtree. The default,
+        None, averages every leaf but raises for a leaf whose leading axis
+        has the microbatch's row count (it looks per-example).
 
     Returns:
       A function ``(model, batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
 
     Raises:
-      CompileError: an unknown ``reduction``, or a ``"token_mean"`` loss that
-        does not return a scalar ``(sum, count)``.
+      CompileError: an unknown ``reduction`` or ``aux_reduction``, a
+        ``"token_mean"`` loss that does not return a scalar ``(sum, count)``,
+        or (default ``aux_reduction``) an aux leaf that looks per-example.
 
     Example:
       >>> import jax.numpy as jnp
@@ -179,9 +189,16 @@ def value_and_grad(
       ...     model, batch)
       >>> bool(jnp.allclose(loss, masked(model, batch)[0] / 3))
       True
+      >>> with_logits = lambda m, b: (jnp.mean((m(b["x"]) - b["y"]) ** 2), m(b["x"]))
+      >>> (loss, logits), _ = mp.value_and_grad(
+      ...     with_logits, has_aux=True, num_microbatches=2, aux_reduction="concat")(model, batch)
+      >>> logits.shape  # the full batch's outputs, in order
+      (4, 1)
     """
     check_reduction(reduction)
     traced_fn, traced_aux = region_loss(loss_fn, reduction, has_aux)
+    # The token mean's region aux is (count, the user's aux): the count is averaged.
+    region_aux = ("mean", aux_reduction) if reduction == "token_mean" else aux_reduction
 
     def wrapped(model: Any, batch: Any) -> Any:
         active = active_microbatches()
@@ -191,11 +208,19 @@ def value_and_grad(
                     f"value_and_grad(num_microbatches={num_microbatches}) inside a step "
                     f"compiled with num_microbatches={active}; drop one of them."
                 )
-            out = trace_region(traced_fn, model, batch, has_aux=traced_aux, wrt=wrt)
+            out = trace_region(
+                traced_fn, model, batch, has_aux=traced_aux, wrt=wrt, aux_reduction=region_aux
+            )
             return combine(out, reduction, has_aux, active)
         count = num_microbatches or 1
         out = reference_value_and_grad(
-            traced_fn, model, batch, num_microbatches=count, has_aux=traced_aux, wrt=wrt
+            traced_fn,
+            model,
+            batch,
+            num_microbatches=count,
+            has_aux=traced_aux,
+            wrt=wrt,
+            aux_reduction=region_aux,
         )
         return combine(out, reduction, has_aux, count)
 

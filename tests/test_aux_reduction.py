@@ -1,0 +1,196 @@
+"""Aux values per example: ``aux_reduction="concat"`` returns the full batch's values.
+
+A loss that returns its logits or per-example losses as aux gets them for the
+whole batch, in order, as ``nnx.value_and_grad`` on the full batch would give
+them; summaries (an accuracy) are averaged as before. The default raises for a
+leaf that looks per-example instead of averaging examples into nonsense.
+Every case compares with the same step under ``nnx.jit`` on one device and
+with a plain forward of the full batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from pipeline_models import build, make_batch, make_mesh, params_of
+
+import nnx_mpmd as mp
+from nnx_mpmd.compiler.region_aux import aux_modes
+from nnx_mpmd.compiler.stats import count_compilations
+
+MODES = {"outputs": "concat", "per_example": "concat", "worst": "mean"}
+
+
+def _loss_with_outputs(model, batch):
+    if "x" in batch:
+        outputs = model(batch["x"])
+        per_example = jnp.mean((outputs - batch["y"]) ** 2, axis=-1)
+    else:
+        outputs = model(batch["inputs"])
+        per_token = optax.softmax_cross_entropy_with_integer_labels(outputs, batch["targets"])
+        per_example = per_token.mean(axis=-1)
+    aux = {"outputs": outputs, "per_example": per_example, "worst": jnp.max(per_example)}
+    return per_example.mean(), aux
+
+
+def _step(num_microbatches=None, aux_reduction=MODES, loss_fn=_loss_with_outputs, **kwargs):
+    def step(model, optimizer, batch):
+        (loss, aux), grads = mp.value_and_grad(
+            loss_fn,
+            has_aux=True,
+            num_microbatches=num_microbatches,
+            aux_reduction=aux_reduction,
+            **kwargs,
+        )(model, batch)
+        optimizer.update(model, grads)
+        return loss, aux
+
+    return step
+
+
+def _inputs(batch):
+    return batch["x"] if "x" in batch else batch["inputs"]
+
+
+# (model, schedule, meshes, stages, axis types)
+CASES = [
+    ("mlp", mp.OneFOneB(), 4, 4, None),
+    ("mlp", mp.ZeroBubbleH1(), 4, 4, None),
+    ("mlp", mp.Interleaved1F1B(), 2, 4, None),
+    ("mlp", mp.DualPipeV(), 2, 4, None),
+    ("lm", mp.GPipe(), 4, 4, jax.sharding.AxisType.Auto),
+    ("lm_tied", mp.OneFOneB(), 4, 4, jax.sharding.AxisType.Auto),
+]
+
+
+def _case_id(case):
+    model, schedule, meshes, stages, types = case
+    return (
+        f"{model}-{type(schedule).__name__}-M{meshes}-S{stages}-{'auto' if types else 'explicit'}"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_concatenated_aux_is_the_full_batchs_and_equals_nnx_jit(case):
+    model_name, schedule, meshes, stages, axis_types = case
+    ref_model, ref_opt, _, kind = build(model_name, "adamw", stages)
+    model, opt, _, _ = build(model_name, "adamw", stages)
+    reference = nnx.jit(_step(4))
+    pipelined = mp.jit(
+        _step(), mesh=make_mesh(meshes, 2, axis_types), schedule=schedule, num_microbatches=4
+    )
+    for i in range(2):
+        batch = make_batch(kind, 16, seed=i)
+        full_batch_outputs = nnx.jit(lambda m, x: m(x))(ref_model, _inputs(batch))
+        ref_loss, ref_aux = reference(ref_model, ref_opt, batch)
+        with count_compilations() as counter:
+            loss, aux = pipelined(model, opt, batch)
+        assert i == 0 or counter.count == 0, f"step {i} recompiled {counter.names}"
+        assert aux["outputs"].shape == full_batch_outputs.shape
+        assert aux["per_example"].shape == (16,) and aux["worst"].shape == ()
+        np.testing.assert_allclose(ref_aux["outputs"], full_batch_outputs, atol=1e-6)
+        np.testing.assert_allclose(aux["outputs"], full_batch_outputs, atol=1e-5)
+        for key in MODES:
+            np.testing.assert_allclose(aux[key], ref_aux[key], atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        np.testing.assert_allclose(float(ref_aux["per_example"].mean()), float(ref_loss), rtol=1e-5)
+    expected, got = params_of(ref_model), params_of(model)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-4, err_msg=path)
+
+
+def _masked_sum_and_count(model, batch):
+    per_example = jnp.mean((model(batch["x"]) - batch["y"]) ** 2, axis=-1)
+    return (jnp.sum(batch["w"] * per_example), jnp.sum(batch["w"])), per_example
+
+
+def test_token_mean_with_concatenated_aux_equals_the_full_batch():
+    batch = make_batch("regression", 16)
+    batch["w"] = (np.arange(16) % 3 != 0).astype(np.float32)  # uneven real rows per microbatch
+    ref_model, ref_opt, _, _ = build("mlp", "sgd", 2)
+    model, opt, _, _ = build("mlp", "sgd", 2)
+    kwargs = {
+        "aux_reduction": "concat",
+        "loss_fn": _masked_sum_and_count,
+        "reduction": "token_mean",
+    }
+    ref_loss, ref_per_example = nnx.jit(_step(4, **kwargs))(ref_model, ref_opt, batch)
+    step = mp.jit(_step(**kwargs), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=4)
+    loss, per_example = step(model, opt, batch)
+    assert per_example.shape == (16,)
+    np.testing.assert_allclose(per_example, ref_per_example, atol=1e-6)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    weights = batch["w"]
+    expected_loss = np.sum(weights * np.asarray(ref_per_example)) / np.sum(weights)
+    np.testing.assert_allclose(float(ref_loss), expected_loss, rtol=1e-5)
+
+
+def test_a_concatenated_scalar_gives_one_value_per_microbatch():
+    def loss_fn(model, batch):
+        loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        return loss, loss
+
+    model, opt, _, _ = build("mlp", "sgd", 2)
+    step = mp.jit(
+        _step(aux_reduction="concat", loss_fn=loss_fn), mesh=make_mesh(2, 2),
+        schedule=mp.GPipe(), num_microbatches=4,
+    )  # fmt: skip
+    loss, per_microbatch = step(model, opt, make_batch("regression", 16))
+    assert per_microbatch.shape == (4,)
+    np.testing.assert_allclose(float(np.mean(per_microbatch)), float(loss), rtol=1e-6)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["mp.jit", "unpipelined"])
+def test_a_per_example_aux_without_aux_reduction_is_an_error_naming_it(pipelined):
+    model, opt, _, _ = build("mlp", "sgd", 2)
+    step = _step(None if pipelined else 4, aux_reduction=None)
+    if pipelined:
+        step = mp.jit(step, mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=4)
+    else:
+        step = nnx.jit(step)
+    with pytest.raises(mp.CompileError, match=r"aux value \['outputs'\] has shape \(4, 16\).*"
+                       r"aux_reduction='concat'"):  # fmt: skip
+        step(model, opt, make_batch("regression", 16))
+
+
+def test_explicit_mean_averages_a_per_example_looking_leaf():
+    model, opt, _, _ = build("mlp", "sgd", 2)
+    step = mp.jit(
+        _step(aux_reduction="mean"), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(),
+        num_microbatches=4,
+    )  # fmt: skip
+    _, aux = step(model, opt, make_batch("regression", 16))
+    assert aux["outputs"].shape == (4, 16)  # one microbatch's shape: the mean over the four
+
+
+def test_aux_modes_broadcasts_a_prefix_and_checks_the_default():
+    aux = {"acc": np.float32(0), "logits": np.zeros((4, 10), np.float32), "n": np.zeros(3)}
+    leaves, tree = jax.tree.flatten(aux)
+    assert aux_modes("concat", tree, leaves, rows=4) == ("concat",) * 3
+    assert aux_modes({"acc": "mean", "logits": "concat", "n": None}, tree, leaves, 4) == (
+        "mean",
+        "concat",
+        "mean",
+    )
+    assert aux_modes(None, tree, leaves, rows=5) == ("mean",) * 3  # no leading axis of 5 rows
+    with pytest.raises(mp.CompileError, match=r"aux value \['logits'\] has shape \(4, 10\)"):
+        aux_modes(None, tree, leaves, rows=4)
+
+
+@pytest.mark.parametrize(
+    "aux_reduction,match",
+    [
+        ("stack", r"gives 'stack' for the aux value \['acc'\]; use one of \('mean', 'concat'\)"),
+        ({"acc": "mean"}, r"is not a pytree prefix of the aux value"),
+    ],
+    ids=["unknown-mode", "not-a-prefix"],
+)
+def test_bad_aux_reduction_is_an_error_saying_what_to_pass(aux_reduction, match):
+    aux = {"acc": np.float32(0), "logits": np.zeros((4, 10), np.float32)}
+    leaves, tree = jax.tree.flatten(aux)
+    with pytest.raises(mp.CompileError, match=match):
+        aux_modes(aux_reduction, tree, leaves, rows=4)
