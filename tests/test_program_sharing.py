@@ -97,7 +97,7 @@ def test_a_shared_program_with_other_arguments_runs_its_own_function():
     assert shared.loaded == [loaded] and "1 loaded" in repr(shared)
 
 
-def test_equal_middle_stages_compile_once_and_match_nnx_jit():
+def test_equal_middle_stages_compile_once_and_match_nnx_jit(compiled_here):
     # Stages 1 and 2 are the same block on equal 2-device submeshes: their F, B,
     # init and update programs are the same modules.
     model, opt, loss_fn, kind = build("lm", "adamw", 4)

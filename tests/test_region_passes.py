@@ -80,6 +80,7 @@ def _stage_fns(k, last, *, with_grad, shared, state, ys, loss, state_var, r):
         sends=sends,
         diff_sends=sends if with_grad else [],
         accumulated=[loss] if k == last else [],
+        accumulated_outputs=[0] if k == last else [],
         cotangents_fit_inputs=lambda: False,  # no cotangent donation in these plans
         structure=lambda kind: None,  # no stage is twin to another
         **{attr: _program(attr) for attr in PROGRAM_ATTRS},
