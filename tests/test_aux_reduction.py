@@ -194,3 +194,48 @@ def test_bad_aux_reduction_is_an_error_saying_what_to_pass(aux_reduction, match)
     leaves, tree = jax.tree.flatten(aux)
     with pytest.raises(mp.CompileError, match=match):
         aux_modes(aux_reduction, tree, leaves, rows=4)
+
+
+def _logits_loss(model, batch):
+    logits = model(batch["inputs"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return loss, logits
+
+
+def _metrics_step(num_microbatches=None):
+    def step(model, optimizer, metrics, batch):
+        (loss, logits), grads = mp.value_and_grad(
+            _logits_loss, has_aux=True, num_microbatches=num_microbatches, aux_reduction="concat"
+        )(model, batch)
+        optimizer.update(model, grads)
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        metrics.update(loss=loss, logits=flat_logits, labels=batch["targets"].reshape(-1))
+        return loss
+
+    return step
+
+
+def test_nnx_metrics_updated_with_the_logits_equal_nnx_jit():
+    """The Flax tutorials' step: an ``nnx.MultiMetric`` updated with the batch's logits."""
+
+    def build_all():
+        model, opt, _, _ = build("lm", "adamw", 4)
+        metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+        return model, opt, metrics
+
+    ref, got = build_all(), build_all()
+    reference = nnx.jit(_metrics_step(4))
+    step = mp.jit(
+        _metrics_step(), mesh=make_mesh(4, 2, jax.sharding.AxisType.Auto), schedule=mp.OneFOneB(),
+        num_microbatches=4,
+    )  # fmt: skip
+    for i in range(3):
+        batch = make_batch("tokens", 16, seed=i)
+        np.testing.assert_allclose(
+            float(step(*got, batch)), float(reference(*ref, batch)), rtol=1e-5
+        )
+    want, have = ref[2].compute(), got[2].compute()
+    assert 0 < float(want["accuracy"]) < 1
+    for key in want:
+        np.testing.assert_allclose(float(have[key]), float(want[key]), rtol=1e-5, err_msg=key)
+    assert step.num_compiled_steps == 1
