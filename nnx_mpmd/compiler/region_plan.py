@@ -42,6 +42,7 @@ from nnx_mpmd.compiler.instructions import (
 )
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.overlap import overlap_tasks
+from nnx_mpmd.compiler.region_aux import stacked_aval
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
@@ -79,6 +80,12 @@ class RegionProgram:
     donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
 
 
+def _stacked_spec(aval: Any, num_microbatches: int) -> Any:
+    """The PartitionSpec of ``num_microbatches`` stacked values of ``aval`` (None: none)."""
+    spec = getattr(getattr(stacked_aval(aval, num_microbatches), "sharding", None), "spec", None)
+    return spec if spec is not None and any(entry is not None for entry in spec) else None
+
+
 class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
@@ -91,6 +98,12 @@ class _LazyInit:
     def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
         self.reduction = getattr(f, "reduction", None)
+        # A concatenated aux value's buffer is sharded like its microbatch values.
+        stacked = getattr(f, "stacked_results", ()) or (False,) * self.num_acc
+        self.result_specs = [
+            _stacked_spec(v.aval, f.m) if is_stacked else None
+            for v, is_stacked in zip(f.accumulated, stacked, strict=True)
+        ]
         self.label = self.__name__ = label
 
     def _gradient_sharding(self, param: Any) -> Any:
@@ -104,9 +117,12 @@ class _LazyInit:
 
     def _jitted(self, params: tuple[Any, ...]) -> Any:
         if self.jitted is None:
-            replicated = jax.sharding.NamedSharding(self.submesh, jax.sharding.PartitionSpec())
             grads = tuple(self._gradient_sharding(p) for p in params)
-            out = (grads, (replicated,) * self.num_acc)
+            results = tuple(
+                jax.sharding.NamedSharding(self.submesh, spec or jax.sharding.PartitionSpec())
+                for spec in self.result_specs
+            )
+            out = (grads, results)
             fn = self.fn
             if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
                 fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))

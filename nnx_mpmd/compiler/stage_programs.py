@@ -168,8 +168,9 @@ def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
 def _stack_into(buffer: Any, value: Any, idx: Any) -> Any:
     """``buffer`` with ``value`` as its row ``idx``.
 
-    On Explicit axes the update must have the buffer's sharding: a microbatch
-    value sharded over the data axis is gathered into a replicated buffer.
+    On Explicit axes the update must have the buffer's sharding. The buffer
+    is made sharded like the values (`region_plan`'s init), so this reshards
+    only a value whose type differs from the one traced for it.
     """
     value = value.astype(buffer.dtype)
     want = getattr(jax.typeof(buffer).sharding, "spec", None)
