@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CompileError
 
-__all__ = ["AUX_REDUCTIONS", "aux_modes", "join_stacked", "stacked_aval"]
+__all__ = ["AUX_REDUCTIONS", "aux_modes", "join_stacked", "stacked_aval", "stacked_spec"]
 
 AUX_REDUCTIONS = ("mean", "concat")
 """The per-leaf aux reductions `value_and_grad` accepts (or None: mean, checked)."""
@@ -104,6 +104,22 @@ def aux_modes(aux_reduction: Any, aux_tree: Any, aux_avals: Sequence[Any], rows:
     )
 
 
+def stacked_spec(aval: Any) -> PartitionSpec | None:
+    """The PartitionSpec of values of ``aval`` stacked along a new leading axis.
+
+    None when each value is replicated (or has no sharding in its type).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> stacked_spec(jax.core.ShapedArray((2, 3), jnp.float32)) is None
+      True
+    """
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return None
+    return PartitionSpec(None, *spec)
+
+
 def stacked_aval(aval: Any, num_microbatches: int) -> Any:
     """``[m, *aval.shape]``, sharded like each microbatch (an Explicit type stays).
 
@@ -113,11 +129,10 @@ def stacked_aval(aval: Any, num_microbatches: int) -> Any:
       (4, 2, 3)
     """
     shape = (num_microbatches, *aval.shape)
-    sharding = getattr(aval, "sharding", None)
-    if sharding is None or all(entry is None for entry in sharding.spec):
+    spec = stacked_spec(aval)
+    if spec is None:
         return jax.core.ShapedArray(shape, aval.dtype)
-    spec = PartitionSpec(None, *sharding.spec)
-    return aval.update(shape=shape, sharding=NamedSharding(sharding.mesh, spec))
+    return aval.update(shape=shape, sharding=NamedSharding(aval.sharding.mesh, spec))
 
 
 def join_stacked(stacked: Any) -> Any:
@@ -133,8 +148,7 @@ def join_stacked(stacked: Any) -> Any:
     """
     if stacked.ndim < 2:
         return stacked
-    spec = getattr(getattr(jax.typeof(stacked), "sharding", None), "spec", None)
-    if spec is not None and any(entry is not None for entry in spec):
-        mesh = jax.typeof(stacked).sharding.mesh
-        stacked = jax.sharding.reshard(stacked, NamedSharding(mesh, PartitionSpec()))
+    aval = jax.typeof(stacked)
+    if stacked_spec(aval) is not None:
+        stacked = jax.sharding.reshard(stacked, NamedSharding(aval.sharding.mesh, PartitionSpec()))
     return stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])

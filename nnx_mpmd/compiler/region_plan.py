@@ -42,7 +42,7 @@ from nnx_mpmd.compiler.instructions import (
 )
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.overlap import overlap_tasks
-from nnx_mpmd.compiler.region_aux import stacked_aval
+from nnx_mpmd.compiler.region_aux import stacked_spec
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
@@ -80,12 +80,6 @@ class RegionProgram:
     donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
 
 
-def _stacked_spec(aval: Any, num_microbatches: int) -> Any:
-    """The PartitionSpec of ``num_microbatches`` stacked values of ``aval`` (None: none)."""
-    spec = getattr(getattr(stacked_aval(aval, num_microbatches), "sharding", None), "spec", None)
-    return spec if spec is not None and any(entry is not None for entry in spec) else None
-
-
 class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
@@ -101,7 +95,7 @@ class _LazyInit:
         # A concatenated aux value's buffer is sharded like its microbatch values.
         stacked = getattr(f, "stacked_results", ()) or (False,) * self.num_acc
         self.result_specs = [
-            _stacked_spec(v.aval, f.m) if is_stacked else None
+            stacked_spec(v.aval) if is_stacked else None
             for v, is_stacked in zip(f.accumulated, stacked, strict=True)
         ]
         self.label = self.__name__ = label

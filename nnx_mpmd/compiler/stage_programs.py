@@ -31,7 +31,7 @@ from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking
 from nnx_mpmd.compiler.jaxpr_utils import structure_key
 from nnx_mpmd.compiler.region import RegionInfo
-from nnx_mpmd.compiler.region_aux import stacked_aval
+from nnx_mpmd.compiler.region_aux import stacked_aval, stacked_spec
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
@@ -158,11 +158,10 @@ def mean_dtype(dtype: Any) -> Any:
 def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
     """Zeros for ``num_microbatches`` values of ``aval``, sharded like each one."""
     stacked = stacked_aval(aval, num_microbatches)
-    sharding = getattr(stacked, "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is None or all(entry is None for entry in spec):
-        return jnp.zeros(stacked.shape, stacked.dtype)
-    return jnp.zeros(stacked.shape, stacked.dtype, out_sharding=sharding)
+    explicit = stacked_spec(aval) is not None
+    return jnp.zeros(
+        stacked.shape, stacked.dtype, out_sharding=stacked.sharding if explicit else None
+    )
 
 
 def _stack_into(buffer: Any, value: Any, idx: Any) -> Any:

@@ -151,8 +151,8 @@ def value_and_grad(
     Args:
       loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``);
         for ``reduction="token_mean"`` the loss is ``(sum, count)``.
-      has_aux: whether ``loss_fn`` also returns aux values (averaged over the
-        microbatches in every mode).
+      has_aux: whether ``loss_fn`` also returns aux values (combined over the
+        microbatches as ``aux_reduction`` says, whatever the ``reduction``).
       wrt: an NNX filter of the differentiated Variables (default ``nnx.Param``).
       num_microbatches: microbatches when run outside `jit` (default 1;
         inside `jit` the step's ``num_microbatches`` is used).
