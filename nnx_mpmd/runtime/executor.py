@@ -3,7 +3,8 @@
 `DeviceOperations` is the `nnx_mpmd.runtime.interpreter.Operations` of a real
 run: a `Call` runs its program, a `Transfer` puts its value on the destination
 submesh (keeping the source's PartitionSpec unless the transfer names one,
-reshaping a batch into microbatches on the way), a `TransferBatch` moves all its
+reshaping a batch into microbatches on the way; a batch on one device is
+split by `nnx_mpmd.runtime.batch_split`), a `TransferBatch` moves all its
 values in one batched copy (`nnx_mpmd.runtime.batched_copy`; a single transfer
 uses the same path), and a `Free` drops the values of its slots. `execute` is the single-controller
 runtime, where one process drives every submesh.
@@ -55,6 +56,7 @@ from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.runtime import interpreter
+from nnx_mpmd.runtime.batch_split import MicrobatchSplitter, microbatched_shape
 from nnx_mpmd.runtime.batched_copy import BatchedCopier
 from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
@@ -104,7 +106,7 @@ def transferred_shape(ins: Transfer, shape: tuple[int, ...]) -> tuple[int, ...]:
       (4, 2, 3)
     """
     m = ins.reshape_microbatches
-    return (m, shape[0] // m, *shape[1:]) if m else tuple(shape)
+    return microbatched_shape(shape, m) if m else tuple(shape)
 
 
 def kept_spec(sharding: Any) -> Any:
@@ -170,6 +172,7 @@ class DeviceOperations:
         self.shardings = shardings
         self.put = put
         self.copier = BatchedCopier()
+        self.splitter = MicrobatchSplitter()
 
     def call(self, index: int, ins: Call) -> Step | None:
         return call_step(ins)
@@ -208,11 +211,20 @@ class DeviceOperations:
         return transfer
 
     def _reshaping_transfer(self, ins: Transfer) -> Step:
-        src, dst, shardings = ins.src, ins.dst, self.shardings
+        """A batch split into microbatches: by the splitter when it can, else `transfer_value`."""
+        src, dst, m, shardings = ins.src, ins.dst, ins.reshape_microbatches, self.shardings
+        split, dst_mesh, spec = self.splitter.split, ins.dst_mesh, ins.spec
 
         def transfer(store: list[Any]) -> Any:
-            value = store[dst] = transfer_value(ins, store[src], shardings)
-            return value
+            value = store[src]
+            target = shardings(
+                dst_mesh, spec if spec is not None else kept_spec(getattr(value, "sharding", None))
+            )
+            moved = split(value, m, target)
+            if moved is None:
+                moved = transfer_value(ins, value, shardings)
+            store[dst] = moved
+            return moved
 
         return transfer
 
