@@ -6,7 +6,9 @@ process per version and preset reports, per schedule:
 
 * the no-op replay's µs per stage task, median and minimum over 60 replays
   (every program replaced by its recorded result, as `nnx-mpmd bench`'s
-  **µs/task (no-op)**: what remains is the runtime's own work);
+  **µs/task (no-op)**: what remains is the runtime's own work), taken between
+  real steps (so devices may still be busy), and again over 200 replays after
+  the real steps have finished (**quiet**);
 * the host CPU ms of a real step (the calling thread's CPU time until the step
   returns, not blocked), median and minimum over 16 steps;
 * the wall time of those steps until their results are ready (median), and
@@ -72,6 +74,18 @@ def _replay(variant):
     return lambda: block(executor.execute(replay, inputs, submeshes)), tasks, len(calls)
 
 
+def _quiet_replays(replay, count: int = 200) -> list[float]:
+    """Seconds per replay with no real step in flight (the runtime's own work alone)."""
+    for _ in range(20):
+        replay()
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        replay()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def worker(preset: str, schedules: list[str]) -> list[dict]:
     """One version's rows (runs inside a worker process, importing that version)."""
     from nnx_mpmd.apps import bench
@@ -96,6 +110,7 @@ def worker(preset: str, schedules: list[str]) -> list[dict]:
                 start = time.perf_counter()
                 replay()
                 times[name].append(time.perf_counter() - start)
+    quiet = {name: _quiet_replays(replay) for name, (replay, _, _) in replays.items()}
     rows = []
     for name, variant in variants.items():
         _, tasks, num_calls = replays[name]
@@ -107,6 +122,8 @@ def worker(preset: str, schedules: list[str]) -> list[dict]:
                 "calls": num_calls,
                 "us_per_task_median": statistics.median(times[name]) / tasks * 1e6,
                 "us_per_task_min": min(times[name]) / tasks * 1e6,
+                "us_per_task_quiet_median": statistics.median(quiet[name]) / tasks * 1e6,
+                "us_per_task_quiet_min": min(quiet[name]) / tasks * 1e6,
                 "host_cpu_ms_median": statistics.median(variant.host_cpu) * 1e3,
                 "host_cpu_ms_min": min(variant.host_cpu) * 1e3,
                 "step_ms_median": statistics.median(variant.times) * 1e3,
@@ -129,9 +146,10 @@ def run_worker(root: str, preset: str, schedules: str) -> list[dict]:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| preset / schedule | version | µs/task median (per round) | µs/task min "
+        "| quiet µs/task median (per round) | quiet µs/task min "
         "| host CPU ms median (per round) | host CPU ms min | step ms median (per round) "
         "| calls |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     keys = sorted({(r["preset"], r["schedule"], r["version"]) for r in rows})
     for preset, schedule, version in keys:
@@ -142,10 +160,12 @@ def _table(rows: list[dict]) -> str:
         ]
         medians = ", ".join(f"{r['us_per_task_median']:.1f}" for r in rs)
         cpus = ", ".join(f"{r['host_cpu_ms_median']:.1f}" for r in rs)
+        quiet = ", ".join(f"{r.get('us_per_task_quiet_median', float('nan')):.1f}" for r in rs)
+        quiet_min = min(r.get("us_per_task_quiet_min", float("nan")) for r in rs)
         steps = ", ".join(f"{r.get('step_ms_median', float('nan')):.1f}" for r in rs)
         lines.append(
             f"| {preset} {schedule} | {version} | {medians} | "
-            f"{min(r['us_per_task_min'] for r in rs):.1f} | {cpus} | "
+            f"{min(r['us_per_task_min'] for r in rs):.1f} | {quiet} | {quiet_min:.1f} | {cpus} | "
             f"{min(r['host_cpu_ms_min'] for r in rs):.1f} | {steps} | {rs[0].get('calls', '')} |"
         )
     return "\n".join(lines)
