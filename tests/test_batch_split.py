@@ -69,12 +69,24 @@ def test_split_equals_device_put_of_the_reshaped_batch(target_kind, source_kind,
 
 def test_the_plan_is_made_once_per_kind_of_batch(monkeypatch):
     made = []
+    monkeypatch.setattr(batch_split, "_PLANS", {})
     monkeypatch.setattr(batch_split, "_plan", lambda *a: made.append(a) or None)
-    splitter, target = MicrobatchSplitter(), _target("explicit-data")
-    for seed in range(3):
-        splitter.split(jnp.full((8, 2), seed, jnp.float32), 4, target)
-    splitter.split(jnp.zeros((8, 2), jnp.int32), 4, target)
+    target = _target("explicit-data")
+    for seed in range(3):  # a step prepared again gets a new splitter: plans are shared
+        MicrobatchSplitter().split(jnp.full((8, 2), seed, jnp.float32), 4, target)
+    MicrobatchSplitter().split(jnp.zeros((8, 2), jnp.int32), 4, target)
     assert len(made) == 2
+
+
+def test_a_new_splitter_compiles_nothing_for_a_known_kind_of_batch(monkeypatch):
+    monkeypatch.setattr(batch_split, "_PLANS", {})
+    target, batch = _target("explicit-data"), jnp.zeros((8, 6), jnp.float32)
+    with count_compilations() as first:
+        MicrobatchSplitter().split(batch, 2, target)
+    other = jnp.ones((8, 6), jnp.float32)
+    with count_compilations() as second:
+        MicrobatchSplitter().split(other, 2, target)
+    assert first.names == ["jit(microbatch_split)"] and second.count == 0
 
 
 def _declined():
@@ -134,6 +146,7 @@ def _counting_splits(monkeypatch) -> list[bool]:
 def test_a_step_fed_device_batches_equals_numpy_batches_and_nnx_jit(
     monkeypatch, model_name, schedule, axis_types
 ):
+    monkeypatch.setattr(batch_split, "_PLANS", {})  # earlier tests' plans would compile nothing
     seen = _counting_splits(monkeypatch)
     ref_model, ref_opt, loss_fn, kind = build(model_name, "adamw", 2)
     model, opt, _, _ = build(model_name, "adamw", 2)

@@ -20,7 +20,8 @@ Anything else (host values, arrays on several devices or processes, weakly
 typed or extended-dtype arrays, a jaxlib without the batched copy) is not
 split here: `MicrobatchSplitter.split` returns None and the caller uses
 ``jax.device_put``. Which case a batch is is decided once per (sharding,
-shape, dtype, m, target) and cached.
+shape, dtype, m, target) and cached for the process, so the split program
+compiles once per kind of batch however many steps are prepared.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -67,6 +68,10 @@ class _SplitPlan(NamedTuple):
     target: NamedSharding
 
 
+#: Split plans by (sharding, shape, dtype, weak type, m, target); None where declined.
+_PLANS: dict[tuple[Any, ...], _SplitPlan | None] = {}
+
+
 class MicrobatchSplitter:
     """Splits one-device batches into microbatches on a submesh (see the module docstring).
 
@@ -77,7 +82,9 @@ class MicrobatchSplitter:
     """
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[Any, ...], _SplitPlan | None] = {}
+        # Shared by every splitter of the process: a step prepared again (another
+        # sharding cache, a replay) reuses the compiled split programs.
+        self._plans = _PLANS
 
     def split(self, value: Any, m: int, target: Any) -> jax.Array | None:
         """``value`` reshaped into ``m`` microbatches and placed with ``target``, or None.
