@@ -266,8 +266,10 @@ def test_a_step_with_executables_from_jaxs_own_cache_is_not_stored(store):
     assert not store.exists()
 
 
-def test_a_later_process_runs_the_stored_step(tmp_path):
-    # The real use: the text of the step must be the same in another process.
+@pytest.mark.parametrize("donate", ["", "0,1"], ids=["plain", "donating"])
+def test_a_later_process_runs_the_stored_step(tmp_path, donate):
+    # The real use: the text of the step must be the same in another process. A
+    # donating step's stored programs donate as the traced ones did (two steps).
     script = textwrap.dedent(
         """
         import os, sys
@@ -286,10 +288,11 @@ def test_a_later_process_runs_the_stored_step(tmp_path):
             return original(self, fn, args, on_traced, name, *rest)
         compile_jobs.ProgramCompiler._trace_and_compile = counted
         model, opt, loss_fn, kind = build("lm", "adamw", 4)
+        donate = tuple(int(i) for i in sys.argv[3].split(",") if i)
         step = mp.jit(train_step_fn(loss_fn), mesh=make_mesh(4, 2),
-                      schedule=mp.OneFOneB(), num_microbatches=2)
-        loss = float(step(model, opt, make_batch(kind, 8)))
-        print(len(traced), repr(loss))
+                      schedule=mp.OneFOneB(), num_microbatches=2, donate_argnums=donate)
+        losses = [float(step(model, opt, make_batch(kind, 8, seed=i))) for i in range(2)]
+        print(len(traced), repr(losses).replace(" ", ""))
         """
     )
     tests = os.path.dirname(__file__)
@@ -297,7 +300,18 @@ def test_a_later_process_runs_the_stored_step(tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     runs = [
         subprocess.run(
-            ["timeout", "-k", "5", "300", sys.executable, "-c", script, str(tmp_path), tests],
+            [
+                "timeout",
+                "-k",
+                "5",
+                "300",
+                sys.executable,
+                "-c",
+                script,
+                str(tmp_path),
+                tests,
+                donate,
+            ],
             capture_output=True,
             text=True,
             env=env,

@@ -134,6 +134,9 @@ class Call:
     # A hashable key of what ``fn`` computes (`jaxpr_utils.structure_key`), or None:
     # calls with equal keys on equal-shaped submeshes run the same program.
     structure: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # Arguments that are step inputs and have a result of their shape and dtype to
+    # write into (outer programs): what `donate_inputs.donate_step_inputs` may donate.
+    aliases: tuple[int, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def reads(self) -> list[int]:
         return list(slots_in(self.args))

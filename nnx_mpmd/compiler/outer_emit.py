@@ -15,6 +15,7 @@ After `outer_assign.assign_meshes` decided where every equation runs:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import warnings
@@ -469,8 +470,35 @@ def _emit_calls(
         structure = _structure(sub, shardings, pinned)
         if structure is not None and (read_packs or sent):
             structure = (*structure, tuple(unpack), tuple(pack_out), len(outs))
-        calls[group] = Call(q, key, fn, args, results, label, structure=structure)
+        aliases = input_aliases(own, outs, problem.jaxpr.invars)
+        calls[group] = Call(q, key, fn, args, results, label, structure=structure, aliases=aliases)
     return calls, programs
+
+
+def input_aliases(
+    own: Sequence[Any], outs: Sequence[Any], inputs: Sequence[Any]
+) -> tuple[int, ...]:
+    """The positions of ``own`` that are step inputs with a result of their shape and dtype.
+
+    Each result is matched once, in order, as XLA pairs donated buffers.
+
+    Example:
+      >>> from types import SimpleNamespace as V
+      >>> import numpy as np
+      >>> a = lambda shape: V(aval=V(shape=shape, dtype=np.float32))
+      >>> p, g, step, new_p = a((4,)), a((4,)), a(()), a((4,))
+      >>> input_aliases([p, g, step], [new_p], inputs=[p, step])
+      (0,)
+    """
+    step_inputs = {id(v) for v in inputs}
+    free = collections.Counter((tuple(o.aval.shape), o.aval.dtype) for o in outs)
+    found = []
+    for n, v in enumerate(own):
+        key = (tuple(v.aval.shape), v.aval.dtype)
+        if id(v) in step_inputs and free[key] > 0:
+            free[key] -= 1
+            found.append(n)
+    return tuple(found)
 
 
 def _packed_arguments(

@@ -21,7 +21,9 @@ after it, which ``Lowered.passes`` shows):
 8. ``insert_frees``: every slot freed after its last read; then
    ``donate_dead_arguments``: backwards that are the last readers of the
    cotangents they receive donate them (XLA writes their input cotangents
-   there).
+   there); with ``mp.jit(donate_argnums=...)``, ``donate_step_inputs``
+   (`donate_inputs`): the update programs donate the donated arguments' old
+   state (XLA writes the new state there).
 9. ``schedule_ticks``, ``batch_transfers`` and ``merge_frees``
    (`transfer_batching`): the list reordered tick by tick, each tick's
    transfers made as one batched move and its frees as one.
@@ -37,6 +39,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from nnx_mpmd.compiler.donate_inputs import donate_step_inputs
 from nnx_mpmd.compiler.instructions import (
     Call,
     Instruction,
@@ -350,6 +353,7 @@ def compile_step(
     other_avals: list[PlacedAval] | None = None,
     batch_axis: str | None = "data",
     transfer_warning_bytes: int = 1 << 20,
+    donated_state: frozenset[int] = frozenset(),
 ) -> CompiledStep:
     """Lowers ``fn`` for ``mesh`` and ``schedule``: the passes in this module's order.
 
@@ -364,6 +368,8 @@ def compile_step(
       other_avals: the same for the other leaves (default: where they are).
       batch_axis: the submesh axis microbatches are sharded over, or None.
       transfer_warning_bytes: report transfers outside the region above this.
+      donated_state: indices of the state leaves whose buffers the step may
+        reuse (`donate_inputs.donate_step_inputs`).
 
     Returns:
       The `CompiledStep`, with the IR after every pass in ``passes``.
@@ -391,12 +397,13 @@ def compile_step(
         record(name, lambda ir=ir: _ir_text(ir))
     keep = {slot for locs in outer.output_slots for _, slot in locs}
     donatable = getattr(region_program, "donatable", {})
-    instructions = _final_passes(outer.instructions, keep, donatable, record)
-    programs = dedupe_programs(instructions)
-    record("dedupe_programs", lambda: "\n".join(programs))
     input_slots: list[dict[int, int]] = [{} for _ in range(inputs.num_inputs)]
     for i, slots_of in zip(inputs.used_index, outer.input_slots):
         input_slots[i] = slots_of
+    donated = _donated_slots(donated_state, input_slots[len(traced.consts) :], state_avals)
+    instructions = _final_passes(outer.instructions, keep, donatable, donated, record)
+    programs = dedupe_programs(instructions)
+    record("dedupe_programs", lambda: "\n".join(programs))
     return CompiledStep(
         instructions=instructions,
         num_slots=len(slots),
@@ -417,17 +424,38 @@ def compile_step(
     )
 
 
+def _donated_slots(
+    donated_state: frozenset[int], state_slots: list[dict[int, int]], state_avals: list[PlacedAval]
+) -> set[int]:
+    """The slots of the donated state leaves that hold an array of their own.
+
+    A leaf on one mesh has one slot; one on several meshes (an `MpmdArray`) one
+    copy per mesh. A leaf whose slots would share one array (a host value, or
+    more slots than copies) is not donated: its other readers would find it gone.
+    """
+    slots = set()
+    for j in donated_state:
+        slots_of = state_slots[j]
+        if HOST not in slots_of and len(slots_of) <= max(1, len(state_avals[j].mesh_ids)):
+            slots.update(slots_of.values())
+    return slots
+
+
 def _final_passes(
     instructions: list[Instruction],
     keep: set[int],
     donatable: dict[Any, Any],
+    donated_slots: set[int],
     record: Callable[[str, Callable[[], str]], None],
 ) -> list[Instruction]:
-    """``insert_frees``, ``donate_dead_arguments``, then the transfer-batching passes."""
+    """``insert_frees``, the two donation passes, then the transfer-batching passes."""
     freed = insert_frees(instructions, keep)
     record("insert_frees", lambda: format_instructions(freed))
     donating = donate_dead_arguments(freed, keep, donatable)
     record("donate_dead_arguments", lambda: format_instructions(donating))
+    if donated_slots:
+        donating = donate_step_inputs(donating, keep, donated_slots)
+        record("donate_step_inputs", lambda: format_instructions(donating))
     in_ticks = schedule_ticks(donating)
     record("schedule_ticks", lambda: format_instructions(in_ticks))
     batched = batch_transfers(in_ticks)

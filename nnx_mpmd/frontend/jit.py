@@ -9,7 +9,7 @@ import functools
 import gc
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from nnx_mpmd.compiler.trace_step import (
     reusable_flat_args,
 )
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
+from nnx_mpmd.frontend.donation import donated_positions, donated_state_leaves
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.frontend.stages import Lowered as Lowered
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
@@ -191,6 +192,8 @@ class PipelinedFunction:
         batch_axis: str | None = DEFAULT_BATCH_AXIS,
         transfer_warning_bytes: int = 1 << 20,
         compile_threads: int | None = None,
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
     ) -> None:
         if not isinstance(mesh, MpmdMesh):
             raise MeshError(
@@ -214,6 +217,7 @@ class PipelinedFunction:
             )
         self.transfer_warning_bytes = transfer_warning_bytes
         self.compile_threads = compile_threads
+        self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
         # Compiled steps by input signature, least recently used first; bounded so
         # that a long-lived step called with ever new signatures (a fresh optax
         # transformation each time, say) does not grow without limit.
@@ -272,6 +276,7 @@ class PipelinedFunction:
             other_avals=other_avals,
             batch_axis=self.batch_axis,
             transfer_warning_bytes=self.transfer_warning_bytes,
+            donated_state=donated_state_leaves(flat, self.donate_argnums),
         )
         self._cache[key] = compiled
         while len(self._cache) > MAX_COMPILED_STEPS:
@@ -540,6 +545,8 @@ def jit(
     batch_axis: str | None = DEFAULT_BATCH_AXIS,
     transfer_warning_bytes: int = 1 << 20,
     compile_threads: int | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
 ) -> Any:
     """Compiles an NNX train step into per-mesh programs driven by a schedule.
 
@@ -567,6 +574,12 @@ def jit(
       compile_threads: threads that compile a new step's programs side by side
         before its first run (default: the number of CPUs, at most 8; 1 compiles
         each program when the run first reaches it, one after the other).
+      donate_argnums: positions of NNX arguments (model, optimizer) whose state
+        the step may reuse for its new state, as with ``nnx.jit``: the update
+        writes new parameters and optimizer state into the old buffers instead
+        of holding both. After the call the old arrays are deleted; the
+        objects hold the new ones. Array arguments (the batch) are not donated.
+      donate_argnames: the same by parameter name.
 
     Returns:
       A `PipelinedFunction`.
@@ -604,6 +617,8 @@ def jit(
             batch_axis=batch_axis,
             transfer_warning_bytes=transfer_warning_bytes,
             compile_threads=compile_threads,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
         )
     return PipelinedFunction(
         fn,
@@ -613,4 +628,6 @@ def jit(
         batch_axis=batch_axis,
         transfer_warning_bytes=transfer_warning_bytes,
         compile_threads=compile_threads,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
     )

@@ -1,0 +1,114 @@
+"""Which state leaves of a step ``mp.jit(..., donate_argnums=..., donate_argnames=...)`` donates.
+
+As with ``jax.jit`` and ``nnx.jit``, the donated arguments are named by
+position or by parameter name. Donation covers the NNX state of graph nodes
+(models, optimizers, and nodes inside containers) in those arguments; array
+arguments such as the batch are moved into microbatches by transfers and are
+never donated. Which programs donate which leaf is the compiler's
+(`nnx_mpmd.compiler.donate_inputs`).
+
+Example:
+  >>> def step(model, optimizer, batch):
+  ...     return 0.0
+  >>> sorted(donated_positions(step, 0, "optimizer"))
+  [0, 1]
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from nnx_mpmd.compiler.trace_step import FlatArgs
+from nnx_mpmd.errors import CompileError
+
+__all__ = ["donated_positions", "donated_state_leaves"]
+
+
+def donated_positions(
+    fn: Callable[..., Any], argnums: int | Sequence[int], argnames: str | Sequence[str]
+) -> frozenset[int]:
+    """The positions of the donated arguments of ``fn``.
+
+    Args:
+      fn: the step.
+      argnums: positions (an int or a sequence of them).
+      argnames: parameter names (a str or a sequence of them).
+
+    Returns:
+      The positions.
+
+    Raises:
+      CompileError: a position is not an int >= 0, or a name is not a positional
+        parameter of ``fn``.
+
+    Example:
+      >>> donated_positions(lambda model, batch: None, (), ("model",))
+      frozenset({0})
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    for n in nums:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CompileError(
+                f"mp.jit(donate_argnums=...) takes argument positions (ints >= 0), got {n!r}; "
+                "pass e.g. donate_argnums=(0, 1) for step(model, optimizer, batch)."
+            )
+    if not names:
+        return frozenset(nums)
+    params = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    unknown = [name for name in names if name not in params]
+    if unknown:
+        raise CompileError(
+            f"mp.jit(donate_argnames=...) names {unknown}, which "
+            f"{getattr(fn, '__name__', 'the step')} has no positional parameter of "
+            f"(it has {params}); name one of those."
+        )
+    return frozenset(nums) | {params.index(name) for name in names}
+
+
+def donated_state_leaves(flat: FlatArgs, positions: frozenset[int]) -> frozenset[int]:
+    """Indices of the state leaves of the graph nodes in the donated arguments.
+
+    Args:
+      flat: the step's flattened arguments.
+      positions: the donated argument positions (`donated_positions`).
+
+    Returns:
+      Indices into ``flat.state_leaves``.
+    """
+    if not positions:
+        return frozenset()
+    num_leaves = len(flat.args_leaves)
+    per_argument = jax.tree.unflatten(flat.args_tree, list(range(num_leaves)))
+    donated_args_leaves = {
+        leaf
+        for p, subtree in enumerate(per_argument)
+        if p in positions
+        for leaf in jax.tree.leaves(subtree)
+    }
+    num_arguments = len(flat.nodes) - flat.num_implicit  # implicit Rngs are no argument's
+    donated_nodes = {
+        node
+        for node, leaf in enumerate(flat.node_positions[:num_arguments])
+        if leaf in donated_args_leaves
+    }
+    tree = jax.tree.unflatten(flat.state_tree, list(range(len(flat.state_leaves))))
+    return frozenset(
+        j
+        for path, j in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if _node_index(path) in donated_nodes
+    )
+
+
+def _node_index(path: Sequence[Any]) -> int | None:
+    first = path[0] if path else None
+    index = getattr(first, "idx", getattr(first, "key", None))
+    return index if isinstance(index, int) else None
