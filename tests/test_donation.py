@@ -25,7 +25,7 @@ from nnx_mpmd.compiler.stats import count_compilations
 from nnx_mpmd.errors import CompileError
 
 CASES = [
-    ("lm", mp.OneFOneB(), 4, 4, None),
+    ("lm", mp.OneFOneB(), 4, 4, jax.sharding.AxisType.Auto),
     ("lm_tied", mp.ZeroBubbleH1(), 4, 4, jax.sharding.AxisType.Auto),
     ("mlp", mp.Interleaved1F1B(), 2, 4, None),
     ("mlp", mp.DualPipeV(), 2, 4, None),
@@ -192,8 +192,8 @@ def test_cached_partial_with_donation_equals_nnx_jit():
     model, opt, loss_fn, kind = build("lm", "adamw", 2)
     ref_model, ref_opt, _, _ = build("lm", "adamw", 2)
     step = mp.jit(
-        train_step_fn(loss_fn), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=4,
-        donate_argnums=(0, 1),
+        train_step_fn(loss_fn), mesh=make_mesh(2, 2, jax.sharding.AxisType.Auto),
+        schedule=mp.OneFOneB(), num_microbatches=4, donate_argnums=(0, 1),
     )  # fmt: skip
     cached = nnx.cached_partial(step, model, opt)
     reference = nnx.jit(train_step_fn(loss_fn, num_microbatches=4))

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, slots_in
+from nnx_mpmd.compiler.instructions import Call, Instruction, last_reads, slots_in
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
 
 __all__ = ["donate_step_inputs"]
@@ -53,7 +53,7 @@ def donate_step_inputs(
     """
     if not donated_slots:
         return list(program)
-    last_read = _last_reads(program)
+    last_read, _ = last_reads(program)
     result = list(program)
     for i, ins in enumerate(program):
         if not isinstance(ins, Call) or not ins.aliases:
@@ -66,14 +66,6 @@ def donate_step_inputs(
             fn = named_jit(wrapped, ins.label, donate_argnums=donated)
             result[i] = dataclasses.replace(ins, fn=fn, donated=donated, structure=structure)
     return result
-
-
-def _last_reads(program: Sequence[Instruction]) -> dict[int, int]:
-    last_read: dict[int, int] = {}
-    for i, ins in enumerate(program):
-        for slot in ins.reads():
-            last_read[slot] = i
-    return last_read
 
 
 def _donatable_arguments(

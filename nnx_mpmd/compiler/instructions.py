@@ -39,6 +39,7 @@ __all__ = [
     "format_instructions",
     "donate_dead_arguments",
     "insert_frees",
+    "last_reads",
     "parse_instructions",
     "slots_in",
 ]
@@ -254,8 +255,13 @@ class SlotTable:
         return len(self.index)
 
 
-def _last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int]]:
-    """Per slot the index of its last reader; and the slots some instruction writes."""
+def last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int]]:
+    """Per slot the index of its last reader; and the slots some instruction writes.
+
+    Example:
+      >>> last_reads([Transfer(0, 1, 1, "x"), Transfer(1, 2, 0, "x"), Free((0, 1))])
+      ({0: 0, 1: 1}, {1, 2})
+    """
     last_read: dict[int, int] = {}
     written: set[int] = set()
     for i, ins in enumerate(program):
@@ -267,7 +273,7 @@ def _last_reads(program: Sequence[Instruction]) -> tuple[dict[int, int], set[int
 
 def insert_frees(program: list[Instruction], keep: set[int]) -> list[Instruction]:
     """Adds a `Free` after the last read of every slot not in ``keep``."""
-    last_read, _ = _last_reads(program)
+    last_read, _ = last_reads(program)
     frees: dict[int, list[int]] = {}
     for slot, i in last_read.items():
         if slot not in keep:
@@ -350,7 +356,7 @@ def donate_dead_arguments(
       >>> donate_dead_arguments(program, {3}, {key: d})[1].donated
       (1,)
     """
-    last_read, written = _last_reads(program)
+    last_read, written = last_reads(program)
     calls: dict[ProgramKey, list[tuple[int, Call]]] = {}
     for i, ins in enumerate(program):
         if isinstance(ins, Call) and ins.program in donatable:
