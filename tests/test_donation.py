@@ -276,3 +276,16 @@ def test_an_async_checkpoint_is_unchanged_by_donating_steps_after_it(tmp_path):
     got = params_of(restored)
     for path, value in saved.items():
         np.testing.assert_array_equal(got[path], value, err_msg=path)
+
+
+def test_each_donation_pass_shows_its_own_result():
+    model, opt, loss_fn, kind = build("mlp", "adamw", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=4,
+        donate_argnums=(0, 1),
+    )  # fmt: skip
+    lowered = step.lower(model, opt, make_batch(kind, 16))
+    before, after = (lowered.pass_text(n) for n in ("donate_dead_arguments", "donate_step_inputs"))
+    posts = [[line for line in text.splitlines() if " post" in line] for text in (before, after)]
+    assert not any("donate=" in line for line in posts[0])
+    assert all("donate=" in line for line in posts[1])

@@ -453,10 +453,11 @@ def _final_passes(
     record("insert_frees", lambda: format_instructions(freed))
     donating = donate_dead_arguments(freed, keep, donatable)
     record("donate_dead_arguments", lambda: format_instructions(donating))
+    donated = donating  # a name of its own: each record renders its own list, lazily
     if donated_slots:
-        donating = donate_step_inputs(donating, keep, donated_slots)
-        record("donate_step_inputs", lambda: format_instructions(donating))
-    in_ticks = schedule_ticks(donating)
+        donated = donate_step_inputs(donating, keep, donated_slots)
+        record("donate_step_inputs", lambda: format_instructions(donated))
+    in_ticks = schedule_ticks(donated)
     record("schedule_ticks", lambda: format_instructions(in_ticks))
     batched = batch_transfers(in_ticks)
     record("batch_transfers", lambda: format_instructions(batched))
