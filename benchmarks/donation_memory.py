@@ -27,13 +27,8 @@ import optax
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.models import build_model, lm_loss
-
-
-def _train_step(model, optimizer, batch):
-    loss, grads = mp.value_and_grad(lm_loss)(model, batch)
-    optimizer.update(model, grads)
-    return loss
+from nnx_mpmd.apps.train_loop import train_step
+from nnx_mpmd.models import build_model
 
 
 def measure(preset: str, donate: tuple[int, ...], batch_rows: int, seq: int) -> dict:
@@ -42,7 +37,7 @@ def measure(preset: str, donate: tuple[int, ...], batch_rows: int, seq: int) -> 
     model = build_model("gpt", preset, num_stages=4, rngs=nnx.Rngs(0), vocab_size=256)
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     step = mp.jit(
-        _train_step, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4, donate_argnums=donate
+        train_step, mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4, donate_argnums=donate
     )
     tokens = np.random.default_rng(0).integers(0, 256, (batch_rows, seq + 1)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
