@@ -226,6 +226,23 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
         assert np.array_equal(got, want)
 
 
+def test_the_step_donates_by_default_and_no_donate_trains_the_same_numbers(tmp_path):
+    from nnx_mpmd.apps.train_loop import Trainer
+
+    args = [*TINY, "--steps", "3", "--sample-tokens", "0", "--val-batches", "0"]
+    for extra, expected in (([], {0, 1}), (["--no-donate"], set())):
+        run_dir = tmp_path / f"config{len(extra)}"
+        trainer = Trainer(
+            train.config_from_args([*args, *extra, "--run-dir", str(run_dir)]), run_dir
+        )
+        assert trainer.step_fn.donate_argnums == expected
+    donated_losses, donated_state = _train_in_process(args, tmp_path / "donated")
+    kept_losses, kept_state = _train_in_process([*args, "--no-donate"], tmp_path / "kept")
+    assert np.array_equal(donated_losses, kept_losses), (donated_losses, kept_losses)
+    for got, want in zip(donated_state, kept_state, strict=True):
+        assert np.array_equal(got, want)
+
+
 def test_run_dir_with_checkpoints_needs_resume(finished_run, capsys):
     argv = [*TINY, "--steps", "6", "--run-dir", str(finished_run[0])]
     assert train.main(argv) == 2

@@ -28,6 +28,11 @@ Compiled programs go to JAX's persistent compilation cache,
 loads its programs instead of compiling them. One directory serves all runs,
 since programs do not depend on the run.
 
+The step donates the model's and optimizer's state (``mp.jit(...,
+donate_argnums=(0, 1))``): each mesh's update writes the new parameters and
+optimizer state into the old buffers instead of holding both;
+``--no-donate`` turns that off.
+
 Bad input (an unknown schedule, too few devices, a batch that does not split,
 an incompatible checkpoint...) prints one message on stderr and exits with 2.
 
@@ -95,6 +100,7 @@ class TrainConfig(argparse.Namespace):
     val_batches: int
     compile_cache: str | None
     no_compile_cache: bool
+    no_donate: bool
     plan: str | None
 
 
@@ -208,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-compile-cache",
         action="store_true",
         help="compile every program, without reading or writing the compilation cache",
+    )
+    p.add_argument(
+        "--no-donate",
+        action="store_true",
+        help="keep the old parameters and optimizer state beside the new ones in the "
+        "update, instead of writing the new state into them (mp.jit's donate_argnums)",
     )
     p.add_argument(
         "--plan",

@@ -224,7 +224,11 @@ class Trainer:
         )
         self.mesh = MpmdMesh(jax_mesh, "stage")
         self.step_fn = jit(
-            train_step, mesh=self.mesh, schedule=self.schedule, num_microbatches=cfg.microbatches
+            train_step,
+            mesh=self.mesh,
+            schedule=self.schedule,
+            num_microbatches=cfg.microbatches,
+            donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
         )
         self.start_step = 0
 
