@@ -10,6 +10,8 @@ with a plain forward of the full batch.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,7 @@ def test_concatenated_aux_is_the_full_batchs_and_equals_nnx_jit(case):
         with count_compilations() as counter:
             loss, aux = pipelined(model, opt, batch)
         assert i == 0 or counter.count == 0, f"step {i} recompiled {counter.names}"
+        assert not _compiled_twice(counter), f"compiled twice: {_compiled_twice(counter)}"
         assert aux["outputs"].shape == full_batch_outputs.shape
         assert aux["per_example"].shape == (16,) and aux["worst"].shape == ()
         np.testing.assert_allclose(ref_aux["outputs"], full_batch_outputs, atol=1e-6)
@@ -157,14 +160,29 @@ def test_a_per_example_aux_without_aux_reduction_is_an_error_naming_it(pipelined
         step(model, opt, make_batch("regression", 16))
 
 
-def test_explicit_mean_averages_a_per_example_looking_leaf():
+def _compiled_twice(counter):
+    return sorted({name for name in counter.names if counter.names.count(name) > 1})
+
+
+@pytest.mark.parametrize("axis_types", [None, jax.sharding.AxisType.Auto], ids=["explicit", "auto"])
+def test_explicit_mean_averages_a_per_example_looking_leaf(axis_types):
+    """The accumulator keeps the values' layout: each program compiles once, donates."""
+    ref_model, ref_opt, _, _ = build("mlp", "sgd", 2)
     model, opt, _, _ = build("mlp", "sgd", 2)
     step = mp.jit(
-        _step(aux_reduction="mean"), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(),
+        _step(aux_reduction="mean"), mesh=make_mesh(2, 2, axis_types), schedule=mp.OneFOneB(),
         num_microbatches=4,
     )  # fmt: skip
-    _, aux = step(model, opt, make_batch("regression", 16))
+    batch = make_batch("regression", 16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        with count_compilations() as counter:
+            _, aux = step(model, opt, batch)
     assert aux["outputs"].shape == (4, 16)  # one microbatch's shape: the mean over the four
+    assert not _compiled_twice(counter), f"compiled twice: {_compiled_twice(counter)}"
+    _, ref_aux = nnx.jit(_step(4, aux_reduction="mean"))(ref_model, ref_opt, batch)
+    for key in MODES:
+        np.testing.assert_allclose(aux[key], ref_aux[key], atol=1e-6, err_msg=key)
 
 
 def test_aux_modes_broadcasts_a_prefix_and_checks_the_default():

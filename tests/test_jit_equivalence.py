@@ -52,6 +52,9 @@ def run_equivalence(model_name, opt_name, config, steps=STEPS):
             np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         if step > 0:
             assert counter.count == 0, f"step {step} recompiled {counter.count} programs"
+        else:
+            twice = sorted({n for n in counter.names if counter.names.count(n) > 1})
+            assert not twice, f"the first step compiled {twice} more than once"
     atol = 1e-5 if opt_name == "sgd" else 1e-4
     expected = params_of(ref_model)
     got = params_of(model)

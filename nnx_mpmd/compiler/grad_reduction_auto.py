@@ -129,6 +129,21 @@ class StackedReduction:
 
         return self._shard_map(first, (PartitionSpec(),), PartitionSpec(self.axis), x)
 
+    def rows_spec(self, shape: Sequence[int]) -> PartitionSpec:
+        """A layout for a per-microbatch value of ``shape``: rows over the axis, if it divides them.
+
+        Example:
+          >>> StackedReduction("data", 2).rows_spec((4, 3)), StackedReduction("data", 2).rows_spec(())
+          (P('data',), P())
+        """
+        if shape and shape[0] % self.size == 0:
+            return PartitionSpec(self.axis)
+        return PartitionSpec()
+
+    def constrain(self, x: Any, spec: PartitionSpec) -> Any:
+        """``x`` laid out as ``spec`` on the axis's mesh (a constraint with Auto meaning)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self._mesh([x]), spec))
+
     def _mesh(self, values: Sequence[Any]) -> Any:
         """The context's abstract mesh, else the one ``values`` are typed on."""
         meshes = [jax.sharding.get_abstract_mesh()]

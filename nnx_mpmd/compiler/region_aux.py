@@ -28,7 +28,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CompileError
 
-__all__ = ["AUX_REDUCTIONS", "aux_modes", "join_stacked", "stacked_aval", "stacked_spec"]
+__all__ = [
+    "AUX_REDUCTIONS",
+    "aux_modes",
+    "join_stacked",
+    "stacked_aval",
+    "stacked_spec",
+    "value_spec",
+]
 
 AUX_REDUCTIONS = ("mean", "concat")
 """The per-leaf aux reductions `value_and_grad` accepts (or None: mean, checked)."""
@@ -104,6 +111,20 @@ def aux_modes(aux_reduction: Any, aux_tree: Any, aux_avals: Sequence[Any], rows:
     )
 
 
+def value_spec(aval: Any) -> PartitionSpec | None:
+    """The PartitionSpec in ``aval``'s type (Explicit axes); None if replicated or untyped.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> value_spec(jax.core.ShapedArray((2, 3), jnp.float32)) is None
+      True
+    """
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return None
+    return PartitionSpec(*spec)
+
+
 def stacked_spec(aval: Any) -> PartitionSpec | None:
     """The PartitionSpec of values of ``aval`` stacked along a new leading axis.
 
@@ -114,10 +135,8 @@ def stacked_spec(aval: Any) -> PartitionSpec | None:
       >>> stacked_spec(jax.core.ShapedArray((2, 3), jnp.float32)) is None
       True
     """
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    if spec is None or all(entry is None for entry in spec):
-        return None
-    return PartitionSpec(None, *spec)
+    spec = value_spec(aval)
+    return None if spec is None else PartitionSpec(None, *spec)
 
 
 def stacked_aval(aval: Any, num_microbatches: int) -> Any:

@@ -42,7 +42,6 @@ from nnx_mpmd.compiler.instructions import (
 )
 from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
 from nnx_mpmd.compiler.overlap import overlap_tasks
-from nnx_mpmd.compiler.region_aux import stacked_spec
 from nnx_mpmd.compiler.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region_transfers import insert_transfers
 from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
@@ -92,12 +91,9 @@ class _LazyInit:
     def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
         self.reduction = getattr(f, "reduction", None)
-        # A concatenated aux value's buffer is sharded like its microbatch values.
-        stacked = getattr(f, "stacked_results", ()) or (False,) * self.num_acc
-        self.result_specs = [
-            stacked_spec(v.aval) if is_stacked else None
-            for v, is_stacked in zip(f.accumulated, stacked, strict=True)
-        ]
+        # Each result accumulator (a mean, a concatenated aux value's buffer) as
+        # the stage programs return it (`StageFunctions.result_specs`).
+        self.result_specs = list(getattr(f, "result_specs", (None,) * self.num_acc))
         self.label = self.__name__ = label
 
     def _gradient_sharding(self, param: Any) -> Any:

@@ -31,7 +31,7 @@ from nnx_mpmd.compiler.grad_reduction import GradientReduction, run_deferring
 from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking
 from nnx_mpmd.compiler.jaxpr_utils import structure_key
 from nnx_mpmd.compiler.region import RegionInfo
-from nnx_mpmd.compiler.region_aux import stacked_aval, stacked_spec
+from nnx_mpmd.compiler.region_aux import stacked_aval, stacked_spec, value_spec
 from nnx_mpmd.compiler.split_backward import abstract_like, run_bi, run_bw
 from nnx_mpmd.compiler.stages import StagePlan, _input_kind
 from nnx_mpmd.errors import MeshError
@@ -164,6 +164,19 @@ def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
     )
 
 
+def _mean_zeros(aval: Any) -> Any:
+    """A zero mean accumulator for values of ``aval``, sharded like each one.
+
+    On Explicit axes a replicated accumulator plus a sharded value is a
+    sharded sum: the program would return a type it was not traced for
+    (compiled again, its donated accumulator unusable).
+    """
+    explicit = value_spec(aval) is not None
+    return jnp.zeros(
+        aval.shape, mean_dtype(aval.dtype), out_sharding=aval.sharding if explicit else None
+    )
+
+
 def _stack_into(buffer: Any, value: Any, idx: Any) -> Any:
     """``buffer`` with ``value`` as its row ``idx``.
 
@@ -252,6 +265,7 @@ class StageFunctions:
         stacked = getattr(info, "stacked_axis", None) if info.with_grad else None
         if stacked is not None:
             self.reduction = StackedReduction(*stacked)
+        self.result_specs = self._result_specs()
 
     # -- equal stages ----------------------------------------------------------
     @functools.cached_property
@@ -343,13 +357,35 @@ class StageFunctions:
         values.update(zip(self.yn, yn))
         return values, vjp_fn
 
+    def _result_specs(self) -> tuple[PartitionSpec | None, ...]:
+        """Each result accumulator's layout: its init makes it, its programs keep it.
+
+        On Explicit axes it is the values' type (a stacked buffer: per row). On
+        an Auto batch axis XLA would choose the updated accumulator's layout,
+        which can differ from its zeros' (the last stage's programs would
+        compile again, their donation unusable): rows over the axis instead.
+        """
+        red = self.reduction
+        auto = red if isinstance(red, StackedReduction) else None
+        specs = []
+        for v, stacked in zip(self.accumulated, self.stacked_results):
+            if auto is None:
+                specs.append(stacked_spec(v.aval) if stacked else value_spec(v.aval))
+            else:
+                rows = auto.rows_spec(v.aval.shape)
+                specs.append(PartitionSpec(None, *rows) if stacked else rows)
+        return tuple(specs)
+
     def _accumulate(self, values, racc, idx):
         """The result accumulators after microbatch ``idx``: means, or stacked values."""
         scale = 1.0 / self.m
-        return tuple(
+        new = tuple(
             _stack_into(a, values[v], idx) if stacked else a + (values[v] * scale).astype(a.dtype)
             for a, v, stacked in zip(racc, self.accumulated, self.stacked_results)
         )
+        if not isinstance(self.reduction, StackedReduction):
+            return new  # typed: each sum has its accumulator's type
+        return tuple(self.reduction.constrain(a, s) for a, s in zip(new, self.result_specs))
 
     def _add_grads(self, gacc, grads):
         """``gacc + grads``; an unreduced accumulator takes its gradient unreduced.
@@ -497,9 +533,7 @@ class StageFunctions:
                 red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
             )
         return gacc, tuple(
-            _stacked_zeros(v.aval, self.m)
-            if stacked
-            else jnp.zeros(v.aval.shape, mean_dtype(v.aval.dtype))
+            _stacked_zeros(v.aval, self.m) if stacked else _mean_zeros(v.aval)
             for v, stacked in zip(self.accumulated, self.stacked_results)
         )
 
