@@ -155,14 +155,32 @@ def test_nothing_fits_names_the_smallest_budget():
         search([plain], 4, 16, schedules=["1f1b"], num_microbatches=[4])
 
 
-def _plan_mlp(mesh, num_microbatches=(2, 4)):
-    model, _, loss_fn, kind = build("mlp", "sgd", 4)
+def test_a_donating_step_holds_no_second_copy_of_the_state_at_the_update():
+    """The update's new state is written into the donated buffers: the peak loses it."""
+    unit = _units(2, kept=10, state=100, params=50)
+    plain = predict("gpipe", 2, 2, [0, 1], [False, False], unit)
+    donating = predict("gpipe", 2, 2, [0, 1], [False, False], unit, donate=True)
+    # state 100 + gradients 50 + the larger of 2 microbatches' kept bytes and the new state
+    assert plain.peak_bytes == (250, 250) and donating.peak_bytes == (170, 170)
+    assert donating.step_s == plain.step_s
+    kwargs = {"schedules": ["gpipe"], "num_microbatches": [2], "memory_budget": 200}
+    with pytest.raises(mp.PlanError, match=r"budget of 200 bytes.*smallest predicted peak is 250"):
+        search([unit], 2, 8, **kwargs)
+    assert max(search([unit], 2, 8, donate=True, **kwargs)[0].peak_bytes) == 170
+
+
+def _plan_mlp(mesh, num_microbatches=(2, 4), opt_name="sgd", donate=False):
+    model, _, loss_fn, kind = build("mlp", opt_name, 4)
     batch = make_batch(kind, 16)
     planned = plan(
-        model, loss_fn, batch, mesh, optax.sgd(0.1),
+        model, loss_fn, batch, mesh, _TX[opt_name],
         schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=num_microbatches, repeats=1,
+        donate=donate,
     )  # fmt: skip
     return model, loss_fn, batch, planned
+
+
+_TX = {"sgd": optax.sgd(0.1), "adamw": optax.adamw(1e-3)}
 
 
 def test_a_planned_step_trains_like_the_reference():
@@ -205,6 +223,27 @@ def test_verify_measures_memory_within_ten_percent_and_reranks():
     assert closed.calibration == pytest.approx(sum(ratios) / 2)  # the median of two
 
 
+def test_verify_runs_a_donating_plan_donating_and_leaves_the_model_whole():
+    """Adam's state is three times the parameters: each mesh's peak, predicted with the
+    update in place, is within 10% of the donating step's; the model given is not
+    donated (each configuration runs on a copy with its own buffers)."""
+    mesh = make_mesh(2, 2)
+    model, loss_fn, batch, planned = _plan_mlp(mesh, num_microbatches=[4], opt_name="adamw",
+                                               donate=True)  # fmt: skip
+    assert planned.donate and Plan.from_json(planned.to_json()).donate
+    # The same model built again (reading ``model``'s arrays into NumPy here would
+    # stop XLA on CPU from donating their buffers, hiding what this checks).
+    before = params_of(build("mlp", "adamw", 4)[0])
+    checked = verify(planned, model, loss_fn, batch, mesh, _TX["adamw"], top=2, steps=1)
+    assert len(checked) == 2
+    for v in checked:
+        for predicted, measured in zip(v.candidate.peak_bytes, v.measured_peak_bytes):
+            assert abs(predicted / measured - 1) <= 0.10, (v.candidate, v.measured_peak_bytes)
+    after = params_of(model)  # every array still alive, unchanged
+    for path, value in before.items():
+        np.testing.assert_array_equal(after[path], value, err_msg=path)
+
+
 def test_plan_json_round_trip_and_wrong_model(tmp_path):
     best = Candidate("1f1b", 2, 4, (0, 0, 1, 1), (False, True), 0.25, (100, 200))
     planned = Plan(best, (), ("layers.0", "layers.1", "layers.2", "layers.3"), 2, 16,
@@ -221,6 +260,9 @@ def test_plan_json_round_trip_and_wrong_model(tmp_path):
         again.apply(lm)
     with pytest.raises(mp.PlanError, match=r"cannot read a plan \(nnx-mpmd-plan/1\)"):
         Plan.from_json(json.dumps({"format": "other"}))
+    older = json.loads(planned.to_json())
+    del older["donate"]  # written before plans said whether they donate: they did not
+    assert Plan.from_json(json.dumps(older)).donate is False
 
 
 def test_plan_rejects_microbatch_counts_that_do_not_split():
@@ -260,6 +302,7 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     assert not [p.name for p in (tmp_path / "tmp").glob("nnx-mpmd-plan-*")]
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["unit_paths"] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert data["donate"] is True  # as `train` runs it (--no-donate plans without)
     trained = subprocess.run(
         [sys.executable, "-m", "nnx_mpmd", "train", *common, "--plan", str(tmp_path / "p.json"),
          "--steps", "1", "--ckpt-every", "0", "--val-batches", "0", "--sample-tokens", "0",

@@ -110,6 +110,7 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
         schedules=_names(cfg.schedules),
         num_microbatches=None if counts is None else [int(c) for c in counts],
         memory_budget=budget, remat=not cfg.no_remat, repeats=cfg.repeats,
+        donate=not cfg.no_donate,
     )  # fmt: skip
     print(planned.summary())
     if cfg.verify:

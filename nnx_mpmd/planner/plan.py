@@ -54,6 +54,9 @@ class Plan:
         ``measured`` (1.0 before any measurement). The simulator assumes
         meshes that do not share compute and a host that is never late; this
         factor is what that costs on this machine.
+      donate: whether the predicted peaks assume a step that donates the
+        model's and optimizer's state (``mp.jit(donate_argnums=(0, 1))``, as
+        ``nnx-mpmd train`` does); `verify` runs the step so.
 
     Example:
       >>> best = Candidate("1f1b", 2, 4, (0, 1), (False, False), 0.5, (10, 10))
@@ -71,6 +74,7 @@ class Plan:
     costs: tuple[UnitCosts, ...] = ()
     measured: tuple[tuple[Candidate, float], ...] = ()
     calibration: float = 1.0
+    donate: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -173,6 +177,7 @@ class Plan:
             "costs": [c.to_dict() for c in self.costs],
             "measured": [[c.to_dict(), seconds] for c, seconds in self.measured],
             "calibration": self.calibration,
+            "donate": self.donate,
         }
         return json.dumps(data, indent=1)
 
@@ -199,6 +204,7 @@ class Plan:
                     (Candidate.from_dict(c), float(t)) for c, t in data.get("measured", [])
                 ),
                 calibration=float(data.get("calibration", 1.0)),
+                donate=bool(data.get("donate", False)),  # plans written before it: no
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlanError(
@@ -236,6 +242,7 @@ def plan(
     remat: bool = True,
     keep: int = 5,
     repeats: int = 3,
+    donate: bool = False,
 ) -> Plan:
     """Chooses the split, schedule, microbatches and remat for ``model`` on ``mesh``.
 
@@ -258,6 +265,10 @@ def plan(
       remat: also consider recomputing stages' forwards (needs a second profile).
       keep: how many runners-up to keep.
       repeats: timed runs per profile (medians are kept).
+      donate: predict the peaks of a step that donates the model's and
+        optimizer's state (``mp.jit(..., donate_argnums=(0, 1))``, the default
+        of ``nnx-mpmd train``): the optimizer update then holds no second copy
+        of them, so more configurations fit a budget.
 
     Returns:
       The `Plan`.
@@ -288,7 +299,7 @@ def plan(
     )  # fmt: skip
     found = search(
         costs, mesh.num_meshes, batch_size, schedules=schedules,
-        num_microbatches=counts, memory_budget=memory_budget,
+        num_microbatches=counts, memory_budget=memory_budget, donate=donate,
     )  # fmt: skip
     return Plan(
         best=found[0],
@@ -298,6 +309,7 @@ def plan(
         batch_size=batch_size,
         memory_budget=memory_budget,
         costs=tuple(costs),
+        donate=donate,
     )
 
 
@@ -326,6 +338,14 @@ class Verification:
         return max(self.candidate.peak_bytes) / max(self.measured_peak_bytes) - 1.0
 
 
+def _own_copy(model: Any) -> Any:
+    """``model`` cloned with its own buffers: a donating step deletes the ones it reads
+    (`nnx.clone` shares them with ``model``)."""
+    copy = nnx.clone(model)
+    nnx.update(copy, jax.tree.map(lambda x: x.copy(), nnx.state(copy)))
+    return copy
+
+
 def verify(
     planned: Plan,
     model: Any,
@@ -340,7 +360,8 @@ def verify(
     """Runs the plan's ``top`` configurations and measures them.
 
     Each runs on a copy of ``model``: one step to compile, ``steps`` timed
-    steps (the median counts), and one with ``memory=True``.
+    steps (the median counts), and one with ``memory=True``. The step donates
+    the copy's state when the plan was made for a donating step (`Plan.donate`).
 
     Args:
       planned: the `Plan`.
@@ -357,13 +378,14 @@ def verify(
     """
     results = []
     for candidate in (planned.best, *planned.runners_up)[:top]:
-        copy = planned.apply(nnx.clone(model), candidate)
+        copy = planned.apply(_own_copy(model), candidate)
         optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
         step = jit(
             train_step_of(loss_fn),
             mesh=mesh,
             schedule=get_schedule(candidate.schedule),
             num_microbatches=candidate.num_microbatches,
+            donate_argnums=(0, 1) if planned.donate else (),
         )
         jax.block_until_ready(step(copy, optimizer, batch))
         times = []

@@ -112,11 +112,16 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _peak_bytes(
-    tasks: Any, mesh_of: list[int], stage: Mapping[str, list[Any]], num_microbatches: int
+    tasks: Any,
+    mesh_of: list[int],
+    stage: Mapping[str, list[Any]],
+    num_microbatches: int,
+    donate: bool,
 ) -> tuple[int, ...]:
     """Per mesh: parameters, optimizer state and gradient accumulators of its stages, the
     step's batch leaves they read (all microbatches), and the larger of the bytes its
-    forwards hold for their backwards and the optimizer update's new state."""
+    forwards hold for their backwards and the optimizer update's new state (none when
+    the step donates its state: the update writes it into the old buffers)."""
     peaks = []
     for mesh, row in enumerate(tasks):
         mine = [s for s, q in enumerate(mesh_of) if q == mesh]
@@ -124,7 +129,7 @@ def _peak_bytes(
         grads = sum(stage["param_bytes"][s] for s in mine)
         batch = num_microbatches * sum(stage["batch_bytes"][s] for s in mine)
         live = _live_peak(row, stage["kept_bytes"], stage["split_bytes"])
-        peaks.append(int(state + grads + batch + max(live, state)))
+        peaks.append(int(state + grads + batch + max(live, 0 if donate else state)))
     return tuple(peaks)
 
 
@@ -136,6 +141,8 @@ def predict(
     remat: Sequence[bool],
     plain: UnitCosts,
     rematted: UnitCosts | None = None,
+    *,
+    donate: bool = False,
 ) -> Candidate:
     """The simulator's step time and peak memory for one configuration.
 
@@ -147,6 +154,8 @@ def predict(
       remat: per stage, whether it recomputes its forward.
       plain: unit costs without remat, at this microbatch size.
       rematted: unit costs with remat at this size (needed if any stage remats).
+      donate: whether the step donates the model's and optimizer's state
+        (``mp.jit(donate_argnums=...)``): the update then needs no second copy.
 
     Returns:
       The `Candidate`.
@@ -182,7 +191,7 @@ def predict(
         unit_stages=tuple(int(s) for s in unit_stages),
         remat=tuple(bool(r) for r in remat),
         step_s=float(makespan + update),
-        peak_bytes=_peak_bytes(tasks, mesh_of, stage, num_microbatches),
+        peak_bytes=_peak_bytes(tasks, mesh_of, stage, num_microbatches, donate),
     )
 
 
@@ -201,7 +210,12 @@ def _stage_counts(schedule: Any, num_meshes: int, num_units: int, m: int) -> lis
 
 
 def _fit_budget(
-    candidate: Candidate, num_meshes: int, plain: UnitCosts, rematted: UnitCosts | None, budget: int
+    candidate: Candidate,
+    num_meshes: int,
+    plain: UnitCosts,
+    rematted: UnitCosts | None,
+    budget: int,
+    donate: bool,
 ) -> Candidate | None:
     """``candidate`` with stages rematted until every mesh fits ``budget``, or None."""
     while max(candidate.peak_bytes) > budget:
@@ -221,7 +235,7 @@ def _fit_budget(
         remat = tuple(r or s == best for s, r in enumerate(candidate.remat))
         candidate = predict(
             candidate.schedule, num_meshes, candidate.num_microbatches,
-            candidate.unit_stages, remat, plain, rematted,
+            candidate.unit_stages, remat, plain, rematted, donate=donate,
         )  # fmt: skip
     return candidate
 
@@ -234,6 +248,7 @@ def search(
     schedules: Sequence[str] | None = None,
     num_microbatches: Sequence[int],
     memory_budget: int | None = None,
+    donate: bool = False,
 ) -> list[Candidate]:
     """Every configuration that fits, fastest predicted first.
 
@@ -245,6 +260,7 @@ def search(
       schedules: registered schedule names (default: all).
       num_microbatches: the microbatch counts to consider.
       memory_budget: bytes per device; None: no limit.
+      donate: whether the step donates its state (see `predict`).
 
     Returns:
       The candidates, sorted by predicted step time.
@@ -275,11 +291,15 @@ def search(
                 if same in seen:
                     continue
                 seen.add(same)
-                candidate = predict(name, num_meshes, m, split, [False] * stages, plain, rematted)
+                candidate = predict(
+                    name, num_meshes, m, split, [False] * stages, plain, rematted, donate=donate
+                )
                 if memory_budget is not None:
-                    least = _least_peak(candidate, num_meshes, plain, rematted)
+                    least = _least_peak(candidate, num_meshes, plain, rematted, donate)
                     smallest = least if smallest is None else min(smallest, least)
-                    candidate = _fit_budget(candidate, num_meshes, plain, rematted, memory_budget)
+                    candidate = _fit_budget(
+                        candidate, num_meshes, plain, rematted, memory_budget, donate
+                    )
                 if candidate is not None:
                     found.append(candidate)
     if not found:
@@ -288,14 +308,18 @@ def search(
 
 
 def _least_peak(
-    candidate: Candidate, num_meshes: int, plain: UnitCosts, rematted: UnitCosts | None
+    candidate: Candidate,
+    num_meshes: int,
+    plain: UnitCosts,
+    rematted: UnitCosts | None,
+    donate: bool,
 ) -> int:
     """The lower of the candidate's peak and its peak with every stage rematted."""
     least = max(candidate.peak_bytes)
     if rematted is not None:
         everything = predict(
             candidate.schedule, num_meshes, candidate.num_microbatches, candidate.unit_stages,
-            [True] * candidate.num_stages, plain, rematted,
+            [True] * candidate.num_stages, plain, rematted, donate=donate,
         )  # fmt: skip
         least = min(least, max(everything.peak_bytes))
     return least
