@@ -270,7 +270,7 @@ def test_plan_rejects_microbatch_counts_that_do_not_split():
         _plan_mlp(make_mesh(2, 2), num_microbatches=[16])
 
 
-def test_train_takes_its_layout_from_a_plan_file(tmp_path):
+def test_train_takes_its_layout_from_a_plan_file(tmp_path, capsys):
     best = Candidate("gpipe", 2, 4, (0, 0, 0, 1, 1, 1), (False, False), 0.1, (1, 1))
     path = tmp_path / "plan.json"
     Plan(best, (), ("embed",), 2, 16).save(path)
@@ -278,6 +278,11 @@ def test_train_takes_its_layout_from_a_plan_file(tmp_path):
     assert (cfg.schedule, cfg.stages, cfg.microbatches) == ("gpipe", 2, 4)
     with pytest.raises(mp.MpmdError, match=r"made for --meshes 2 --batch-size 16, not --meshes 4"):
         config_from_args(["--plan", str(path), "--meshes", "4", "--batch-size", "16"])
+    Plan(best, (), ("embed",), 2, 16, donate=True).save(path)
+    config_from_args(["--plan", str(path), "--meshes", "2", "--batch-size", "16"])
+    assert capsys.readouterr().err == ""
+    config_from_args(["--plan", str(path), "--meshes", "2", "--batch-size", "16", "--no-donate"])
+    assert "predicted its peaks for a step that donates" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(mp.MpmdError, match=r"cannot read a plan.*nnx-mpmd plan --out"):
         config_from_args(["--plan", str(tmp_path / "bad.json")])

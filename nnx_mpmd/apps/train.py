@@ -261,6 +261,13 @@ def apply_plan_file(cfg: TrainConfig) -> None:
     cfg.schedule = best["schedule"]
     cfg.stages = int(best["num_stages"])
     cfg.microbatches = int(best["num_microbatches"])
+    if data.get("donate") and cfg.no_donate:
+        print(
+            f"nnx-mpmd train: warning: --plan {cfg.plan} predicted its peaks for a step that "
+            "donates its state; with --no-donate each mesh holds its state twice during the "
+            "update, above those peaks. Drop --no-donate, or plan with it.",
+            file=sys.stderr,
+        )
 
 
 def config_from_args(argv: list[str]) -> TrainConfig:
