@@ -75,6 +75,32 @@ def _no_executables_kept_by_earlier_tests(monkeypatch):
     monkeypatch.setattr(step_store, "ENABLED", False)
 
 
+@pytest.fixture(autouse=True)
+def _every_call_runs_an_executable_made_for_it(monkeypatch, request):
+    """Fails a test in which a program call matched none of its ahead-of-time executables.
+
+    Such a call falls back to the program's ``jit``, which compiles it again
+    inside the step: a twin loaded with another program's arguments, or a type
+    the ahead-of-time pass did not predict. Results stay right; the first step
+    pays a compile. ``@pytest.mark.fallback_compiles`` allows it in a test.
+    """
+    from nnx_mpmd.runtime import program_sharing
+
+    missed = []
+    choose = program_sharing.SharedProgram._choose
+
+    def recording(self, shardings):
+        run = choose(self, shardings)
+        if run is self.fn:
+            missed.append(str(self.fn))
+        return run
+
+    monkeypatch.setattr(program_sharing.SharedProgram, "_choose", recording)
+    yield
+    if missed and request.node.get_closest_marker("fallback_compiles") is None:
+        pytest.fail(f"calls matched no executable compiled ahead of time for them: {missed}")
+
+
 @pytest.fixture
 def compiled_here():
     """XLA compiles in this process: JAX's persistent cache, which the test workers

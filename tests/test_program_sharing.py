@@ -84,6 +84,7 @@ def test_share_key_ignores_only_the_module_name():
     assert share_key("func.func @main", mesh) is None
 
 
+@pytest.mark.fallback_compiles  # what this test checks
 def test_a_shared_program_with_other_arguments_runs_its_own_function():
     source, target = _submesh((0, 1)), _submesh((2, 3))
     fn = jax.jit(_reduce)
@@ -363,6 +364,7 @@ def _recall_from_the_directory(monkeypatch, tmp_path):
     assert program_sharing.recall(key) is None
 
 
+@pytest.mark.fallback_compiles  # what this test checks
 def test_an_executable_compiled_for_other_explicit_types_is_not_used():
     # "model" has size 1: P("data", None) and P("data", "model") are one device
     # layout, which XLA accepts, but another type, which the results would carry.
@@ -377,6 +379,7 @@ def test_an_executable_compiled_for_other_explicit_types_is_not_used():
     assert jax.typeof(shared(other)).sharding.spec == P("data", None)
 
 
+@pytest.mark.fallback_compiles  # what this test checks
 def test_an_unused_argument_of_another_type_is_checked_too():
     # XLA's input_shardings leave out the arguments a program does not read;
     # their types still decide the call's (and so the next program's) types.
@@ -510,7 +513,7 @@ def test_programs_without_a_structure_are_traced_each(compiled_here):
 
 
 def test_a_twin_of_a_program_that_cannot_be_shared_compiles_itself(monkeypatch, compiled_here):
-    monkeypatch.setattr(program_sharing, "share_key", lambda text, mesh: None)
+    monkeypatch.setattr(program_sharing, "share_key", lambda text, mesh, interface=(): None)
     compiler, [(first, _, _), (second, out, mesh)] = _twins()
     out = out.result() if hasattr(out, "result") else out
     assert (first.traced, second.traced) == (1, 1)

@@ -258,7 +258,8 @@ class ProgramCompiler:
             lowered = traced.lower()
             share = None
             if self.share and on_devices_of(args, mesh):
-                share = program_sharing.share_key(lowered.as_text(), mesh)
+                interface = program_sharing.interface_key(lowered)
+                share = program_sharing.share_key(lowered.as_text(), mesh, interface)
             if share is not None:
                 with self.lock:
                     source = self.shared.get(share)

@@ -305,14 +305,16 @@ class _AbstractOperations:
                 )
                 return None
             source = slots[ins.src]
+            guess = None
+            if ins.per_microbatch and ins.spec is None and 0 <= ins.dst_mesh < len(self.submeshes):
+                guess = _Guess(self.submeshes[ins.dst_mesh], self.batch_axis)
             if (
-                ins.per_microbatch
-                and ins.spec is None
+                guess is not None
+                and guess.reliable()
                 and isinstance(source, _Pending)
                 and source.traced is not None
             ):
                 early = _Pending(source.traced, source.slot)
-                guess = _Guess(self.submeshes[ins.dst_mesh], self.batch_axis)
                 job = _after(None, [early], _run_transfer, ins, early, self.shardings, guess)
             else:
                 job = _after(None, [source], _run_transfer, ins, source, self.shardings, None)
@@ -410,8 +412,22 @@ def _run_call(
 
 
 class _Guess(NamedTuple):
+    """How a per-microbatch value on Auto axes is laid out, before its program compiles.
+
+    XLA chooses the layout of an Auto-typed result when it compiles; guessing it
+    lets the reader's compilation start early. A wrong guess costs a second
+    compilation of the reader, inside the step, so it is only made where the
+    batch axis is the submesh's only axis of more than one device (rows over
+    it, or replicated); elsewhere (a "model" axis, say) the transfer waits.
+    """
+
     mesh: Any
     batch_axis: str | None
+
+    def reliable(self) -> bool:
+        return all(
+            size == 1 or name == self.batch_axis for name, size in dict(self.mesh.shape).items()
+        )
 
     def spec(self, shape: tuple[int, ...]) -> Any:
         # As each microbatch is placed (on Explicit axes, a spec is part of the

@@ -61,6 +61,7 @@ __all__ = [
     "SharedProgram",
     "compile_fresh",
     "forget_kept",
+    "interface_key",
     "keep_fresh",
     "load_for_devices",
     "load_serialized",
@@ -81,16 +82,22 @@ SHARED_PLATFORMS = frozenset({"cpu"})
 _HEADER = "module @"
 
 
-def share_key(text: str, mesh: Mesh | None) -> tuple[Any, ...] | None:
+def share_key(
+    text: str, mesh: Mesh | None, interface: tuple[Any, ...] = ()
+) -> tuple[Any, ...] | None:
     """The key under which a program's executable is shared, or None (never shared).
 
     Args:
       text: the lowered module's text (``jax.stages.Lowered.as_text()``).
       mesh: the submesh the program runs on.
+      interface: the program's Python-level arguments (`interface_key`). The
+        module leaves out arguments it does not read, so two programs of one
+        text can take different arguments; an executable is called with its
+        own program's.
 
     Returns:
       ``(platform, axis names, axis sizes, axis types, text without the module
-      name)``, or None when ``mesh`` is None, its platform is not in
+      name, interface)``, or None when ``mesh`` is None, its platform is not in
       `SHARED_PLATFORMS`, or the text does not start with a module header.
 
     Example:
@@ -117,7 +124,32 @@ def share_key(text: str, mesh: Mesh | None) -> tuple[Any, ...] | None:
         tuple(mesh.devices.shape),
         tuple(str(t) for t in mesh.axis_types),
         attributes + newline + body,
+        interface,
     )
+
+
+def interface_key(lowered: Any) -> tuple[Any, ...]:
+    """A lowered program's arguments as a key: their tree, and each one's type and donation.
+
+    Shapes, dtypes, weak types, PartitionSpecs (no devices) and donation: equal
+    for twin programs on equal submeshes, different for programs whose
+    modules are equal only because each leaves out arguments it does not read.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> f = jax.jit(lambda x, unused: x + 1)
+      >>> a = interface_key(f.trace(jnp.ones(2), ()).lower())
+      >>> a == interface_key(f.trace(jnp.ones(2), (jnp.ones(3),)).lower())
+      False
+    """
+    leaves = []
+    for info in jax.tree.leaves(lowered.args_info):
+        aval = info._aval
+        spec = getattr(getattr(aval, "sharding", None), "spec", None)
+        leaves.append(
+            (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), str(spec), info.donated)
+        )
+    return (str(lowered.in_tree), tuple(leaves))
 
 
 def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
