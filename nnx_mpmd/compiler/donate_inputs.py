@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, last_reads, slots_in
+from nnx_mpmd.compiler.instructions import Call, Instruction, last_reads, last_use
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
 
 __all__ = ["donate_step_inputs"]
@@ -72,16 +72,13 @@ def _donatable_arguments(
     i: int, ins: Call, keep: set[int], donated_slots: set[int], last_read: dict[int, int]
 ) -> tuple[int, ...]:
     """The arguments among ``ins.aliases`` that call ``i`` may donate."""
-    everything = list(slots_in(ins.args))
     found = []
     for n in ins.aliases:
         slot: Any = ins.args[n] if n < len(ins.args) else None
         if (
             isinstance(slot, int)
             and slot in donated_slots
-            and slot not in keep
-            and last_read.get(slot) == i
-            and everything.count(slot) == 1
+            and last_use(i, ins, slot, last_read, keep)
         ):
             found.append(n)
     return tuple(found)

@@ -40,6 +40,7 @@ __all__ = [
     "donate_dead_arguments",
     "insert_frees",
     "last_reads",
+    "last_use",
     "parse_instructions",
     "slots_in",
 ]
@@ -307,6 +308,32 @@ class Donatable:
     donating: Callable[[tuple[int, ...]], Callable[..., Any]]
 
 
+def last_use(i: int, ins: Call, slot: int, last_read: Mapping[int, int], keep: set[int]) -> bool:
+    """Whether call ``i`` could hand ``slot``'s buffer to XLA: the step's last reader of it.
+
+    Nothing reads the slot after the call, the step does not return it
+    (``keep``), and the call passes it once.
+
+    Args:
+      i: the call's index in the instruction list.
+      ins: the call.
+      slot: one of its argument slots.
+      last_read: slot -> index of its last reader (`last_reads`).
+      keep: slots the step returns.
+
+    Returns:
+      Whether it may be donated, as far as its readers go.
+
+    Example:
+      >>> call = Call(0, ProgramKey("B", stage=0), abs, (1, 1, 2), ((3,),), "B0.0")
+      >>> [last_use(0, call, s, {1: 0, 2: 0}, keep=set()) for s in (1, 2)]
+      [False, True]
+    """
+    return (
+        last_read.get(slot) == i and slot not in keep and list(slots_in(ins.args)).count(slot) == 1
+    )
+
+
 def _dead_after(
     i: int, ins: Call, d: Donatable, last_read: dict[int, int], written: set[int], keep: set[int]
 ) -> bool:
@@ -316,11 +343,7 @@ def _dead_after(
     slots = list(slots_in(ins.args[d.argnum]))
     if not slots or len(slots) != len(list(slots_in(ins.outs[d.out_index]))):
         return False
-    everything = list(slots_in(ins.args))
-    return all(
-        last_read.get(s) == i and s in written and s not in keep and everything.count(s) == 1
-        for s in slots
-    )
+    return all(s in written and last_use(i, ins, s, last_read, keep) for s in slots)
 
 
 def donate_dead_arguments(
