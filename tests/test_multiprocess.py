@@ -14,6 +14,9 @@ holds a device of two stages (``pairs``, with weights tied across processes),
 and a ring of 4 stages where stage i spans processes i and i + 1 (mod 4)
 (``shift``: a process receives one shard of a transfer and sends another; it
 hung every time while those moves were batched into one ``jax.device_put``).
+The ``mixed`` and ``shift`` runs donate the model's and optimizer's state
+(``mp.jit(donate_argnums=(0, 1))``): buffers of arrays that span processes are
+reused in place, and moves between processes read none that were donated.
 """
 
 from __future__ import annotations
@@ -31,10 +34,16 @@ from shared_results import once_per_test_run
 
 pytestmark = pytest.mark.multiprocess
 
-RUNS = ["1f1b:2:2", "interleaved:2:4", "1f1b:4:4", "1f1b:4:4:span:mlp", "1f1b:4:4:mixed:lm_tied"]
+RUNS = [
+    "1f1b:2:2",
+    "interleaved:2:4",
+    "1f1b:4:4",
+    "1f1b:4:4:span:mlp",
+    "1f1b:4:4:mixed:lm_tied:donate",
+]
 # 4 processes x 2 devices, 2 steps: 2 stages on processes {0, 1} and {2, 3}; 4 stages
 # where each process holds a device of two stages; a ring of 4 stages over the processes.
-RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied", "1f1b:4:4:shift:mlp"]
+RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied", "1f1b:4:4:shift:mlp:donate"]
 STEPS = {2: "3", 4: "2"}
 
 

@@ -18,7 +18,7 @@ differently is not shared with it.
 
 Example:
   >>> import jax
-  >>> from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey
+  >>> from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey, Transfer
   >>> update = jax.jit(lambda p, g: (p - g,))
   >>> key = ProgramKey("post", index=0, mesh=0)
   >>> call = Call(0, key, update, (0, 1), (2,), "post.L0.mesh0", aliases=(0,))
@@ -32,10 +32,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, last_reads, last_use
+from nnx_mpmd.compiler.instructions import (
+    Call,
+    Instruction,
+    Transfer,
+    TransferBatch,
+    last_reads,
+    last_use,
+)
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
 
-__all__ = ["donate_step_inputs"]
+__all__ = ["donate_step_inputs", "transfer_sources"]
 
 
 def donate_step_inputs(
@@ -66,6 +73,23 @@ def donate_step_inputs(
             fn = named_jit(wrapped, ins.label, donate_argnums=donated)
             result[i] = dataclasses.replace(ins, fn=fn, donated=donated, structure=structure)
     return result
+
+
+def transfer_sources(program: Sequence[Instruction]) -> set[int]:
+    """The slots that some transfer of ``program`` reads.
+
+    In a multi-process run such a slot must not be donated: a move to another
+    process reads the sender's buffer when the receiver asks for it, which can
+    be after the sender's later programs ran, and a donated buffer is gone by
+    then ("CopyRawSubBufferToHost() called on deleted or donated buffer"). One
+    process orders a donation after the copies that read the buffer.
+
+    Example:
+      >>> transfer_sources([Transfer(0, 3, 1, "tied embedding", src_mesh=0)])
+      {0}
+    """
+    kinds = (Transfer, TransferBatch)
+    return {slot for ins in program if isinstance(ins, kinds) for slot in ins.reads()}
 
 
 def _donatable_arguments(

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.donate_inputs import donate_step_inputs
+from nnx_mpmd.compiler.donate_inputs import donate_step_inputs, transfer_sources
 from nnx_mpmd.compiler.instructions import (
     Call,
     Instruction,
@@ -454,6 +454,8 @@ def _final_passes(
     donating = donate_dead_arguments(freed, keep, donatable)
     record("donate_dead_arguments", lambda: format_instructions(donating))
     donated = donating  # a name of its own: each record renders its own list, lazily
+    if donated_slots and jax.process_count() > 1:
+        donated_slots = donated_slots - transfer_sources(freed)
     if donated_slots:
         donated = donate_step_inputs(donating, keep, donated_slots)
         record("donate_step_inputs", lambda: format_instructions(donated))

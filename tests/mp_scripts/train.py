@@ -3,8 +3,9 @@
 Runs the same way as one process (8 CPU devices) or under ``nnx-mpmd launch``
 with 8 devices in all (``--processes 2 --devices-per-process 4`` or
 ``--processes 4 --devices-per-process 2``). A run is
-``schedule:meshes:stages[:layout[:model]]`` (layout: how stages sit on the
-devices, see `mesh_devices`; model: one of pipeline_models.MODELS). Every process writes
+``schedule:meshes:stages[:layout[:model[:donate]]]`` (layout: how stages sit on the
+devices, see `mesh_devices`; model: one of pipeline_models.MODELS; ``donate``: the
+step donates the model's and optimizer's state, ``mp.jit(donate_argnums=(0, 1))``). Every process writes
 ``OUT/losses_{process_id}.json`` with the losses and a parameter checksum per run
 (after ``mp.distributed.gather``), how many parameters were remote before the
 gather, the seconds of the first step, and (process 0) the address the
@@ -77,7 +78,7 @@ def mesh_devices(meshes: int, layout: str) -> np.ndarray:
     return devices.reshape(meshes, -1)
 
 
-def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
+def run(name, meshes, stages, steps, model_name, opt_name, layout="proc", donate=False):
     devices = mesh_devices(meshes, layout)
     data = devices.shape[1]
     mesh = mp.MpmdMesh(
@@ -92,6 +93,7 @@ def run(name, meshes, stages, steps, model_name, opt_name, layout="proc"):
         schedule=SCHEDULES[name](),
         num_microbatches=microbatches,
         compile_threads=int(threads) if threads else None,
+        donate_argnums=(0, 1) if donate else (),
     )
     losses = []
     kill_at = int(os.environ.get("NNX_MPMD_TEST_KILL_AT_STEP", "-1"))
@@ -176,7 +178,10 @@ def main() -> None:
         name, meshes, stages, *rest = spec.split(":")
         layout = rest[0] if rest else "proc"
         model = rest[1] if len(rest) > 1 else args.model
-        results[spec] = run(name, int(meshes), int(stages), args.steps, model, args.opt, layout)
+        donate = len(rest) > 2 and rest[2] == "donate"
+        results[spec] = run(
+            name, int(meshes), int(stages), args.steps, model, args.opt, layout, donate
+        )
         print(f"{spec}: {results[spec]['losses']}", flush=True)
     if info.is_main:
         results["coordinator_listens_on"] = coordinator_listen_addresses()
