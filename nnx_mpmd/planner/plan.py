@@ -342,7 +342,9 @@ def _own_copy(model: Any) -> Any:
     """``model`` cloned with its own buffers: a donating step deletes the ones it reads
     (`nnx.clone` shares them with ``model``)."""
     copy = nnx.clone(model)
-    nnx.update(copy, jax.tree.map(lambda x: x.copy(), nnx.state(copy)))
+    nnx.update(
+        copy, jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, nnx.state(copy))
+    )
     return copy
 
 
