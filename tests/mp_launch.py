@@ -50,7 +50,7 @@ def env_for_launch(**extra: str) -> dict[str, str]:
 
 
 def launch(
-    script: str,
+    script: str | list[str],
     *args: str,
     processes: int = 2,
     devices_per_process: int = 4,
@@ -59,6 +59,8 @@ def launch(
     **env: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
     """Runs ``script`` on ``processes`` local processes; returns (result, seconds).
+
+    ``script``: a file under ``mp_scripts/``, or a whole command line (a list).
 
     ``fresh``: ``(path, is_output_folder)`` pairs removed before a retry (output
     folders are recreated empty).
@@ -83,18 +85,22 @@ def launch(
 
 
 def launch_once(
-    script: str,
+    script: str | list[str],
     *args: str,
     processes: int = 2,
     devices_per_process: int = 4,
     timeout: int = 120,
     **env: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """One bounded ``nnx-mpmd launch`` of ``script``, without retries."""
+    """One bounded ``nnx-mpmd launch`` of ``script``, without retries.
+
+    ``script``: a file under ``mp_scripts/``, or a whole command line (a list).
+    """
+    program = list(script) if isinstance(script, list) else [sys.executable, str(SCRIPTS / script)]
     command = [
         "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
         "--processes", str(processes), "--devices-per-process", str(devices_per_process),
-        "--grace", "30", "--", sys.executable, str(SCRIPTS / script), *args,
+        "--grace", "30", "--", *program, *args,
     ]  # fmt: skip
     start = time.monotonic()
     done = subprocess.run(

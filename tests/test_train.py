@@ -289,3 +289,31 @@ def test_default_cache_dir_ignores_off_and_uses_a_named_directory(monkeypatch, t
     assert default_cache_dir() == tmp_path / "nnx_mpmd" / "jax"
     monkeypatch.setenv("NNX_MPMD_COMPILE_CACHE", str(tmp_path / "mine"))
     assert default_cache_dir() == tmp_path / "mine"
+
+
+class _FakeCoordination:
+    """Stands in for the coordination service's key-value store (one process's view)."""
+
+    def __init__(self, store: dict):
+        self.store = store
+
+    def publish(self, key, value):
+        self.store[key] = value
+
+    def fetch(self, key, peer, where):
+        assert peer == 0 and "run directory" in where
+        return self.store[key]
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_every_process_takes_process_0s_run_dir(monkeypatch, process):
+    import nnx_mpmd.runtime.coordination as coordination
+
+    store = {train.RUN_DIR_KEY: "runs/20261126-030000"} if process else {}
+    monkeypatch.setattr(coordination, "get_coordination", lambda: _FakeCoordination(store))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    mine = train.pathlib.Path("runs/20261126-030001")  # timed a second later
+    expected = "runs/20261126-030000" if process else str(mine)
+    assert str(train.agree_on_run_dir(mine)) == expected
+    assert store == {train.RUN_DIR_KEY: expected}

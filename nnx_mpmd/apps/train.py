@@ -36,6 +36,13 @@ optimizer state into the old buffers instead of holding both;
 Bad input (an unknown schedule, too few devices, a batch that does not split,
 an incompatible checkpoint...) prints one message on stderr and exits with 2.
 
+The job runs as several processes too: ``nnx-mpmd launch --processes 2
+--devices-per-process 4 -- nnx-mpmd train`` (or a cluster launcher that
+`nnx_mpmd.distributed.initialize` detects) spreads the meshes over the
+processes' devices. Every process runs the same steps on the same batches and
+saves its part of each checkpoint; process 0 chooses the run directory, prints
+the log and writes ``metrics.jsonl``, the pictures and ``sample.txt``.
+
 JAX is imported only after the simulated CPU device count is set, so this
 module must not import JAX at the top level.
 """
@@ -51,10 +58,12 @@ from typing import Any
 
 __all__ = [
     "TrainConfig",
+    "agree_on_run_dir",
     "apply_plan_file",
     "build_parser",
     "config_from_args",
     "configure_compile_cache",
+    "join_processes",
     "main",
     "resolve_run_dir",
     "run",
@@ -133,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nnx-mpmd train",
         description="Train a model-zoo language model on the Python standard library's "
-        "source with an MPMD pipeline schedule.",
+        "source with an MPMD pipeline schedule. Runs as several processes under "
+        "nnx-mpmd launch --processes N -- nnx-mpmd train ...",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", default="gpt", help="model family: gpt or llama")
@@ -426,6 +436,56 @@ def resolve_run_dir(cfg: TrainConfig) -> pathlib.Path:
     return runs[-1]
 
 
+def join_processes() -> Any:
+    """Joins the multi-process run the environment describes (one process otherwise).
+
+    Under ``nnx-mpmd launch`` or a cluster launcher, every process of the job
+    calls it before JAX starts its backends (`nnx_mpmd.distributed.initialize`).
+
+    Returns:
+      The `nnx_mpmd.distributed.ProcessInfo`.
+
+    Example:
+      >>> join_processes().num_processes  # no launcher, no cluster: one process
+      1
+    """
+    from nnx_mpmd.distributed import initialize
+
+    return initialize()
+
+
+RUN_DIR_KEY = "train/run_dir"
+
+
+def agree_on_run_dir(run_dir: pathlib.Path) -> pathlib.Path:
+    """Process 0's run directory, on every process (each may have timed its own name).
+
+    Args:
+      run_dir: this process's choice (`resolve_run_dir`).
+
+    Returns:
+      ``run_dir`` on one process; process 0's choice in a multi-process run.
+
+    Raises:
+      DistributedError: process 0 died or did not say in time.
+
+    Example:
+      >>> agree_on_run_dir(pathlib.Path("runs/x"))  # one process: its own choice
+      PosixPath('runs/x')
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return run_dir
+    from nnx_mpmd.runtime.coordination import get_coordination
+
+    coordination = get_coordination()
+    if jax.process_index() == 0:
+        coordination.publish(RUN_DIR_KEY, str(run_dir))
+        return run_dir
+    return pathlib.Path(coordination.fetch(RUN_DIR_KEY, 0, "agreeing on the run directory"))
+
+
 def _fail(message: str) -> int:
     print(f"nnx-mpmd train: error: {message}", file=sys.stderr)
     return 2
@@ -453,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     set_cpu_devices(cfg.devices)
     try:
+        join_processes()
         run(cfg)
     except MpmdError as e:
         return _fail(f"{type(e).__name__}: {e}")
@@ -477,7 +538,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
       ...
       nnx_mpmd.errors.ScheduleError: unknown schedule 'zigzag'; ...
     """
-    run_dir = resolve_run_dir(cfg)
+    run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 

@@ -3,12 +3,15 @@
 `Trainer` builds the data, the model, the optimizer, the `MpmdMesh` and the
 pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a checkpoint
 if asked, runs the steps under a rich progress bar and writes the run
-directory. `nnx_mpmd.apps.train` imports this module only after it has set the
+directory. In a multi-process run every process builds and steps alike (the
+steps and checkpoints are collective); only process 0 prints and writes the
+run's files. `nnx_mpmd.apps.train` imports this module only after it has set the
 simulated CPU device count, since importing it starts JAX.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -119,7 +122,7 @@ def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -
     fig.savefig(path)
 
 
-def _progress(total: int, completed: int) -> Any:
+def _progress(total: int, completed: int, shown: bool) -> Any:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -138,9 +141,14 @@ def _progress(total: int, completed: int) -> Any:
         TextColumn("ETA"),
         TimeRemainingColumn(),
         TimeElapsedColumn(),
+        disable=not shown,
     )
     task = progress.add_task("train", total=total, completed=completed, loss="-", tps="-")
     return progress, task
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """Prints nothing: the log of processes other than 0."""
 
 
 class Trainer:
@@ -166,6 +174,8 @@ class Trainer:
     def __init__(self, cfg: Any, run_dir: pathlib.Path) -> None:
         self.cfg = cfg
         self.run_dir = pathlib.Path(run_dir)
+        #: Whether this process prints the log and writes the run's files (process 0).
+        self.writes_outputs = jax.process_index() == 0
         self.schedule = get_schedule(cfg.schedule)
         self.num_stages = cfg.stages or self.schedule.default_num_stages(cfg.meshes)
         if cfg.model not in MODELS:
@@ -187,10 +197,13 @@ class Trainer:
         devices = jax.devices()
         needed = cfg.meshes * cfg.data
         if len(devices) < needed:
+            processes = jax.process_count()
+            among = f" among {processes} processes" if processes > 1 else ""
             raise MeshError(
                 f"--meshes {cfg.meshes} x --data {cfg.data} needs {needed} devices but JAX "
-                f"has {len(devices)} ({devices[0].platform}); lower --meshes or --data, or "
-                f"raise --devices (CPU only; XLA_FLAGS={DEVICE_FLAG_HINT})."
+                f"has {len(devices)}{among} ({devices[0].platform}); lower --meshes or --data, "
+                f"or raise --devices (CPU only; XLA_FLAGS={DEVICE_FLAG_HINT}; under "
+                "`nnx-mpmd launch`, --devices-per-process)."
             )
 
         text = stdlib_corpus(cfg.corpus_bytes)
@@ -351,10 +364,12 @@ class Trainer:
     def _header(self) -> str:
         cfg = self.cfg
         tl = simulate(self.schedule.tasks(self.num_stages, cfg.meshes, cfg.microbatches))
+        processes = jax.process_count()
+        across = f", {processes} processes" if processes > 1 else ""
         return (
             f"{cfg.model} {cfg.preset}: {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
-            f"({jax.devices()[0].platform}), schedule {self.schedule!r}, "
+            f"({jax.devices()[0].platform}{across}), schedule {self.schedule!r}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
             f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
             f"run dir {self.run_dir}; compile cache {_compile_cache_text()}"
@@ -362,7 +377,7 @@ class Trainer:
 
     def _metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
+        if not self.writes_outputs or not path.exists():
             return []
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         # A resumed run repeats the steps after its checkpoint: drop their old records.
@@ -373,7 +388,8 @@ class Trainer:
 
         Returns:
           ``run_dir``, ``first_loss``, ``last_loss`` (of this process's steps),
-          ``steps_run``, ``val_loss`` and ``sample``.
+          ``steps_run``, ``val_loss`` and ``sample`` (None and ``""`` on processes
+          other than 0, which neither score nor sample).
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -397,19 +413,18 @@ class Trainer:
         report_every = max(cfg.log_every, cfg.steps // 10)
         losses: list[float] = []
         recent: list[float] = []
-        progress, bar = _progress(cfg.steps, self.start_step)
-        progress.console.print(self._header(), soft_wrap=True)
+        progress, bar = _progress(cfg.steps, self.start_step, shown=self.writes_outputs)
+        say = progress.console.print if self.writes_outputs else _quiet
+        say(self._header(), soft_wrap=True)
         for note in self.notes:
-            progress.console.print(note, soft_wrap=True)
+            say(note, soft_wrap=True)
         if self.start_step:
-            progress.console.print(f"resumed from step {self.start_step}")
-        metrics_file = self.run_dir / "metrics.jsonl"
-        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in metrics))
+            say(f"resumed from step {self.start_step}")
         # The model and optimizer keep their structure from here on (a restore only
         # sets values), so the step needs not walk their graph on every call.
         step_fn = nnx.cached_partial(self.step_fn, self.model, self.optimizer)
         started = time.perf_counter()
-        with progress, metrics_file.open("a") as log:
+        with progress, self._metrics_log(metrics) as log:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
@@ -438,12 +453,11 @@ class Trainer:
                         "elapsed_s": time.perf_counter() - started,
                     }
                     metrics.append(record)
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                    if log is not None:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
                 if step % report_every == 0 or step == end:
-                    progress.console.print(
-                        f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s"
-                    )
+                    say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s")
                 if (
                     manager is not None
                     and cfg.ckpt_every
@@ -461,14 +475,28 @@ class Trainer:
                     )
         return losses
 
+    def _metrics_log(self, metrics: list[dict[str, Any]]) -> Any:
+        """``metrics.jsonl`` rewritten with ``metrics`` and open for appending, as a context
+        manager; on processes other than 0, a context of None."""
+        if not self.writes_outputs:
+            return contextlib.nullcontext(None)
+        path = self.run_dir / "metrics.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in metrics))
+        return path.open("a")
+
     def _picture(self, name: str) -> pathlib.Path | None:
-        """The path to draw ``name`` at, or None (and one line saying so) without matplotlib."""
+        """The path to draw ``name`` at, or None (and one line saying so) without matplotlib;
+        None on processes other than 0."""
+        if not self.writes_outputs:
+            return None
         if matplotlib_missing() is None:
             return self.run_dir / name
         print(f"skipped {name}: matplotlib is not installed; {PLOTS_INSTALL} to draw it")
         return None
 
     def _draw_profile(self) -> None:
+        if not self.writes_outputs:
+            return
         comparison = self.step_fn.last_profile.compare()
         print(comparison.summary())
         path = self._picture("schedule_measured.png")
@@ -496,10 +524,10 @@ class Trainer:
         loss_png = self._picture("loss.png") if metrics else None
         if loss_png is not None:
             plot_losses(metrics, loss_png, f"{cfg.model} {cfg.preset}, {self.schedule!r}")
-        gather(self.model)
-        val_loss = self._val_loss(cfg.val_batches)
+        gather(self.model)  # collective: every process
+        val_loss = self._val_loss(cfg.val_batches) if self.writes_outputs else None
         sample = ""
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and self.writes_outputs:
             sample = generate_text(
                 self.model,
                 self.tokenizer,
