@@ -317,3 +317,21 @@ def test_a_multi_process_step_donates_nothing_a_transfer_reads(monkeypatch, proc
     sent = transfer_sources(program)
     assert len(donated) > 20  # the parameters and Adam moments of every mesh
     assert bool(donated & sent) is (processes == 1), sorted(donated & sent)
+
+
+@pytest.mark.parametrize("own_buffers", [False, True])
+def test_a_clone_shares_the_donated_arrays_unless_given_its_own(own_buffers):
+    # docs/guides/remat-memory.md: a clone of a donated model loses the arrays the
+    # step consumed; `jax.tree.map(jnp.copy, ...)` gives it buffers of its own.
+    model, opt, loss_fn, kind = build("mlp", "adamw", 2)
+    reference = nnx.clone(model)
+    if own_buffers:
+        nnx.update(reference, jax.tree.map(jnp.copy, nnx.state(reference)))
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(),
+        num_microbatches=2, donate_argnums=(0, 1),
+    )  # fmt: skip
+    step(model, opt, make_batch(kind, 8))
+    step(model, opt, make_batch(kind, 8, seed=1))
+    deleted = [a.is_deleted() for a in jax.tree.leaves(nnx.state(reference, nnx.Param))]
+    assert any(deleted) != own_buffers, f"{sum(deleted)} of {len(deleted)} deleted"
