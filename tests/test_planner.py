@@ -32,14 +32,14 @@ from nnx_mpmd.planner import (
 from nnx_mpmd.schedules import Costs, get_schedule, simulate
 
 
-def _units(n, F=1.0, BI=1.0, BW=1.0, kept=10, state=100, params=50, size=4, remat=False):
+def _units(n, F=1.0, BI=1.0, BW=1.0, kept=10, state=100, params=50, size=4, remat=False, B=None):
     def each(value):
         return tuple(value) if isinstance(value, list | tuple) else (value,) * n
 
     return UnitCosts(
         paths=tuple(f"u{i}" for i in range(n)), microbatch_size=size, remat=remat,
         F=each(F), BI=each(BI), BW=each(BW), kept_bytes=each(kept), split_bytes=each(0),
-        state_bytes=each(state), param_bytes=each(params),
+        state_bytes=each(state), param_bytes=each(params), B=() if B is None else each(B),
     )  # fmt: skip
 
 
@@ -86,19 +86,23 @@ def test_restage_rejects_bad_splits(stages, remat, match):
         restage(units, stages, remat)
 
 
+@pytest.mark.parametrize("full_backward", [None, [1.2, 0.9, 2.0, 1.1]], ids=["BI+BW", "B"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
-def test_predict_is_the_simulator_with_summed_unit_costs(schedule):
-    unit = _units(4, F=[1.0, 2.0, 1.0, 3.0], BI=[1.0, 1.0, 2.0, 1.0], BW=0.5, kept=[8, 4, 2, 1])
+def test_predict_is_the_simulator_with_summed_unit_costs(schedule, full_backward):
+    unit = _units(
+        4, F=[1.0, 2.0, 1.0, 3.0], BI=[1.0, 1.0, 2.0, 1.0], BW=0.5, kept=[8, 4, 2, 1],
+        B=full_backward,
+    )  # fmt: skip
     split = [0, 0, 1, 1] if schedule != "interleaved" else [0, 1, 2, 3]
     num_stages = max(split) + 1
     got = predict(schedule, 2, 4, split, [False] * num_stages, unit)
     per_stage = {}
     for u, s in enumerate(split):
-        costs = per_stage.setdefault(s, {"F": 0.0, "BI": 0.0, "BW": 0.0})
+        costs = per_stage.setdefault(s, {"F": 0.0, "BI": 0.0, "BW": 0.0, "B": 0.0})
         for kind in ("F", "BI", "BW"):
             costs[kind] += getattr(unit, kind)[u]
-    for costs in per_stage.values():
-        costs["B"] = costs["BI"] + costs["BW"]
+        # A measured full backward is used as it is; a profile without one counts BI + BW.
+        costs["B"] += full_backward[u] if full_backward else unit.BI[u] + unit.BW[u]
     tasks = get_schedule(schedule).tasks(num_stages, 2, 4)
     assert got.step_s == pytest.approx(simulate(tasks, Costs(per_stage=per_stage)).makespan)
     # Memory: each mesh's state and gradients, plus the larger of the forward outputs held
@@ -130,6 +134,15 @@ def test_search_balances_measured_time_and_drops_duplicates():
     keys = [(get_schedule(c.schedule).tasks(c.num_stages, 2, 4), c.unit_stages) for c in found]
     assert len(keys) == len(set(keys))  # looped-bfs with 2 stages on 2 meshes is gpipe: kept once
     assert [c.step_s for c in found] == sorted(c.step_s for c in found)
+
+
+def test_search_balances_each_schedule_by_the_backward_it_runs():
+    # Split backwards make unit 0 the heaviest (F + BI + BW = 7, 3, 3, 3); full backwards
+    # make unit 3 the heaviest (F + B = 2, 2, 2, 6): each schedule balances its own.
+    units = _units(4, F=1.0, BI=[3.0, 1.0, 1.0, 1.0], BW=[3.0, 1.0, 1.0, 1.0], B=[1, 1, 1, 5])
+    found = search([units], 2, 8, schedules=["gpipe", "zb-h1"], num_microbatches=[2])
+    two = {c.schedule: c.unit_stages for c in found if c.num_stages == 2}
+    assert two == {"gpipe": (0, 0, 0, 1), "zb-h1": (0, 1, 1, 1)}
 
 
 def test_a_budget_turns_on_remat_where_memory_is_short():
@@ -188,6 +201,8 @@ def test_a_planned_step_trains_like_the_reference():
     model, loss_fn, batch, planned = _plan_mlp(mesh)
     assert planned.unit_paths == ("layers.0", "layers.1", "layers.2", "layers.3")
     assert planned.best.num_stages == 2 and planned.best.step_s > 0
+    for costs in planned.costs:  # the full backward is timed for every unit, not fused away
+        assert len(costs.B) == 4 and all(b > 0 for b in costs.B), costs.B
     planned.apply(model)
     assert mp.annotate.num_stages(model) == 2
     reference, ref_opt, _, _ = build("mlp", "sgd", 4)
@@ -247,7 +262,7 @@ def test_verify_runs_a_donating_plan_donating_and_leaves_the_model_whole():
 def test_plan_json_round_trip_and_wrong_model(tmp_path):
     best = Candidate("1f1b", 2, 4, (0, 0, 1, 1), (False, True), 0.25, (100, 200))
     planned = Plan(best, (), ("layers.0", "layers.1", "layers.2", "layers.3"), 2, 16,
-                   costs=(_units(4),), measured=((best, 0.3),), calibration=1.2)  # fmt: skip
+                   costs=(_units(4, B=1.5),), measured=((best, 0.3),), calibration=1.2)  # fmt: skip
     planned.save(tmp_path / "plan.json")
     again = Plan.load(tmp_path / "plan.json")
     assert again == planned
@@ -263,6 +278,8 @@ def test_plan_json_round_trip_and_wrong_model(tmp_path):
     older = json.loads(planned.to_json())
     del older["donate"]  # written before plans said whether they donate: they did not
     assert Plan.from_json(json.dumps(older)).donate is False
+    del older["costs"][0]["B"]  # profiled before the full backward was timed: BI + BW
+    assert Plan.from_json(json.dumps(older)).costs[0].full_backward() == (2.0,) * 4
 
 
 def test_plan_rejects_microbatch_counts_that_do_not_split():

@@ -1,9 +1,12 @@
 """Measuring each unit on the real devices: time per task kind, and memory.
 
-`profile_units` copies the model, makes every unit its own stage, and runs one
-microbatch through all of them on ONE submesh of the user's mesh (the devices
-a stage will get), with a split backward so that the backward-to-input
-(``BI``) and backward-to-weights (``BW``) times are measured apart. Each
+`profile_units` copies the model, makes every unit its own stage, and runs two
+microbatches through all of them on ONE submesh of the user's mesh (the devices
+a stage will get): the first with a split backward, so that the
+backward-to-input (``BI``) and backward-to-weights (``BW``) times are measured
+apart, the second with the full backward (``B``) that schedules without a
+split run. ``B`` is not ``BI + BW``: one program shares work the two repeat
+(on GPT tiny, CPU, ``B`` took 0.65-0.87 of ``BI + BW`` per layer). Each
 program is timed alone (``profile="isolated"``), medians over a few runs; the
 memory recorder gives the bytes each forward keeps for its backward (per
 device) and the bytes of parameters and optimizer state. One run per
@@ -53,6 +56,8 @@ class UnitCosts:
       microbatch_size: the rows of the microbatch measured.
       remat: whether the units recomputed their forward.
       F, BI, BW: the median time of each task kind.
+      B: the median time of the full (fused) backward; empty in profiles made
+        before it was measured, which then count ``BI + BW`` (`full_backward`).
       kept_bytes: the bytes a forward keeps for its backward (its outputs:
         the activation sent on and the residuals).
       split_bytes: the bytes a split backward's ``BI`` hands to its ``BW``
@@ -84,6 +89,19 @@ class UnitCosts:
     other_s: float = 0.0
     batch_bytes: tuple[int, ...] = ()
     contention: tuple[float, ...] = (1.0,)
+    B: tuple[float, ...] = ()
+
+    def full_backward(self) -> tuple[float, ...]:
+        """Per unit, the time of its full backward: ``B``, or ``BI + BW`` without it.
+
+        Example:
+          >>> costs = UnitCosts(("a",), 1, False, (1.0,), (2.0,), (3.0,), (), (), (), ())
+          >>> costs.full_backward(), dataclasses.replace(costs, B=(4.0,)).full_backward()
+          ((5.0,), (4.0,))
+        """
+        if self.B:
+            return self.B
+        return tuple(bi + bw for bi, bw in zip(self.BI, self.BW, strict=True))
 
     def slowdown(self, busy_meshes: float) -> float:
         """The contention factor with ``busy_meshes`` submeshes busy on average
@@ -130,15 +148,27 @@ def one_submesh(mesh: MpmdMesh, index: int = 0) -> MpmdMesh:
     return MpmdMesh(jax.sharding.Mesh(devices, names, axis_types=types), mesh.mpmd_axis)
 
 
-def _profile_schedule(num_units: int) -> Custom:
-    """Every unit's forward, then every split backward in reverse, one microbatch, one mesh."""
-    forwards = [Task(u, 0, "F") for u in range(num_units)]
-    backwards = [Task(u, 0, k) for u in reversed(range(num_units)) for k in ("BI", "BW")]
-    return Custom(lists=[forwards + backwards])
+def _profile_schedule(num_units: int, num_microbatches: int) -> Custom:
+    """One mesh: every unit's forward of each microbatch, then the split backwards of
+    microbatch 0 in reverse, then (with 2) the full backwards of microbatch 1.
+
+    Microbatch 1's forwards come before any backward, so that no forward is
+    directly followed by its own full backward (the step would fuse the two
+    into one program and time them as one).
+    """
+    forwards = [Task(u, mb, "F") for mb in range(num_microbatches) for u in range(num_units)]
+    split = [Task(u, 0, k) for u in reversed(range(num_units)) for k in ("BI", "BW")]
+    full = [Task(u, 1, "B") for u in reversed(range(num_units))] if num_microbatches > 1 else []
+    return Custom(lists=[forwards + split + full])
 
 
 def _rows(batch: Any, size: int) -> Any:
     return jax.tree.map(lambda x: x[:size], batch)
+
+
+def _twice(rows: Any) -> Any:
+    """Two microbatches of ``rows`` (the same rows twice)."""
+    return jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * 2), rows)
 
 
 def _owned_param_bytes(units: Sequence[tuple[str, Any]]) -> list[int]:
@@ -169,7 +199,7 @@ def _medians(
 
     return {
         kind: tuple(net(times.get((u, kind), [0.0])) for u in range(num_units))
-        for kind in ("F", "BI", "BW")
+        for kind in ("F", "BI", "BW", "B")
     }
 
 
@@ -287,9 +317,11 @@ def _profiling_step(
     mesh: MpmdMesh,
     tx: optax.GradientTransformation,
     remat: bool,
+    num_microbatches: int = 1,
 ) -> tuple[Any, Any, Any, list[tuple[str, Any]]]:
     """A copy of ``model`` with every unit its own stage, its optimizer, and its step on
-    ``mesh`` (one submesh): forwards, then split backwards, one microbatch."""
+    ``mesh`` (one submesh) over ``num_microbatches`` microbatches of ``rows``' size
+    (`_profile_schedule`)."""
     copy = nnx.clone(model)
     units = stage_units(copy, loss_fn, rows)
     if not units:  # stage_units raises first; kept for type checkers
@@ -297,8 +329,9 @@ def _profiling_step(
     restage(units, list(range(len(units))), remat=[remat] * len(units))
     optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
     step = jit(
-        train_step_of(loss_fn), mesh=mesh, schedule=_profile_schedule(len(units)),
-        num_microbatches=1,
+        train_step_of(loss_fn), mesh=mesh,
+        schedule=_profile_schedule(len(units), num_microbatches),
+        num_microbatches=num_microbatches,
     )  # fmt: skip
     return step, copy, optimizer, units
 
@@ -367,15 +400,19 @@ def _profile_one(
     repeats: int,
 ) -> UnitCosts:
     rows = _rows(batch, size)
+    both = _twice(rows)  # microbatch 0: split backwards; 1: full backwards
     step, copy, optimizer, units = _profiling_step(
-        model, loss_fn, rows, one_submesh(mesh), tx, remat
+        model, loss_fn, rows, one_submesh(mesh), tx, remat, num_microbatches=2
     )
-    jax.block_until_ready(step(copy, optimizer, rows))  # compiles
+    jax.block_until_ready(step(copy, optimizer, both))  # compiles
+    # The first isolated run of a process's programs is slower (loading, threads
+    # waking up): up to 10x on CPU, enough to move a split. It is not kept.
+    jax.block_until_ready(step(copy, optimizer, both, profile="isolated"))
     profiles = []
     for _ in range(repeats):
-        jax.block_until_ready(step(copy, optimizer, rows, profile="isolated"))
+        jax.block_until_ready(step(copy, optimizer, both, profile="isolated"))
         profiles.append(list(step.last_profile))
-    jax.block_until_ready(step(copy, optimizer, rows, memory=True))
+    jax.block_until_ready(step(copy, optimizer, both, memory=True))
     memory = step.last_memory
     medians = _medians(profiles, len(units), _sync_latency(one_submesh(mesh), repeats))
     params = _owned_param_bytes(units)
@@ -388,12 +425,13 @@ def _profile_one(
         F=medians["F"],
         BI=medians["BI"],
         BW=medians["BW"],
+        B=medians["B"],
         kept_bytes=_output_bytes(memory, len(units), "F"),
         split_bytes=_output_bytes(memory, len(units), "BI"),
         state_bytes=tuple(round(static * p / total_params) for p in params),
         param_bytes=tuple(params),
         other_s=_other_seconds(profiles),
         batch_bytes=_batch_bytes(
-            step.lower(copy, optimizer, rows).compiled, rows, len(units), _batch_split(step)
+            step.lower(copy, optimizer, both).compiled, rows, len(units), _batch_split(step)
         ),
     )

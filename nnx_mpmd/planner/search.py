@@ -68,15 +68,20 @@ def _stage_sums(values: Sequence[float], unit_stages: Sequence[int], num_stages:
 def _stage_costs(
     plain: UnitCosts, rematted: UnitCosts | None, unit_stages: Sequence[int], remat: Sequence[bool]
 ) -> dict[str, list[Any]]:
-    """Per stage: F, BI, BW seconds and kept/state/param bytes, remat stages from ``rematted``."""
+    """Per stage: F, BI, BW, B seconds and kept/state/param bytes, remat stages from
+    ``rematted``."""
     num_stages = len(remat)
     out: dict[str, list[Any]] = {}
     fields = ("F", "BI", "BW", "kept_bytes", "split_bytes", "state_bytes", "param_bytes")
-    for field in (*fields, "batch_bytes"):
-        values = getattr(plain, field) or (0,) * len(unit_stages)
+
+    def of(costs: UnitCosts, field: str) -> tuple[Any, ...]:
+        return costs.full_backward() if field == "B" else getattr(costs, field)
+
+    for field in (*fields, "B", "batch_bytes"):
+        values = of(plain, field) or (0,) * len(unit_stages)
         out[field] = _stage_sums(values, unit_stages, num_stages)
         if rematted is not None and any(remat):
-            redone = _stage_sums(getattr(rematted, field) or values, unit_stages, num_stages)
+            redone = _stage_sums(of(rematted, field) or values, unit_stages, num_stages)
             out[field] = [
                 r if remat[s] else p
                 for s, (p, r) in enumerate(zip(out[field], redone, strict=True))
@@ -172,8 +177,7 @@ def predict(
     tasks = sched.tasks(num_stages, num_meshes, num_microbatches)
     stage = _stage_costs(plain, rematted, unit_stages, remat)
     per_stage = {
-        s: {"F": stage["F"][s], "BI": stage["BI"][s], "BW": stage["BW"][s],
-            "B": stage["BI"][s] + stage["BW"][s]}
+        s: {"F": stage["F"][s], "BI": stage["BI"][s], "BW": stage["BW"][s], "B": stage["B"][s]}
         for s in range(num_stages)
     }  # fmt: skip
     # Tasks slow down while other meshes run theirs (shared compute): the simulator
@@ -283,11 +287,11 @@ def search(
     smallest: int | None = None
     for m in num_microbatches:
         plain, rematted = by_key[(batch_size // m, False)], by_key.get((batch_size // m, True))
-        weights = [f + bi + bw for f, bi, bw in zip(plain.F, plain.BI, plain.BW, strict=True)]
         for name in names:
             for stages in _stage_counts(get_schedule(name), num_meshes, len(plain.paths), m):
-                split = balanced_partition(weights, stages)
-                same = (get_schedule(name).tasks(stages, num_meshes, m), tuple(split))
+                tasks = get_schedule(name).tasks(stages, num_meshes, m)
+                split = balanced_partition(_unit_weights(plain, tasks), stages)
+                same = (tasks, tuple(split))
                 if same in seen:
                     continue
                 seen.add(same)
@@ -305,6 +309,16 @@ def search(
     if not found:
         raise PlanError(_nothing_fits(memory_budget, smallest, names, num_microbatches))
     return sorted(found, key=lambda c: (c.step_s, max(c.peak_bytes)))
+
+
+def _unit_weights(costs: UnitCosts, tasks: Any) -> list[float]:
+    """Each unit's time per microbatch under the schedule ``tasks``: its forward and
+    its split backward where the schedule splits, its full backward otherwise."""
+    if any(task.kind in ("BI", "BW") for row in tasks for task in row):
+        backward = [bi + bw for bi, bw in zip(costs.BI, costs.BW, strict=True)]
+    else:
+        backward = list(costs.full_backward())
+    return [f + b for f, b in zip(costs.F, backward, strict=True)]
 
 
 def _least_peak(
