@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ from nnx_mpmd.planner import (
     stage_units,
     verify,
 )
-from nnx_mpmd.schedules import Costs, get_schedule, simulate
+from nnx_mpmd.schedules import Costs, Task, get_schedule, simulate
 
 
 def _units(n, F=1.0, BI=1.0, BW=1.0, kept=10, state=100, params=50, size=4, remat=False, B=None):
@@ -143,6 +144,21 @@ def test_search_balances_each_schedule_by_the_backward_it_runs():
     found = search([units], 2, 8, schedules=["gpipe", "zb-h1"], num_microbatches=[2])
     two = {c.schedule: c.unit_stages for c in found if c.num_stages == 2}
     assert two == {"gpipe": (0, 0, 0, 1), "zb-h1": (0, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("num_units", [1, 3])
+def test_the_profile_times_every_backward_and_holds_one_microbatch_at_a_time(num_units):
+    from nnx_mpmd.planner.profile_units import _profile_schedule
+
+    (row,) = _profile_schedule(num_units, 2).tasks(num_units, 1, 2)
+    kinds = {u: sorted(f"{t.kind}{t.microbatch}" for t in row if t.stage == u) for u in range(3)}
+    assert all(kinds[u] == ["B1", "BI0", "BW0", "F0", "F1"] for u in range(num_units))
+    # No forward directly followed by its own full backward (that pair would run fused).
+    for task, after in itertools.pairwise(row):
+        assert not (task.kind == "F" and after.kind == "B" and after.stage == task.stage)
+    # Microbatch 1 starts once microbatch 0 is done but for the first unit's BW.
+    start = row.index(Task(0, 1, "F"))
+    assert {t for t in row[start:] if t.microbatch == 0} == {Task(0, 0, "BW")}
 
 
 def test_a_budget_turns_on_remat_where_memory_is_short():

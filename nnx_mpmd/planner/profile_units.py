@@ -149,17 +149,24 @@ def one_submesh(mesh: MpmdMesh, index: int = 0) -> MpmdMesh:
 
 
 def _profile_schedule(num_units: int, num_microbatches: int) -> Custom:
-    """One mesh: every unit's forward of each microbatch, then the split backwards of
-    microbatch 0 in reverse, then (with 2) the full backwards of microbatch 1.
+    """One mesh: every unit's forward and split backward of microbatch 0, then (with 2
+    microbatches) every forward and full backward of microbatch 1.
 
-    Microbatch 1's forwards come before any backward, so that no forward is
-    directly followed by its own full backward (the step would fuse the two
-    into one program and time them as one).
+    Microbatch 0's last ``BW`` (the first unit's) runs between microbatch 1's
+    forwards and its full backwards, so that no forward is directly followed by
+    its own full backward (the step would fuse the two into one program, timed
+    as one), while only that unit's residuals of microbatch 0 are still held.
     """
-    forwards = [Task(u, mb, "F") for mb in range(num_microbatches) for u in range(num_units)]
+
+    def forwards(mb: int) -> list[Task]:
+        return [Task(u, mb, "F") for u in range(num_units)]
+
     split = [Task(u, 0, k) for u in reversed(range(num_units)) for k in ("BI", "BW")]
-    full = [Task(u, 1, "B") for u in reversed(range(num_units))] if num_microbatches > 1 else []
-    return Custom(lists=[forwards + split + full])
+    if num_microbatches == 1:
+        return Custom(lists=[forwards(0) + split])
+    last = split.pop()
+    full = [Task(u, 1, "B") for u in reversed(range(num_units))]
+    return Custom(lists=[forwards(0) + split + forwards(1) + [last] + full])
 
 
 def _rows(batch: Any, size: int) -> Any:
