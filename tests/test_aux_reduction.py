@@ -233,7 +233,8 @@ def _metrics_step(num_microbatches=None):
     return step
 
 
-def test_nnx_metrics_updated_with_the_logits_equal_nnx_jit():
+@pytest.mark.parametrize("donate", [(), (0, 1, 2)], ids=["kept", "donating"])
+def test_nnx_metrics_updated_with_the_logits_equal_nnx_jit(donate):
     """The Flax tutorials' step: an ``nnx.MultiMetric`` updated with the batch's logits."""
 
     def build_all():
@@ -245,7 +246,7 @@ def test_nnx_metrics_updated_with_the_logits_equal_nnx_jit():
     reference = nnx.jit(_metrics_step(4))
     step = mp.jit(
         _metrics_step(), mesh=make_mesh(4, 2, jax.sharding.AxisType.Auto), schedule=mp.OneFOneB(),
-        num_microbatches=4,
+        num_microbatches=4, donate_argnums=donate,
     )  # fmt: skip
     for i in range(3):
         batch = make_batch("tokens", 16, seed=i)

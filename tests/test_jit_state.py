@@ -66,11 +66,15 @@ def _state(model):
     [(mp.OneFOneB(), 2, 2), (mp.ZeroBubbleH1(), 2, 2), (mp.Interleaved1F1B(), 2, 4)],
     ids=["1f1b", "zb-h1", "interleaved"],
 )
-def test_dropout_and_batchnorm_equal_reference(schedule, meshes, stages):
+@pytest.mark.parametrize("donate", [(), (0, 1)], ids=["kept", "donating"])
+def test_dropout_and_batchnorm_equal_reference(schedule, meshes, stages, donate):
     ref_model, ref_opt = _build(stages)
     model, opt = _build(stages)
     reference = nnx.jit(_step(4))
-    pipelined = mp.jit(_step(), mesh=make_mesh(meshes, 1), schedule=schedule, num_microbatches=4)
+    pipelined = mp.jit(
+        _step(), mesh=make_mesh(meshes, 1), schedule=schedule, num_microbatches=4,
+        donate_argnums=donate,
+    )  # fmt: skip
     for step in range(3):
         batch = make_batch("regression", 8, seed=step)
         np.testing.assert_allclose(
