@@ -18,6 +18,7 @@ __all__ = [
     "DIFFERENTIATION_FRAMES",
     "FAST_COPY_AVAILABLE",
     "RemappingUnpickler",
+    "argument_aval",
     "batched_copy",
     "compile_options_for_devices",
     "sharding_device_list",
@@ -210,6 +211,15 @@ try:  # private jaxlib API: batched_copy and sharding_device_list say what they 
     FAST_COPY_AVAILABLE = hasattr(_NamedSharding, "_internal_device_list")
 except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
     _batched_copy, _REUSE_INPUT, FAST_COPY_AVAILABLE = None, None, False
+
+
+def argument_aval(info: Any) -> Any:
+    """The abstract value of one argument of a lowered program (weak type, sharding).
+
+    Relies on: ``jax.stages.ArgInfo._aval`` (jax 0.10; the public fields give only
+    shape and dtype).
+    """
+    return info._aval
 
 
 def sharding_device_list(sharding: Any) -> Any:

@@ -51,7 +51,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_mpmd._jax_compat import RemappingUnpickler
+from nnx_mpmd._jax_compat import RemappingUnpickler, argument_aval
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
@@ -144,7 +144,7 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
     """
     leaves = []
     for info in jax.tree.leaves(lowered.args_info):
-        aval = info._aval
+        aval = argument_aval(info)
         spec = getattr(getattr(aval, "sharding", None), "spec", None)
         leaves.append(
             (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), str(spec), info.donated)
