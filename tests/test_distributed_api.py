@@ -503,3 +503,30 @@ def test_blame_peers_names_the_dead_process(monkeypatch):
 
     monkeypatch.setattr(coordination.time, "sleep", both)
     watcher.blame_peers("moving an activation")
+
+
+def test_fetch_waits_as_long_as_asked_while_the_peer_lives(monkeypatch):
+    monkeypatch.setenv(coordination.ENV_TIMEOUT, "30")
+    client, clock = FakeClient(), [0.0]
+    client.store = {"nnx_mpmd/alive/1": "1", "nnx_mpmd/alive/2": "1"}
+    watcher = _watcher(client, clock, monkeypatch)
+    waited = []
+
+    def blocking_get(key, timeout_ms):
+        clock[0] += 10.0  # nothing yet; the peers keep beating
+        for peer in (1, 2):
+            client.store[f"nnx_mpmd/alive/{peer}"] += "1"
+        waited.append(clock[0])
+        if clock[0] >= 100.0:
+            return '"done"'
+        raise RuntimeError("DEADLINE_EXCEEDED: no value")
+
+    client.blocking_key_value_get = blocking_get
+    assert watcher.fetch("k", 1, "waiting", timeout_s=200.0) == "done"  # past the 30 s default
+    assert waited[-1] == 100.0
+    clock[0] = 0.0
+    with pytest.raises(mp.DistributedError, match=r"process 1 did not publish .*k' within 50 s"):
+        watcher.fetch("k", 1, "waiting", timeout_s=50.0)
+    clock[0] = 0.0
+    with pytest.raises(mp.DistributedError, match=r"within 30 s .* raise NNX_MPMD_PEER_TIMEOUT"):
+        watcher.fetch("k", 1, "waiting")  # the default bound

@@ -300,8 +300,9 @@ class _FakeCoordination:
     def publish(self, key, value):
         self.store[key] = value
 
-    def fetch(self, key, peer, where):
-        assert peer == 0 and "run directory" in where
+    def fetch(self, key, peer, where, timeout_s=None):
+        assert peer == 0
+        self.waits = [*getattr(self, "waits", []), (key, where, timeout_s)]
         return self.store[key]
 
 
@@ -310,10 +311,35 @@ def test_every_process_takes_process_0s_run_dir(monkeypatch, process):
     import nnx_mpmd.runtime.coordination as coordination
 
     store = {train.RUN_DIR_KEY: "runs/20261126-030000"} if process else {}
-    monkeypatch.setattr(coordination, "get_coordination", lambda: _FakeCoordination(store))
+    fake = _FakeCoordination(store)
+    monkeypatch.setattr(coordination, "get_coordination", lambda: fake)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: process)
     mine = train.pathlib.Path("runs/20261126-030001")  # timed a second later
     expected = "runs/20261126-030000" if process else str(mine)
     assert str(train.agree_on_run_dir(mine)) == expected
     assert store == {train.RUN_DIR_KEY: expected}
+    if process:
+        [(_, where, _)] = fake.waits
+        assert "run directory" in where
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_other_processes_wait_for_process_0s_outputs_longer_than_the_exit_barrier(
+    monkeypatch, process
+):
+    import nnx_mpmd.runtime.coordination as coordination
+
+    store = {train.FINISHED_KEY: True} if process else {}
+    fake = _FakeCoordination(store)
+    monkeypatch.setattr(coordination, "get_coordination", lambda: fake)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    train.finish_together()
+    assert store == {train.FINISHED_KEY: True}
+    if process:  # process 1 waited, with a bound far beyond the peers' default
+        [(key, where, timeout_s)] = fake.waits
+        assert key == train.FINISHED_KEY and "sample" in where
+        assert timeout_s == train.FINISH_WAIT_S > 10 * coordination.peer_timeout_s()
+    else:
+        assert not hasattr(fake, "waits")

@@ -63,6 +63,7 @@ __all__ = [
     "build_parser",
     "config_from_args",
     "configure_compile_cache",
+    "finish_together",
     "join_processes",
     "main",
     "resolve_run_dir",
@@ -486,6 +487,38 @@ def agree_on_run_dir(run_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(coordination.fetch(RUN_DIR_KEY, 0, "agreeing on the run directory"))
 
 
+FINISHED_KEY = "train/finished"
+#: How long the other processes wait for process 0's validation and sample (while it lives).
+FINISH_WAIT_S = 6 * 3600.0
+
+
+def finish_together() -> None:
+    """Keeps every process until process 0 has scored, sampled and written its outputs.
+
+    Only process 0 computes the validation loss and the sample, which can take
+    longer than the bounded barrier every process meets at exit. The others wait
+    for its word here, as long as it lives (at most `FINISH_WAIT_S`).
+
+    Raises:
+      DistributedError: process 0 died, or did not finish within `FINISH_WAIT_S`.
+
+    Example:
+      >>> finish_together()  # one process: nothing to wait for
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from nnx_mpmd.runtime.coordination import get_coordination
+
+    coordination = get_coordination()
+    if jax.process_index() == 0:
+        coordination.publish(FINISHED_KEY, True)
+        return
+    where = "waiting for process 0's validation loss and sample"
+    coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
+
+
 def _fail(message: str) -> int:
     print(f"nnx-mpmd train: error: {message}", file=sys.stderr)
     return 2
@@ -542,7 +575,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 
-    return Trainer(cfg, run_dir).train()
+    summary = Trainer(cfg, run_dir).train()
+    finish_together()
+    return summary
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -286,26 +286,31 @@ class Coordination:
         """Stores a JSON-able ``value`` under ``key`` for the peers."""
         self.client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value), allow_overwrite=True)
 
-    def fetch(self, key: str, peer: int, where: str) -> Any:
+    def fetch(self, key: str, peer: int, where: str, timeout_s: float | None = None) -> Any:
         """Waits for the value a peer published under ``key``.
 
         Args:
           key: the key `publish` used.
           peer: the process expected to publish it (named in errors).
           where: what this process was doing, for the message.
+          timeout_s: how long to wait while the peer lives (default `peer_timeout_s`).
 
         Returns:
           The JSON value.
 
         Raises:
-          DistributedError: the peer died, or nothing arrived within `peer_timeout_s`.
+          DistributedError: the peer died, or nothing arrived within the timeout.
         """
-        raw = self._wait_for_key(key, peer, where, self.client.blocking_key_value_get)
+        get = self.client.blocking_key_value_get
+        raw = self._wait_for_key(key, peer, where, get, timeout_s)
         return json.loads(raw)
 
-    def _wait_for_key(self, key: str, peer: int, where: str, get: Any) -> Any:
+    def _wait_for_key(
+        self, key: str, peer: int, where: str, get: Any, timeout_s: float | None = None
+    ) -> Any:
         """Polls ``get(key)`` until the peer published it, checking peer liveness."""
-        deadline = time.monotonic() + peer_timeout_s()
+        timeout = peer_timeout_s() if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
         full = f"{_KEY_PREFIX}/{key}"
         while True:
             try:
@@ -319,7 +324,7 @@ class Coordination:
             self.check_peers(where, force=True)
             if time.monotonic() > deadline:
                 raise DistributedError(
-                    f"process {peer} did not publish {full!r} within {peer_timeout_s():.0f} s "
+                    f"process {peer} did not publish {full!r} within {timeout:.0f} s "
                     f"while process {self.process_id} was {where}. All processes must run the "
                     f"same steps in the same order; raise {ENV_TIMEOUT} if the peer is just slow."
                 )
