@@ -590,7 +590,15 @@ def reference_value_and_grad(
         captured = [c for c, u in zip(captured, used) if u]
         _check_writable(captured)
     held_leaves = [c.variable.get_raw_value() for c in captured]
-    grad_fn = jax.value_and_grad(one, has_aux=True)
+    scale = 1.0 / num_microbatches
+
+    def grad_fn(diff: list[Any], state: Any, mb: Any) -> Any:
+        # Each microbatch's backward starts from d(mean)/d(loss_i) = 1/m, as the
+        # pipeline's does: a custom_vjp whose backward is not linear in its
+        # cotangent (a gradient clip) then sees what jax.grad of the mean gives it.
+        loss, vjp_fn, rest = jax.vjp(lambda d: one(d, state, mb), diff, has_aux=True)
+        (grads,) = vjp_fn(jnp.full(jnp.shape(loss), scale, jnp.result_type(loss)))
+        return (loss, rest), grads
 
     state0 = (other_leaves, held_leaves)
     (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
@@ -614,8 +622,7 @@ def reference_value_and_grad(
         step, init, stacked
     )
     _store_state(model, other_tree, captured, [*other_leaves, *held_leaves])
-    scale = 1.0 / num_microbatches
-    grads = jax.tree.map(lambda g: g * scale, jax.tree.unflatten(diff_tree, grad_sum))
+    grads = jax.tree.unflatten(diff_tree, grad_sum)
     aux = _aux_leaves(modes, [a * scale for a in aux_sum], aux_stacked)
     loss = loss_sum * scale
     return ((loss, jax.tree.unflatten(aux_tree, aux)), grads) if has_aux else (loss, grads)
