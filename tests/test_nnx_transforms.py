@@ -2,9 +2,11 @@
 
 A stage's body is ordinary NNX code: `nnx.vmap` ensembles (created with
 `nnx.split_rngs`), `nnx.remat`, `nnx.cond` and `nnx.fori_loop` over submodules,
-`nnx.MultiHeadAttention` with a causal mask, and a ``jax.custom_vjp`` run inside
-one `Stage` and are differentiated with the rest of the stage, including the
-split backward of zero-bubble schedules (BI and BW are separate programs).
+`nnx.MultiHeadAttention` with a causal mask, ``jax.lax.scan`` (next to
+parameters nothing reads) and a ``jax.custom_vjp`` run inside one `Stage` and
+are differentiated with the rest of the stage, including the split backward of
+zero-bubble schedules (BI and BW are separate programs). The submeshes have 2
+devices on an Explicit ``data`` axis.
 Each case trains three steps against the microbatched step under ``nnx.jit``
 on one device, with nothing recompiled after the first step.
 
@@ -107,6 +109,27 @@ class Attending(nnx.Module):
         return seq.reshape(x.shape)
 
 
+class Scanned(nnx.Module):
+    """``jax.lax.scan`` over one kernel (its bias and the extra Param are never read).
+
+    A parameter no stage reads gets a zero gradient from a program of its own,
+    whose only input is unused (it failed on Explicit meshes of several devices).
+    """
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.layer = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.unused = nnx.Param(jnp.ones((3,)))
+
+    def __call__(self, x):
+        kernel = self.layer.kernel.get_value()
+
+        def body(carry, _):
+            return jnp.tanh(carry @ kernel), jnp.sum(carry)
+
+        y, sums = jax.lax.scan(body, x, None, length=3)
+        return y + 0.01 * sums.mean()
+
+
 CLIP = 0.01
 
 
@@ -159,7 +182,7 @@ def _batch(seed: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(
-    "body", [Ensemble, Rematted, Branching, Looped, Attending, GradientClipped]
+    "body", [Ensemble, Rematted, Branching, Looped, Attending, GradientClipped, Scanned]
 )
 @pytest.mark.parametrize("schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1F1B", "ZB-H1"])
 def test_transform_in_a_stage_equals_nnx_jit(body, schedule):

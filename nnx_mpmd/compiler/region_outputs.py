@@ -52,9 +52,9 @@ def _stack(*xs: Any) -> Any:
     return jnp.stack(xs)
 
 
-def _program(fn: Any, key: ProgramKey) -> Any:
+def _program(fn: Any, key: ProgramKey, **jit_kwargs: Any) -> Any:
     """``fn`` jitted as program ``key`` (its XLA module named ``jit_<key>``)."""
-    return named_jit(fn, str(key))
+    return named_jit(fn, str(key), **jit_kwargs)
 
 
 def _stacked_outputs(ctx: RegionContext) -> tuple[list[Instruction], OutputLocations]:
@@ -147,7 +147,9 @@ def reduce_shared_gradients(
         if not parts:
             out = RegionValue("zero_grad", (d,), None, home)
             key = ProgramKey("zeros", index=d, mesh=home)
-            zeros = _program(jnp.zeros_like, key)
+            # keep_unused: a jit whose only input is unused takes its devices from
+            # none and fails on a parameter of an Explicit mesh of several devices.
+            zeros = _program(jnp.zeros_like, key, keep_unused=True)
             program.append(Call(home, key, zeros, (ctx.input(r, home),), out, f"zero grad {d}"))
         elif len(parts) == 1:
             out = parts[0]
