@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of
+from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
 
@@ -220,3 +220,35 @@ def test_training_a_filtered_subset_equals_plain_nnx(wrt_name, schedule):
 
 def _trained(wrt_name, path):
     return "lora" in path if wrt_name == "lora" else path.endswith("bias")
+
+
+def test_calling_a_trained_model_outside_mp_jit_names_mp_gather():
+    """After a step each stage's state is on its own submesh: an eager call says to gather."""
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+    reference, ref_opt, _, _ = build("mlp", "sgd", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    batch = make_batch(kind, 8)
+    step(model, opt, batch)
+    nnx.jit(train_step_fn(loss_fn, num_microbatches=2))(reference, ref_opt, batch)
+    with pytest.raises(
+        mp.PlacementError,
+        match=r"Stage 1 \(Linear\) was called outside mp.jit on arrays that live on different "
+        r"devices.*mp\.gather\(model\).*JAX said: Received incompatible devices",
+    ):
+        loss_fn(model, batch)
+    mp.gather(model)
+    np.testing.assert_allclose(
+        float(loss_fn(model, batch)), float(loss_fn(reference, batch)), rtol=1e-6
+    )
+    # The next step places the gathered state again.
+    np.testing.assert_allclose(
+        float(step(model, opt, make_batch(kind, 8, seed=1))),
+        float(
+            nnx.jit(train_step_fn(loss_fn, num_microbatches=2))(
+                reference, ref_opt, make_batch(kind, 8, seed=1)
+            )
+        ),
+        rtol=1e-6,
+    )

@@ -23,7 +23,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from nnx_mpmd._jax_compat import DIFFERENTIATION_FRAMES
-from nnx_mpmd.errors import CompileError, PartitionError
+from nnx_mpmd.errors import CompileError, PartitionError, PlacementError
 
 __all__ = [
     "StageMarkerInfo",
@@ -225,6 +225,25 @@ def _probe_differentiation(stage: int, fn: Any, call_args: Any) -> None:
         stage_marker_p.bind(*leaves, info=StageMarkerInfo(stage, "probe"))
 
 
+def _call_outside_steps(
+    stage: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], where: str
+) -> Any:
+    """``fn(*args, **kwargs)``; JAX's error for arrays of different submeshes names the fix."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as e:
+        if "incompatible devices" not in str(e):
+            raise
+        raise PlacementError(
+            f"Stage {stage}{where} was called outside mp.jit on arrays that live on different "
+            "devices, as a model's state does after mp.jit steps (each stage's on its own "
+            "submesh). To evaluate, export or nnx.jit the model, first bring it onto one "
+            "device with mp.gather(model) (mp.distributed.gather on several processes; the "
+            "next mp.jit step places it again), or run the call inside an mp.jit step. "
+            f"JAX said: {str(e).splitlines()[0]}"
+        ) from e
+
+
 def call_stage(
     stage: int,
     fn: Callable[..., Any],
@@ -255,7 +274,8 @@ def call_stage(
         if _state.outer is not None:
             _probe_differentiation(stage, fn, (args, kwargs))
             _state.outer.append(f"Stage {stage}{where}")
-        return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return _call_outside_steps(stage, fn, args, kwargs, where)
     outer = current_stage()
     if outer is not None:
         if outer != stage:
