@@ -251,14 +251,45 @@ class TracedStep:
     forward_only: bool
 
 
+@jax.tree_util.register_pytree_node_class
+class StaticArg:
+    """A static argument's value, carried in the argument tree (a node without children).
+
+    Its value is the node's auxiliary data, so it is part of the tree's
+    structure (and of a step's cache key); `_assemble` unwraps it.
+
+    Example:
+      >>> leaves, tree = jax.tree.flatten((StaticArg(True), 1.0))
+      >>> leaves, jax.tree.unflatten(tree, leaves)[0].value
+      ([1.0], True)
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def tree_flatten(self) -> tuple[tuple[()], Any]:
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, value: Any, children: Any) -> StaticArg:
+        return cls(value)
+
+    def __repr__(self) -> str:
+        return f"StaticArg({self.value!r})"
+
+
 def _assemble(flat: FlatArgs, nodes: Sequence[Any], other_leaves: Sequence[Any]) -> tuple:
-    """The step's positional arguments from NNX nodes and the other leaves."""
+    """The step's positional arguments from NNX nodes and the other leaves (static
+    arguments unwrapped)."""
     leaves = list(flat.args_leaves)
     for pos, node in zip(flat.node_positions, nodes):
         leaves[pos] = node
     for pos, leaf in zip(flat.other_positions, other_leaves):
         leaves[pos] = leaf
-    return jax.tree.unflatten(flat.args_tree, leaves)
+    args = jax.tree.unflatten(flat.args_tree, leaves)
+    return tuple(a.value if isinstance(a, StaticArg) else a for a in args)
 
 
 def _training_function(fn: Callable[..., Any], flat: FlatArgs, out_tree: list[Any]) -> Any:

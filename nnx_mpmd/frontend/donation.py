@@ -16,14 +16,13 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from nnx_mpmd.compiler.trace_step import FlatArgs
-from nnx_mpmd.errors import CompileError
+from nnx_mpmd.frontend.static_args import argument_positions
 
 __all__ = ["donated_positions", "donated_state_leaves"]
 
@@ -49,29 +48,7 @@ def donated_positions(
       >>> donated_positions(lambda model, batch: None, (), ("model",))
       frozenset({0})
     """
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
-    for n in nums:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise CompileError(
-                f"mp.jit(donate_argnums=...) takes argument positions (ints >= 0), got {n!r}; "
-                "pass e.g. donate_argnums=(0, 1) for step(model, optimizer, batch)."
-            )
-    if not names:
-        return frozenset(nums)
-    params = [
-        p.name
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    unknown = [name for name in names if name not in params]
-    if unknown:
-        raise CompileError(
-            f"mp.jit(donate_argnames=...) names {unknown}, which "
-            f"{getattr(fn, '__name__', 'the step')} has no positional parameter of "
-            f"(it has {params}); name one of those."
-        )
-    return frozenset(nums) | {params.index(name) for name in names}
+    return argument_positions(fn, argnums, argnames, "donate")
 
 
 def donated_state_leaves(flat: FlatArgs, positions: frozenset[int]) -> frozenset[int]:

@@ -27,6 +27,7 @@ from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.frontend.donation import donated_positions, donated_state_leaves
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.frontend.stages import Lowered as Lowered
+from nnx_mpmd.frontend.static_args import argument_positions, check_disjoint, wrap_static
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.place import place
@@ -194,6 +195,8 @@ class PipelinedFunction:
         compile_threads: int | None = None,
         donate_argnums: int | Sequence[int] = (),
         donate_argnames: str | Sequence[str] = (),
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
     ) -> None:
         if not isinstance(mesh, MpmdMesh):
             raise MeshError(
@@ -218,6 +221,8 @@ class PipelinedFunction:
         self.transfer_warning_bytes = transfer_warning_bytes
         self.compile_threads = compile_threads
         self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
+        self.static_argnums = argument_positions(fn, static_argnums, static_argnames, "static")
+        check_disjoint(self.static_argnums, self.donate_argnums)
         # Compiled steps by input signature, least recently used first; bounded so
         # that a long-lived step called with ever new signatures (a fresh optax
         # transformation each time, say) does not grow without limit.
@@ -438,10 +443,14 @@ class PipelinedFunction:
                 self._finish_compiling(compiled)
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """``args`` and ``kwargs`` as the step's positional arguments.
+        """``args`` and ``kwargs`` as the step's positional arguments, static ones wrapped.
 
         A parameter left out before one given by keyword takes its default.
         """
+        name = getattr(self.fn, "__name__", "step")
+        return wrap_static(self._bound(args, kwargs), self.static_argnums, name)
+
+    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if not kwargs:
             return args
         name = getattr(self.fn, "__name__", "step")
@@ -547,6 +556,8 @@ def jit(
     compile_threads: int | None = None,
     donate_argnums: int | Sequence[int] = (),
     donate_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
 ) -> Any:
     """Compiles an NNX train step into per-mesh programs driven by a schedule.
 
@@ -580,6 +591,11 @@ def jit(
         of holding both. After the call the old arrays are deleted; the
         objects hold the new ones. Array arguments (the batch) are not donated.
       donate_argnames: the same by parameter name.
+      static_argnums: positions of arguments that are not traced, as with
+        ``jax.jit``: the step sees the Python value (``if train:`` works) and
+        each distinct value compiles a step of its own. Values must be hashable
+        and hold no NNX objects or arrays.
+      static_argnames: the same by parameter name.
 
     Returns:
       A `PipelinedFunction`.
@@ -619,6 +635,8 @@ def jit(
             compile_threads=compile_threads,
             donate_argnums=donate_argnums,
             donate_argnames=donate_argnames,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
         )
     return PipelinedFunction(
         fn,
@@ -630,4 +648,6 @@ def jit(
         compile_threads=compile_threads,
         donate_argnums=donate_argnums,
         donate_argnames=donate_argnames,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
     )
