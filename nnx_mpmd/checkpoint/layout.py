@@ -36,7 +36,7 @@ from flax import nnx
 
 from nnx_mpmd.checkpoint.global_arrays import move_to
 from nnx_mpmd.errors import CheckpointError
-from nnx_mpmd.frontend.annotate import logical_paths
+from nnx_mpmd.frontend.annotate import array_attributes, logical_paths
 from nnx_mpmd.placement.partition import MpmdArray
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "KEY",
     "NUMPY",
     "VALUE",
+    "AttributeHolder",
     "Entry",
     "Layout",
     "collect",
@@ -121,7 +122,8 @@ class Entry:
       path: the logical path, as strings.
       value: the current value (array, MpmdArray, typed key, numpy, scalar).
       kind: how it is stored (see `leaf_kind`).
-      variable: the NNX Variable that holds it, or None for a plain leaf.
+      variable: the NNX Variable that holds it (or an `AttributeHolder` for an
+        array a module holds as a plain attribute), or None for a plain leaf.
       leaf_index: the position among the tree's flat leaves for a plain leaf.
       physical: the path as it appears in the tree (for messages).
 
@@ -133,7 +135,7 @@ class Entry:
     path: tuple[str, ...]
     value: Any
     kind: str
-    variable: nnx.Variable | None
+    variable: nnx.Variable | AttributeHolder | None
     leaf_index: int | None
     physical: tuple[str, ...]
 
@@ -172,6 +174,35 @@ class Layout:
         return {e.name: e for e in self.entries}
 
 
+class AttributeHolder:
+    """Reads and sets an array that an NNX object holds as a plain attribute.
+
+    Such arrays are Flax data like a Variable's value, without a Variable to
+    call ``set_value`` on; this stands in for one in an `Entry`.
+
+    Args:
+      root: the NNX object.
+      path: the attribute's graph path under ``root``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> block = nnx.Module()
+      >>> block.table = jnp.zeros(2)
+      >>> AttributeHolder(block, ("table",)).set_value(jnp.ones(2))
+      >>> block.table.tolist()
+      [1.0, 1.0]
+    """
+
+    def __init__(self, root: Any, path: tuple[Any, ...]) -> None:
+        self.root, self.path = root, path
+
+    def get_value(self) -> Any:
+        return dict(nnx.to_flat_state(nnx.state(self.root)))[self.path]
+
+    def set_value(self, value: Any) -> None:
+        nnx.update(self.root, nnx.from_flat_state([(self.path, value)]))
+
+
 def _is_nnx_leaf(x: Any) -> bool:
     return isinstance(x, nnx.Pytree | nnx.Variable | MpmdArray)
 
@@ -197,7 +228,8 @@ def collect(tree: Any, *, where: str = "tree") -> Layout:
     """Flattens ``tree`` into entries keyed by logical path.
 
     NNX objects (modules, optimizers, ``nnx.Rngs``) and Variables anywhere in
-    ``tree`` contribute one entry per Variable; ``nnx.State`` objects are
+    ``tree`` contribute one entry per Variable and per array held as a plain
+    attribute (`AttributeHolder`); ``nnx.State`` objects are
     walked like dicts; every other leaf is one entry.
 
     Args:
@@ -249,6 +281,14 @@ def collect(tree: Any, *, where: str = "tree") -> Layout:
                     prefix + tuple(str(k) for k in physical),
                     prefix + tuple(str(k) for k in logical),
                 )
+            for attribute in array_attributes(leaf):
+                if id(attribute.value) in seen_variables:
+                    continue
+                seen_variables.add(id(attribute.value))
+                holder = AttributeHolder(leaf, attribute.path)
+                physical = prefix + tuple(str(k) for k in attribute.path)
+                logical = prefix + tuple(str(k) for k in attribute.logical)
+                entries.append(_entry(logical, attribute.value, holder, None, physical, where))
         elif isinstance(leaf, nnx.Variable):
             add_variable(leaf, prefix, prefix)
         else:

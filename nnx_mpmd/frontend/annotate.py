@@ -21,9 +21,11 @@ from nnx_mpmd.errors import PartitionError
 __all__ = [
     "STAGE_KEY",
     "STAGES_KEY",
+    "ArrayAttribute",
     "PipelinedModel",
     "ScanStack",
     "Stage",
+    "array_attributes",
     "assign_stages",
     "auto_stage",
     "balanced_partition",
@@ -40,9 +42,11 @@ from nnx_mpmd.frontend.scan_stack import ScanStack, split_scan_stacks
 from nnx_mpmd.frontend.stage import (
     STAGE_KEY,
     STAGES_KEY,
+    ArrayAttribute,
     Stage,
     _tag_variable,
     _variable_stages,
+    array_attributes,
     tag_stage,
     variable_stage,
 )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
+import numpy as np
 from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
@@ -20,7 +22,9 @@ from nnx_mpmd.frontend import markers
 __all__ = [
     "STAGES_KEY",
     "STAGE_KEY",
+    "ArrayAttribute",
     "Stage",
+    "array_attributes",
     "recording_stage_calls",
     "tag_stage",
     "variable_stage",
@@ -178,3 +182,55 @@ class Stage(nnx.Module):
 
     def __repr__(self) -> str:
         return f"Stage({type(self.module).__name__}, stage={self.stage}, remat={self.remat})"
+
+
+class ArrayAttribute(NamedTuple):
+    """An array a module holds as a plain attribute (Flax data, not a Variable).
+
+    Attributes:
+      path: its graph path.
+      logical: the path without `Stage`'s ``module`` component (as `logical_paths`).
+      stage: the stage of the innermost `Stage` that holds it, or None.
+      value: the array.
+    """
+
+    path: tuple[Any, ...]
+    logical: tuple[Any, ...]
+    stage: int | None
+    value: Any
+
+
+def array_attributes(node: Any) -> list[ArrayAttribute]:
+    """The arrays held as plain attributes under ``node`` (``self.table = jnp...``).
+
+    Flax treats such arrays as data: they are state leaves like Variables,
+    without metadata. Their stage is that of the `Stage` they sit in.
+
+    Args:
+      node: an NNX graph node.
+
+    Returns:
+      One `ArrayAttribute` per array, under its first path.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> block = nnx.Module()
+      >>> block.table = jnp.zeros(3)
+      >>> m = nnx.Dict(a=Stage(block, stage=2))
+      >>> [(a.path, a.logical, a.stage) for a in array_attributes(m)]
+      [(('a', 'module', 'table'), ('a', 'table'), 2)]
+    """
+    nodes = [(tuple(path), child) for path, child in nnx.iter_graph(node)]
+    stages = {path: child.stage for path, child in nodes if isinstance(child, Stage)}
+    found = []
+    for path, child in nodes:
+        if not isinstance(child, jax.Array | np.ndarray):
+            continue
+        owner = next(
+            (stages[path[:k]] for k in range(len(path) - 1, -1, -1) if path[:k] in stages), None
+        )
+        logical = tuple(
+            key for i, key in enumerate(path) if not (key == "module" and path[:i] in stages)
+        )
+        found.append(ArrayAttribute(path, logical, owner, child))
+    return found

@@ -27,7 +27,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import PlacementError
-from nnx_mpmd.frontend.annotate import _variable_stages, logical_paths, variable_stage
+from nnx_mpmd.frontend.annotate import (
+    STAGE_KEY,
+    _variable_stages,
+    array_attributes,
+    logical_paths,
+    variable_stage,
+)
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.partition import Path, _path_text, placement_of
@@ -75,6 +81,11 @@ def _variables_of(root: Any) -> list[tuple[Path, Any]]:
     return [
         (tuple(path), node) for path, node in nnx.iter_graph(root) if isinstance(node, nnx.Variable)
     ]
+
+
+def _set_array_attributes(root: Any, placed: list[tuple[Path, Any]]) -> None:
+    if placed:
+        nnx.update(root, nnx.from_flat_state(placed))
 
 
 def _has_sharding(x: Any, target: NamedSharding) -> bool:
@@ -177,6 +188,8 @@ def placement_decisions(
     seen: set[int] = set()
     params: dict[Path, nnx.Variable] = {}
     used_stages: set[int] = set()
+    attribute_stage: dict[int, int] = {}  # id of a plain array attribute -> its Stage's
+    outside: list[str] = []
     for root in roots:
         # Optimizer state made before assign_stages has paths without Stage's "module".
         logical = logical_paths(root) if isinstance(root, nnx.Pytree) else {}
@@ -191,6 +204,27 @@ def placement_decisions(
                 if isinstance(leaf, nnx.Param) and variable_stage(leaf) is not None:
                     params[path] = leaf
                     params.setdefault(logical.get(path, path), leaf)
+        if isinstance(root, nnx.Pytree):
+            # Arrays held as plain attributes (Flax treats them as data): a Stage's go
+            # with its stage, as a Variable of that module would.
+            for attribute in array_attributes(root):
+                leaf = attribute.value
+                if id(leaf) in seen:
+                    continue
+                seen.add(id(leaf))
+                if attribute.stage is None:
+                    outside.append(_path_text(attribute.path))
+                    continue
+                attribute_stage[id(leaf)] = attribute.stage
+                used_stages.add(attribute.stage)
+                entries.append((root, attribute.path, leaf))
+    if outside:
+        raise PlacementError(
+            f"{len(outside)} array(s) held as plain attributes outside every Stage: "
+            f"{', '.join(outside)}. mp.jit places an array by the Stage that holds it; wrap "
+            "these in a Variable (self.table = nnx.Variable(table): a copy on every mesh "
+            "that uses it) or move them into a Stage's module."
+        )
     missing = [
         _path_text(path)
         for _, path, leaf in entries
@@ -211,6 +245,9 @@ def placement_decisions(
             continue
         if isinstance(leaf, nnx.Variable):
             decision = placement_of(leaf, path, mesh, schedule, num_stages, params=params)
+        elif id(leaf) in attribute_stage:
+            owner = nnx.Variable(value, **{STAGE_KEY: attribute_stage[id(leaf)]})
+            decision = placement_of(owner, path, mesh, schedule, num_stages, params=params)
         else:
             decision = everywhere
         decisions.append((root, path, leaf, value, decision))
@@ -258,14 +295,21 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     new_states: dict[int, dict[Path, Any]] = {
         id(root): dict(_variables_of(root)) for root in roots if isinstance(root, nnx.State)
     }
+    attributes: dict[int, list[tuple[Path, Any]]] = {}
     for root, path, leaf, value, (mesh_ids, spec) in decisions:
         placed = _placed_value(value, mesh_ids, spec, mesh)
         if isinstance(root, nnx.State):
             new_states[id(root)][path] = (
                 leaf.replace(placed) if isinstance(leaf, nnx.Variable) else placed
             )
-        elif placed is not value:
+        elif placed is value:
+            continue
+        elif isinstance(leaf, nnx.Variable):
             leaf.set_value(placed)
+        else:
+            attributes.setdefault(id(root), []).append((path, placed))
+    for root in roots:
+        _set_array_attributes(root, attributes.get(id(root), []))
     if not new_states:
         return tree
     return _map_states(tree, lambda state: nnx.from_flat_state(list(new_states[id(state)].items())))
@@ -330,6 +374,9 @@ def gather(tree: Any) -> Any:
                 new = _gathered(value, device)
                 if new is not value:
                     variable.set_value(new)
+            if isinstance(x, nnx.Pytree):
+                moved = [(a.path, _gathered(a.value, device)) for a in array_attributes(x)]
+                _set_array_attributes(x, moved)
             return x
         return _gathered(x, device)
 
