@@ -19,6 +19,7 @@ __all__ = [
     "FAST_COPY_AVAILABLE",
     "RemappingUnpickler",
     "argument_aval",
+    "kept_arguments",
     "batched_copy",
     "compile_options_for_devices",
     "sharding_device_list",
@@ -220,6 +221,22 @@ def argument_aval(info: Any) -> Any:
     shape and dtype).
     """
     return info._aval
+
+
+def kept_arguments(lowered: Any) -> tuple[int, ...] | None:
+    """The positions of the flat arguments a lowered program's module reads, or None.
+
+    ``jax.jit`` leaves arguments the function does not read out of the module
+    (unless ``keep_unused``), so two programs can lower to one module text while
+    reading different arguments. None when this JAX does not say.
+
+    Relies on: ``Lowered._lowering.compile_args["kept_var_idx"]`` (jax 0.10).
+    """
+    try:
+        kept = lowered._lowering.compile_args["kept_var_idx"]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return tuple(sorted(kept))
 
 
 def sharding_device_list(sharding: Any) -> Any:

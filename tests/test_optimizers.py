@@ -13,6 +13,11 @@ three steps of the 3-stage LM on 3 meshes x 2 data against ``nnx.jit`` and
 compares the parameters and every copy of every optimizer-state leaf. (The
 middle mesh's update is contained in the others', so for most of these the
 update is split into a common part and a rest.)
+
+A global ``lax.cond`` also runs on equal-shaped meshes, where each mesh's copy
+of the update reads its own half of equal-shaped arguments: the copies lower to
+one module text and must still not share an executable (they once did, and
+each mesh took the first mesh's optimizer state).
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import TinyLM, lm_loss, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import (
+    MLP,
+    TinyLM,
+    lm_loss,
+    make_batch,
+    make_mesh,
+    mlp_loss,
+    params_of,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.stats import count_compilations
@@ -108,3 +122,51 @@ def test_pipelined_update_equals_reference(name):
     for want, copies in zip(_optimizer_leaves(ref_opt), _optimizer_leaves(opt), strict=True):
         for have in copies:
             np.testing.assert_allclose(have, want[0], rtol=1e-4, atol=1e-5)
+
+
+def _doubled_by_cond(loss_fn, num_microbatches=None):
+    """A step whose gradients pass through one ``lax.cond`` on the loss (every leaf)."""
+
+    def step(model, optimizer, batch):
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=num_microbatches)(model, batch)
+        grads = jax.lax.cond(
+            loss > 0, lambda g: jax.tree.map(lambda x: 2 * x, g), lambda g: g, grads
+        )
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+GLOBAL_CONDS = {
+    "apply_if_finite": (lambda: optax.apply_if_finite(optax.adam(1e-2), 2), train_step_fn),
+    "multi_steps": (lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), train_step_fn),
+    "cond_in_step": (lambda: optax.sgd(0.1), _doubled_by_cond),
+}
+
+
+@pytest.mark.parametrize("meshes", [2, 4])
+@pytest.mark.parametrize("name", sorted(GLOBAL_CONDS))
+def test_a_global_cond_on_equal_shaped_meshes_updates_each_meshs_own_state(name, meshes):
+    make_tx, make_step = GLOBAL_CONDS[name]
+    models = [MLP(meshes, rngs=nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, make_tx(), wrt=nnx.Param) for m in models]
+    reference = nnx.jit(make_step(mlp_loss, 2))
+    step = mp.jit(
+        make_step(mlp_loss), mesh=make_mesh(meshes, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    for i in range(STEPS):
+        batch = make_batch("regression", 8, seed=i)
+        np.testing.assert_allclose(
+            float(step(models[1], optimizers[1], batch)),
+            float(reference(models[0], optimizers[0], batch)),
+            rtol=1e-6,
+        )
+    expected, got = params_of(models[0]), params_of(models[1])
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-6, err_msg=path)
+    for want, copies in zip(
+        _optimizer_leaves(optimizers[0]), _optimizer_leaves(optimizers[1]), strict=True
+    ):
+        for have in copies:
+            np.testing.assert_allclose(have, want[0], rtol=1e-5, atol=1e-7)

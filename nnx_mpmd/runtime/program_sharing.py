@@ -51,7 +51,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_mpmd._jax_compat import RemappingUnpickler, argument_aval
+from nnx_mpmd._jax_compat import RemappingUnpickler, argument_aval, kept_arguments
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
@@ -129,11 +129,14 @@ def share_key(
 
 
 def interface_key(lowered: Any) -> tuple[Any, ...]:
-    """A lowered program's arguments as a key: their tree, and each one's type and donation.
+    """A lowered program's arguments as a key: their tree, each one's type and donation,
+    and which of them the module reads.
 
-    Shapes, dtypes, weak types, PartitionSpecs (no devices) and donation: equal
-    for twin programs on equal submeshes, different for programs whose
-    modules are equal only because each leaves out arguments it does not read.
+    Shapes, dtypes, weak types, PartitionSpecs (no devices), donation and the
+    read positions: equal for twin programs on equal submeshes, different for
+    programs whose modules are equal only because each leaves out arguments it
+    does not read (two meshes' copies of one update, each reading its own half
+    of equal-shaped arguments, must not share an executable).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -141,6 +144,10 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
       >>> a = interface_key(f.trace(jnp.ones(2), ()).lower())
       >>> a == interface_key(f.trace(jnp.ones(2), (jnp.ones(3),)).lower())
       False
+      >>> first = jax.jit(lambda x, y: x * 2).trace(jnp.ones(2), jnp.ones(2)).lower()
+      >>> second = jax.jit(lambda x, y: y * 2).trace(jnp.ones(2), jnp.ones(2)).lower()
+      >>> first.as_text() == second.as_text(), interface_key(first) == interface_key(second)
+      (True, False)
     """
     leaves = []
     for info in jax.tree.leaves(lowered.args_info):
@@ -149,7 +156,9 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
         leaves.append(
             (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), str(spec), info.donated)
         )
-    return (str(lowered.in_tree), tuple(leaves))
+    kept = kept_arguments(lowered)
+    # Unknown read positions: a key of its own (never shared) rather than a guess.
+    return (str(lowered.in_tree), tuple(leaves), kept if kept is not None else object())
 
 
 def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
