@@ -175,6 +175,27 @@ def test_no_stage_called_in_the_region():
         f(model, opt, make_batch(kind, 4))
 
 
+def test_a_stage_reached_only_through_another_method_names_the_gap():
+    model, opt, _, kind = build("mlp", "sgd", 3)
+
+    def skipping(m, b):  # stage 1's module is called directly, not through its Stage
+        x = m.layers[0](b["x"])
+        x = m.layers[1].module(x)
+        return mlp_loss_of(m.layers[2](x), b)
+
+    f = mp.jit(_step(skipping), mesh=make_mesh(3, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(
+        mp.PartitionError,
+        match=r"stages \[1\] are never called, but stage 2 is: stage numbers must be 0..2 "
+        r"without gaps.*runs as its stage only when it is called itself, stage\(x\)",
+    ):
+        f(model, opt, make_batch(kind, 4))
+
+
+def mlp_loss_of(out, batch):
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
 def test_value_and_grad_outside_jit_matches_nnx():
     model = MLP(2, rngs=nnx.Rngs(0))
     batch = make_batch("regression", 8)

@@ -204,7 +204,10 @@ def _count_stages(eqns: Sequence[Any], markers: _Markers) -> int:
     if missing:
         raise PartitionError(
             f"stages {missing} are never called, but stage {num_stages - 1} is: stage numbers "
-            f"must be 0..{num_stages - 1} without gaps. Renumber the Stage wrappers."
+            f"must be 0..{num_stages - 1} without gaps. Renumber the Stage wrappers. (A Stage "
+            "runs as its stage only when it is called itself, stage(x); another method, "
+            "stage.encode(x), runs where its inputs are: call the Stage, or wrap the module "
+            "whose __call__ does that work.)"
         )
     return num_stages
 
