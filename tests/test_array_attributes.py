@@ -1,9 +1,10 @@
 """Arrays held as plain module attributes (``self.table = jnp...``), which Flax treats as data.
 
-A Stage's plain array attributes go to its stage's mesh, as its Variables do:
-a constant table and a counter the forward updates both train like
-``nnx.jit`` on one device, `mp.gather` brings them back, checkpoints keep
-them, and an array attribute outside every Stage is refused with the fix.
+A Stage's plain array attributes go to its stage's mesh, as its Variables do,
+and the model's own (outside every Stage) to every mesh, as a Variable of no
+parameter: a constant table and a counter the forward updates train like
+``nnx.jit`` on one device, `mp.gather` brings them back and checkpoints keep
+them.
 """
 
 from __future__ import annotations
@@ -108,25 +109,33 @@ def test_plain_array_attributes_are_gathered_and_checkpointed(tmp_path):
 
 
 class TableOutside(mp.PipelinedModel):
+    """Plain array attributes of the model itself, outside every Stage: read and updated in glue."""
+
     def __init__(self, rngs: nnx.Rngs) -> None:
-        self.stage = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
-        self.scale = jnp.ones((WIDTH,))
+        self.first = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=0)
+        self.second = mp.Stage(nnx.Linear(WIDTH, WIDTH, rngs=rngs), stage=1)
+        self.scale = jnp.linspace(0.5, 1.5, WIDTH)
+        self.calls = jnp.zeros((), jnp.float32)
 
     def __call__(self, x):
-        return self.stage(x) * self.scale
+        self.calls = self.calls + 1.0
+        return self.second(jnp.tanh(self.first(x))) * self.scale
 
 
-def test_an_array_attribute_outside_every_stage_names_the_fix():
-    model = TableOutside(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+def test_array_attributes_outside_every_stage_go_to_every_mesh_and_train_like_nnx_jit():
+    models = [TableOutside(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    reference = nnx.jit(train_step_fn(_loss, num_microbatches=2))
     step = mp.jit(
-        train_step_fn(_loss), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+        train_step_fn(_loss), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=2
     )
-    with pytest.raises(
-        mp.PlacementError,
-        match=r"1 array\(s\) held as plain attributes outside every Stage: scale\. .*"
-        r"nnx\.Variable\(table\)",
-    ):
-        step(model, optimizer, _batch(0))
-    with pytest.raises(mp.PlacementError, match=r"outside every Stage: scale"):
-        mp.place(model, make_mesh(2, 1))
+    for i in range(3):
+        np.testing.assert_allclose(
+            float(step(models[1], optimizers[1], _batch(i))),
+            float(reference(models[0], optimizers[0], _batch(i))),
+            rtol=1e-6,
+        )
+    assert isinstance(models[1].calls, mp.MpmdArray) and models[1].calls.mesh_ids == (0, 1)
+    assert float(models[1].calls) == float(models[0].calls) == 3 * 2
+    mp.gather(models[1])
+    assert models[1].scale.devices() == models[1].calls.devices() == {jax.devices()[0]}

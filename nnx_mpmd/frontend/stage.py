@@ -12,8 +12,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
 from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
@@ -204,7 +202,9 @@ def array_attributes(node: Any) -> list[ArrayAttribute]:
     """The arrays held as plain attributes under ``node`` (``self.table = jnp...``).
 
     Flax treats such arrays as data: they are state leaves like Variables,
-    without metadata. Their stage is that of the `Stage` they sit in.
+    without metadata. Their stage is that of the `Stage` they sit in. Placed
+    values (an ``MpmdArray``, which is not a ``jax.Array``) count too: every
+    data leaf that is not a Variable and not a Python scalar.
 
     Args:
       node: an NNX graph node.
@@ -220,17 +220,24 @@ def array_attributes(node: Any) -> list[ArrayAttribute]:
       >>> [(a.path, a.logical, a.stage) for a in array_attributes(m)]
       [(('a', 'module', 'table'), ('a', 'table'), 2)]
     """
-    nodes = [(tuple(path), child) for path, child in nnx.iter_graph(node)]
-    stages = {path: child.stage for path, child in nodes if isinstance(child, Stage)}
+    leaves = [
+        (tuple(path), leaf)
+        for path, leaf in nnx.to_flat_state(nnx.state(node))
+        if not isinstance(leaf, nnx.Variable | bool | int | float | complex | str)
+        and hasattr(leaf, "shape")
+    ]
+    if not leaves:
+        return []
+    stages = {
+        tuple(path): child.stage for path, child in nnx.iter_graph(node) if isinstance(child, Stage)
+    }
     found = []
-    for path, child in nodes:
-        if not isinstance(child, jax.Array | np.ndarray):
-            continue
+    for path, leaf in leaves:
         owner = next(
             (stages[path[:k]] for k in range(len(path) - 1, -1, -1) if path[:k] in stages), None
         )
         logical = tuple(
             key for i, key in enumerate(path) if not (key == "module" and path[:i] in stages)
         )
-        found.append(ArrayAttribute(path, logical, owner, child))
+        found.append(ArrayAttribute(path, logical, owner, leaf))
     return found

@@ -189,7 +189,6 @@ def placement_decisions(
     params: dict[Path, nnx.Variable] = {}
     used_stages: set[int] = set()
     attribute_stage: dict[int, int] = {}  # id of a plain array attribute -> its Stage's
-    outside: list[str] = []
     for root in roots:
         # Optimizer state made before assign_stages has paths without Stage's "module".
         logical = logical_paths(root) if isinstance(root, nnx.Pytree) else {}
@@ -206,25 +205,17 @@ def placement_decisions(
                     params.setdefault(logical.get(path, path), leaf)
         if isinstance(root, nnx.Pytree):
             # Arrays held as plain attributes (Flax treats them as data): a Stage's go
-            # with its stage, as a Variable of that module would.
+            # with its stage, as a Variable of that module would; others, like a
+            # Variable of no parameter, to every mesh.
             for attribute in array_attributes(root):
                 leaf = attribute.value
                 if id(leaf) in seen:
                     continue
                 seen.add(id(leaf))
-                if attribute.stage is None:
-                    outside.append(_path_text(attribute.path))
-                    continue
-                attribute_stage[id(leaf)] = attribute.stage
-                used_stages.add(attribute.stage)
+                if attribute.stage is not None:
+                    attribute_stage[id(leaf)] = attribute.stage
+                    used_stages.add(attribute.stage)
                 entries.append((root, attribute.path, leaf))
-    if outside:
-        raise PlacementError(
-            f"{len(outside)} array(s) held as plain attributes outside every Stage: "
-            f"{', '.join(outside)}. mp.jit places an array by the Stage that holds it; wrap "
-            "these in a Variable (self.table = nnx.Variable(table): a copy on every mesh "
-            "that uses it) or move them into a Stage's module."
-        )
     missing = [
         _path_text(path)
         for _, path, leaf in entries
