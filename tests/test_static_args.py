@@ -34,19 +34,23 @@ def _step_with_flag(loss_fn, num_microbatches=None):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES.values(), ids=list(SCHEDULES))
-@pytest.mark.parametrize("by", ["argnums", "argnames"])
-def test_a_static_flag_equals_nnx_jit_and_compiles_once_per_value(schedule, by):
+@pytest.mark.parametrize(
+    ("by", "donate"), [("argnums", False), ("argnames", False), ("argnames", True)]
+)
+def test_a_static_flag_equals_nnx_jit_and_compiles_once_per_value(schedule, by, donate):
     model, opt, loss_fn, kind = build("mlp", "adamw", 2)
     ref_model, ref_opt, _, _ = build("mlp", "adamw", 2)
     static = {"static_argnums": 3} if by == "argnums" else {"static_argnames": "train"}
+    donated = {"donate_argnums": (0, 1)} if donate else {}
     step = mp.jit(
         _step_with_flag(loss_fn),
         mesh=make_mesh(2, 2),
         schedule=schedule,
         num_microbatches=4,
         **static,
+        **donated,
     )
-    reference = nnx.jit(_step_with_flag(loss_fn, num_microbatches=4), static_argnums=3)
+    reference = nnx.jit(_step_with_flag(loss_fn, num_microbatches=4), static_argnums=3, **donated)
     for i, train in enumerate([True, False, True, False, True]):
         batch = make_batch(kind, 16, seed=i)
         with count_compilations() as counter:
