@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import WIDTH, make_mesh, train_step_fn
+from pipeline_models import WIDTH, make_mesh, mlp_loss, train_step_fn
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.stats import count_compilations
@@ -43,10 +43,6 @@ class TwoTabled(mp.PipelinedModel):
         return self.second(self.first(x))
 
 
-def _loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def _batch(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
@@ -58,9 +54,9 @@ def _batch(seed: int) -> dict[str, np.ndarray]:
 def _trained(schedule, steps=3):
     models = [TwoTabled(nnx.Rngs(0)) for _ in range(2)]
     optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
-    reference = nnx.jit(train_step_fn(_loss, num_microbatches=4))
+    reference = nnx.jit(train_step_fn(mlp_loss, num_microbatches=4))
     mesh = make_mesh(2, 2)
-    step = mp.jit(train_step_fn(_loss), mesh=mesh, schedule=schedule, num_microbatches=4)
+    step = mp.jit(train_step_fn(mlp_loss), mesh=mesh, schedule=schedule, num_microbatches=4)
     for i in range(steps):
         with count_compilations() as counter:
             loss = step(models[1], optimizers[1], _batch(i))
@@ -100,7 +96,7 @@ def test_plain_array_attributes_are_gathered_and_checkpointed(tmp_path):
     # A table changed between steps is read again (it is an input, not a constant).
     model.second.module.table = model.second.module.table + 1.0
     reference.second.module.table = reference.second.module.table + 1.0
-    reference_step = nnx.jit(train_step_fn(_loss, num_microbatches=4))
+    reference_step = nnx.jit(train_step_fn(mlp_loss, num_microbatches=4))
     np.testing.assert_allclose(
         float(step(model, optimizer, _batch(5))),
         float(reference_step(reference, ref_optimizer, _batch(5))),
@@ -125,9 +121,9 @@ class TableOutside(mp.PipelinedModel):
 def test_array_attributes_outside_every_stage_go_to_every_mesh_and_train_like_nnx_jit():
     models = [TableOutside(nnx.Rngs(0)) for _ in range(2)]
     optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
-    reference = nnx.jit(train_step_fn(_loss, num_microbatches=2))
+    reference = nnx.jit(train_step_fn(mlp_loss, num_microbatches=2))
     step = mp.jit(
-        train_step_fn(_loss), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=2
+        train_step_fn(mlp_loss), mesh=make_mesh(2, 2), schedule=mp.OneFOneB(), num_microbatches=2
     )
     for i in range(3):
         np.testing.assert_allclose(

@@ -30,19 +30,8 @@ __all__ = ["donated_positions", "donated_state_leaves"]
 def donated_positions(
     fn: Callable[..., Any], argnums: int | Sequence[int], argnames: str | Sequence[str]
 ) -> frozenset[int]:
-    """The positions of the donated arguments of ``fn``.
-
-    Args:
-      fn: the step.
-      argnums: positions (an int or a sequence of them).
-      argnames: parameter names (a str or a sequence of them).
-
-    Returns:
-      The positions.
-
-    Raises:
-      CompileError: a position is not an int >= 0, or a name is not a positional
-        parameter of ``fn``.
+    """The positions of the donated arguments of ``fn`` (`argument_positions` for
+    ``donate_argnums`` / ``donate_argnames``; raises its `CompileError`).
 
     Example:
       >>> donated_positions(lambda model, batch: None, (), ("model",))
