@@ -389,3 +389,14 @@ def test_contention_is_measured_per_number_of_busy_submeshes():
     assert all(c.contention == factors for c in planned.costs)
     model, _, _, _ = build("mlp", "sgd", 4)
     assert contention(model, loss_fn, batch, one_submesh(mesh), optax.sgd(0.1)) == (1.0,)
+
+
+def test_plan_under_the_launcher_says_to_plan_in_one_process(monkeypatch, capsys):
+    from nnx_mpmd.apps import plan as plan_app
+    from nnx_mpmd.runtime.multi_process import ENV_NUM_PROCESSES
+
+    monkeypatch.setenv(ENV_NUM_PROCESSES, "2")
+    assert plan_app.main(["--out", "unused.json"]) == 2
+    err = capsys.readouterr().err
+    assert "one of 2 launched processes, but the planner runs in one process" in err
+    assert "nnx-mpmd launch ... -- nnx-mpmd train --plan FILE" in err

@@ -127,6 +127,18 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
     return planned
 
 
+def _launched_processes() -> int:
+    """How many processes `nnx-mpmd launch` (or a cluster launcher) started, 1 if none."""
+    import os
+
+    from nnx_mpmd.runtime.multi_process import ENV_NUM_PROCESSES
+
+    try:
+        return max(1, int(os.environ.get(ENV_NUM_PROCESSES, "1")))
+    except ValueError:
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nnx-mpmd plan``.
 
@@ -142,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
     if cfg.verify < 0 or cfg.repeats < 1:
         print("nnx-mpmd plan: error: --verify must be >= 0 and --repeats >= 1", file=sys.stderr)
+        return 2
+    launched = _launched_processes()
+    if launched > 1:
+        print(
+            f"nnx-mpmd plan: error: this is one of {launched} launched processes, but the "
+            "planner runs in one process (it times layers and --verify runs on this process's "
+            "devices). Run `nnx-mpmd plan` without the launcher, on one host with --meshes x "
+            "--data devices (CPU: --devices N), then `nnx-mpmd launch ... -- nnx-mpmd train "
+            "--plan FILE` with the same --meshes and --data.",
+            file=sys.stderr,
+        )
         return 2
     set_cpu_devices(cfg.devices)
     configure_compile_cache(cfg)
