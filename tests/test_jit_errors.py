@@ -192,6 +192,25 @@ def test_a_stage_reached_only_through_another_method_names_the_gap():
         f(model, opt, make_batch(kind, 4))
 
 
+def test_a_constant_aux_value_is_named_with_the_fix():
+    model, opt, _, kind = build("mlp", "sgd", 2)
+
+    def step(m, o, b):
+        (loss, _), grads = mp.value_and_grad(lambda mm, bb: (mlp_loss(mm, bb), 0.5), has_aux=True)(
+            m, b
+        )
+        o.update(m, grads)
+        return loss
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(
+        mp.CompileError,
+        match=r"region output 1 \(loss/aux\) is the constant 0.5; compute it from the model's "
+        r"outputs, or return a value that does not depend on the model from the step itself",
+    ):
+        f(model, opt, make_batch(kind, 4))
+
+
 def mlp_loss_of(out, batch):
     return jnp.mean((out - batch["y"]) ** 2)
 

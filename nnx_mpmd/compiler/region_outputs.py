@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from nnx_mpmd.compiler.instructions import Call, Instruction, ProgramKey, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
@@ -95,9 +96,13 @@ def collect_results(ctx: RegionContext) -> tuple[list[Instruction], OutputLocati
     locations: OutputLocations = []
     for o_index, source in enumerate(ctx.plan.outputs[: 1 + ctx.plan.info.n_aux]):
         if source.kind != "stage":
+            what = "does not come from a stage"
+            if source.kind == "literal":
+                what = f"is the constant {np.asarray(source.value).tolist()!r}"
             raise CompileError(
-                f"region output {o_index} (loss/aux) does not come from a stage; compute it "
-                "from the model's outputs."
+                f"region output {o_index} (loss/aux) {what}; compute it from the model's "
+                "outputs, or return a value that does not depend on the model from the step "
+                "itself, outside mp.value_and_grad."
             )
         k = source.stage
         j = ctx.fns[k].accumulated_outputs.index(o_index)
