@@ -539,6 +539,22 @@ def _region_out_avals(
     return (*means, *grads, *state)
 
 
+def _mean_seeded_value_and_grad(one: Callable[..., Any], scale: float) -> Callable[..., Any]:
+    """``jax.value_and_grad(one, has_aux=True)`` with the backward started at ``scale``.
+
+    Each microbatch's backward starts from ``d(mean)/d(loss_i) = 1/m``, as the
+    pipeline's does: a custom_vjp whose backward is not linear in its cotangent
+    (a gradient clip) then sees what ``jax.grad`` of the mean gives it.
+    """
+
+    def grad_fn(diff: list[Any], state: Any, mb: Any) -> Any:
+        loss, vjp_fn, rest = jax.vjp(lambda d: one(d, state, mb), diff, has_aux=True)
+        (grads,) = vjp_fn(jnp.full(jnp.shape(loss), scale, jnp.result_type(loss)))
+        return (loss, rest), grads
+
+    return grad_fn
+
+
 def reference_value_and_grad(
     loss_fn: Callable[..., Any],
     model: Any,
@@ -591,14 +607,7 @@ def reference_value_and_grad(
         _check_writable(captured)
     held_leaves = [c.variable.get_raw_value() for c in captured]
     scale = 1.0 / num_microbatches
-
-    def grad_fn(diff: list[Any], state: Any, mb: Any) -> Any:
-        # Each microbatch's backward starts from d(mean)/d(loss_i) = 1/m, as the
-        # pipeline's does: a custom_vjp whose backward is not linear in its
-        # cotangent (a gradient clip) then sees what jax.grad of the mean gives it.
-        loss, vjp_fn, rest = jax.vjp(lambda d: one(d, state, mb), diff, has_aux=True)
-        (grads,) = vjp_fn(jnp.full(jnp.shape(loss), scale, jnp.result_type(loss)))
-        return (loss, rest), grads
+    grad_fn = _mean_seeded_value_and_grad(one, scale)
 
     state0 = (other_leaves, held_leaves)
     (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
