@@ -20,6 +20,7 @@ __all__ = [
     "RemappingUnpickler",
     "argument_aval",
     "kept_arguments",
+    "has_host_callbacks",
     "batched_copy",
     "compile_options_for_devices",
     "sharding_device_list",
@@ -237,6 +238,20 @@ def kept_arguments(lowered: Any) -> tuple[int, ...] | None:
     except (AttributeError, KeyError, TypeError):
         return None
     return tuple(sorted(kept))
+
+
+def has_host_callbacks(lowered: Any) -> bool | None:
+    """Whether a lowered program calls back into Python (``pure_callback``, ``debug.print``).
+
+    The module text names a callback by index only, so two programs with other
+    callbacks can lower to one text. None when this JAX does not say.
+
+    Relies on: ``Lowered._lowering.compile_args["host_callbacks"]`` (jax 0.10).
+    """
+    try:
+        return bool(lowered._lowering.compile_args["host_callbacks"])
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def sharding_device_list(sharding: Any) -> Any:

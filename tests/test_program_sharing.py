@@ -11,10 +11,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from pipeline_models import (
+    WIDTH,
     build,
     lm_on_four_meshes,
     make_batch,
     make_mesh,
+    mlp_loss,
     params_of,
     train_step_fn,
 )
@@ -519,3 +521,41 @@ def test_a_twin_of_a_program_that_cannot_be_shared_compiles_itself(monkeypatch, 
     assert (first.traced, second.traced) == (1, 1)
     assert compiler.compiled == 2 and not compiler.loaded
     assert [o.sharding.mesh for o in out] == [mesh] * 3
+
+
+class _CalledBack(nnx.Module):
+    """A Linear plus a value from a Python callback (the module text names it by index)."""
+
+    def __init__(self, value: float, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.value = value
+
+    def __call__(self, x):
+        value = self.value
+        extra = jax.pure_callback(lambda: np.float32(value), jax.ShapeDtypeStruct((), jnp.float32))
+        return jnp.tanh(self.linear(x)) + extra
+
+
+class _TwoCalledBack(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.first = mp.Stage(_CalledBack(1.0, rngs), stage=0)
+        self.second = mp.Stage(_CalledBack(2.0, rngs), stage=1)
+
+    def __call__(self, x):
+        return self.second(self.first(x))
+
+
+def test_equal_programs_with_other_python_callbacks_keep_their_own():
+    models = [_TwoCalledBack(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    reference = nnx.jit(train_step_fn(mlp_loss, 2))
+    step = mp.jit(
+        train_step_fn(mlp_loss), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    for i in range(2):
+        batch = make_batch("regression", 8, seed=i)
+        np.testing.assert_allclose(
+            float(step(models[1], optimizers[1], batch)),
+            float(reference(models[0], optimizers[0], batch)),
+            rtol=1e-6,
+        )

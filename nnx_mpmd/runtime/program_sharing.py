@@ -51,7 +51,12 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_mpmd._jax_compat import RemappingUnpickler, argument_aval, kept_arguments
+from nnx_mpmd._jax_compat import (
+    RemappingUnpickler,
+    argument_aval,
+    has_host_callbacks,
+    kept_arguments,
+)
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
@@ -130,7 +135,8 @@ def share_key(
 
 def interface_key(lowered: Any) -> tuple[Any, ...]:
     """A lowered program's arguments as a key: their tree, each one's type and donation,
-    and which of them the module reads.
+    and which of them the module reads (a program with Python callbacks: a key equal
+    to no other).
 
     Shapes, dtypes, weak types, PartitionSpecs (no devices), donation and the
     read positions: equal for twin programs on equal submeshes, different for
@@ -148,6 +154,12 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
       >>> second = jax.jit(lambda x, y: y * 2).trace(jnp.ones(2), jnp.ones(2)).lower()
       >>> first.as_text() == second.as_text(), interface_key(first) == interface_key(second)
       (True, False)
+      >>> import numpy as np
+      >>> called = jax.jit(lambda x: x + jax.pure_callback(
+      ...     lambda: np.float32(1), jax.ShapeDtypeStruct((), jnp.float32)))
+      >>> lowered = called.trace(jnp.ones(2)).lower()
+      >>> interface_key(lowered) == interface_key(lowered)  # never shared
+      False
     """
     leaves = []
     for info in jax.tree.leaves(lowered.args_info):
@@ -157,8 +169,11 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
             (tuple(aval.shape), str(aval.dtype), bool(aval.weak_type), str(spec), info.donated)
         )
     kept = kept_arguments(lowered)
-    # Unknown read positions: a key of its own (never shared) rather than a guess.
-    return (str(lowered.in_tree), tuple(leaves), kept if kept is not None else object())
+    # Unknown read positions, or Python callbacks (named by index in the text): a
+    # key of its own (never shared) rather than a guess.
+    if kept is None or has_host_callbacks(lowered) is not False:
+        return (str(lowered.in_tree), tuple(leaves), object())
+    return (str(lowered.in_tree), tuple(leaves), kept)
 
 
 def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
