@@ -47,6 +47,7 @@ from nnx_mpmd.frontend.stage import (
     _tag_variable,
     _variable_stages,
     array_attributes,
+    logical_path,
     tag_stage,
     variable_stage,
 )
@@ -193,12 +194,7 @@ def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     result: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for path, child in nodes:
         if isinstance(child, nnx.Variable):
-            logical = [
-                key
-                for i, key in enumerate(path)
-                if not (key == "module" and tuple(path[:i]) in stage_prefixes)
-            ]
-            result[path] = tuple(logical)
+            result[path] = logical_path(path, stage_prefixes)
     return result
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "ArrayAttribute",
     "Stage",
     "array_attributes",
+    "logical_path",
     "recording_stage_calls",
     "tag_stage",
     "variable_stage",
@@ -236,8 +237,17 @@ def array_attributes(node: Any) -> list[ArrayAttribute]:
         owner = next(
             (stages[path[:k]] for k in range(len(path) - 1, -1, -1) if path[:k] in stages), None
         )
-        logical = tuple(
-            key for i, key in enumerate(path) if not (key == "module" and path[:i] in stages)
-        )
-        found.append(ArrayAttribute(path, logical, owner, leaf))
+        found.append(ArrayAttribute(path, logical_path(path, stages), owner, leaf))
     return found
+
+
+def logical_path(path: tuple[Any, ...], stage_paths: Any) -> tuple[Any, ...]:
+    """``path`` without the ``module`` component of each `Stage` at ``stage_paths``.
+
+    Example:
+      >>> logical_path(("blocks", 3, "module", "kernel"), {("blocks", 3)})
+      ('blocks', 3, 'kernel')
+    """
+    return tuple(
+        key for i, key in enumerate(path) if not (key == "module" and path[:i] in stage_paths)
+    )

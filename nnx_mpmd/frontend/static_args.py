@@ -13,7 +13,7 @@ it before calling the step (`nnx_mpmd.compiler.trace_step`).
 Example:
   >>> def step(model, optimizer, batch, train=True):
   ...     return 0.0
-  >>> sorted(argument_positions(step, (), ("train",), "static_argnames"))
+  >>> sorted(argument_positions(step, (), ("train",), "static"))
   [3]
   >>> wrap_static((1, 2, True), frozenset({2}), "step")[2]
   StaticArg(True)
