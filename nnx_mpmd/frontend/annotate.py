@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
+from flax.nnx import bridge
 
 from nnx_mpmd.errors import PartitionError
 
@@ -34,6 +35,7 @@ __all__ = [
     "shared_variables",
     "stage_summary",
     "tag_stage",
+    "tag_variables_created_later",
     "validate_stages",
     "variable_stage",
 ]
@@ -49,6 +51,7 @@ from nnx_mpmd.frontend.stage import (
     array_attributes,
     logical_path,
     tag_stage,
+    tag_variables_created_later,
     variable_stage,
 )
 
@@ -272,6 +275,7 @@ def validate_stages(module: Any) -> int:
       >>> validate_stages(m)
       1
     """
+    tag_variables_created_later(module)
     problems = []
     missing = _params_without_stage(module)
     if missing:
@@ -383,6 +387,7 @@ def stage_summary(module: Any) -> str:
       0           6     24  a
       total       6     24
     """
+    tag_variables_created_later(module)
     nodes = _graph_nodes(module)
     by_path = dict(nodes)
 
@@ -548,6 +553,44 @@ def _nearby_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]
     return f"Paths {where}: {text}" if text else f"Nothing is {where}"
 
 
+def _check_not_inside_linen(
+    name: str,
+    pattern: str,
+    path: tuple[Any, ...],
+    model: Any,
+    nodes: Mapping[str, tuple[tuple[Any, ...], Any]],
+) -> None:
+    """Refuses a match inside a Linen module: Linen calls its submodules itself."""
+    for i in range(len(path)):
+        ancestor = _path_text(path[:i])
+        node = nodes[ancestor][1] if i else model
+        if isinstance(node, bridge.ToNNX):
+            where = repr(ancestor) if ancestor else "the model itself"
+            raise PartitionError(
+                f"assign_stages: {name!r} (from {pattern!r}) is inside the Linen module at "
+                f"{where} (nnx.bridge.ToNNX). Linen calls its submodules itself, not "
+                "through NNX, so they cannot become stages of their own: assign the whole "
+                "ToNNX to one stage, or wrap each Linen submodule in its own ToNNX inside an "
+                "NNX model and give those stages."
+            )
+
+
+def _lazy_init_hint(model: Any) -> str:
+    """A hint when a Linen module wrapped by ``nnx.bridge.ToNNX`` has no variables yet."""
+    empty = [
+        _path_text(tuple(path)) or type(node).__name__
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, bridge.ToNNX)
+        and not any(isinstance(v, nnx.Param) for _, v in nnx.iter_graph(node))
+    ]
+    if not empty:
+        return ""
+    return (
+        f" {', '.join(empty)} wraps a Linen module whose variables do not exist until its "
+        "first call: run nnx.bridge.lazy_init(module, *sample_inputs) before assign_stages."
+    )
+
+
 def _module_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]) -> str:
     """Every module path, for a pattern none of whose prefixes exists (else empty)."""
     parts = pattern.split(".")
@@ -557,6 +600,8 @@ def _module_paths(pattern: str, nodes: Mapping[str, tuple[tuple[Any, ...], Any]]
         (n for n, (_, node) in nodes.items() if n and isinstance(node, nnx.Module)),
         key=lambda n: len(nodes[n][0]),
     )
+    if not modules:
+        return ""
     more = f" and {len(modules) - 15} more" if len(modules) > 15 else ""
     return f" Module paths: {', '.join(modules[:15])}{more}."
 
@@ -632,7 +677,7 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
                 f"assign_stages: pattern {pattern!r} matches no path of "
                 f"{type(model).__name__}. {_nearby_paths(str(pattern), nodes)}."
                 f"{_module_paths(str(pattern), nodes)} Use an exact path, a glob such as "
-                "'blocks.*', or a regular expression."
+                f"'blocks.*', or a regular expression.{_lazy_init_hint(model)}"
             )
         for name in names:
             if name in chosen and chosen[name][0] != stage:
@@ -645,6 +690,7 @@ def assign_stages(model: Any, mapping: Mapping[str, int]) -> Any:
     outermost = []
     for name, (stage, pattern) in chosen.items():
         path = nodes[name][0]
+        _check_not_inside_linen(name, pattern, path, model, nodes)
         ancestors = [_path_text(path[:i]) for i in range(1, len(path))]
         enclosing = [a for a in ancestors if a in chosen]
         for ancestor in enclosing:

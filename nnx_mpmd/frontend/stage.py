@@ -26,6 +26,7 @@ __all__ = [
     "logical_path",
     "recording_stage_calls",
     "tag_stage",
+    "tag_variables_created_later",
     "variable_stage",
 ]
 
@@ -98,6 +99,37 @@ def tag_stage(module: Any, stage: int) -> None:
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Variable):
             _tag_variable(node, stage)
+
+
+def tag_variables_created_later(node: Any) -> None:
+    """Tags the Variables a `Stage` under ``node`` holds but did not see when it was made.
+
+    `Stage` tags its module's Variables when it is constructed. A module that
+    creates its Variables later (a Linen module wrapped by
+    ``nnx.bridge.ToNNX`` and then ``nnx.bridge.lazy_init``, or a Variable
+    assigned to ``stage.module`` afterwards) would leave them without a stage;
+    this gives them the stage of every `Stage` that holds them, as if they had
+    been there from the start (a Variable keeps the stages it has and gains
+    those of the Stages that hold it).
+
+    Args:
+      node: an NNX graph node (the model); anything else is left alone.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = Stage(nnx.Module(), stage=1)
+      >>> layer.module.w = nnx.Param(1.0)
+      >>> tag_variables_created_later(layer)
+      >>> variable_stage(layer.module.w)
+      1
+    """
+    if not isinstance(node, nnx.Pytree):
+        return
+    for _, child in nnx.iter_graph(node):
+        if isinstance(child, Stage):
+            for _, leaf in nnx.iter_graph(child.module):
+                if isinstance(leaf, nnx.Variable) and child.stage not in _variable_stages(leaf):
+                    _tag_variable(leaf, child.stage)
 
 
 def _variable_stages(variable: nnx.Variable) -> set[int]:

@@ -32,6 +32,7 @@ from nnx_mpmd.frontend.annotate import (
     _variable_stages,
     array_attributes,
     logical_paths,
+    tag_variables_created_later,
     variable_stage,
 )
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -190,6 +191,7 @@ def placement_decisions(
     used_stages: set[int] = set()
     attribute_stage: dict[int, int] = {}  # id of a plain array attribute -> its Stage's
     for root in roots:
+        tag_variables_created_later(root)  # a Linen module's, made by lazy_init
         # Optimizer state made before assign_stages has paths without Stage's "module".
         logical = logical_paths(root) if isinstance(root, nnx.Pytree) else {}
         for path, leaf in _variables_of(root):
