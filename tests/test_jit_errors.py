@@ -94,8 +94,26 @@ def test_stage_gap():
 
     model = Gap(nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    f = mp.jit(_step(), mesh=make_mesh(4, 1), schedule=mp.GPipe(), num_microbatches=2)
-    with pytest.raises(mp.MpmdError, match=r"stage|Stage"):
+    f = mp.jit(_step(), mesh=make_mesh(3, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(mp.PartitionError, match=r"stages \[1\] are never called, but stage 2"):
+        f(model, opt, make_batch("regression", 4))
+
+
+def test_one_stage_called_twice_points_to_a_stage_per_position():
+    class CalledTwice(mp.PipelinedModel):
+        def __init__(self, rngs):
+            self.a = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=0)
+            self.b = mp.Stage(nnx.Linear(16, 16, rngs=rngs), stage=1)
+
+        def __call__(self, x):
+            return self.a(self.b(self.a(x)))
+
+    model = CalledTwice(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    f = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(
+        mp.PartitionError, match=r"stage 0 uses a value computed by stage 1.*Stage of its own"
+    ):
         f(model, opt, make_batch("regression", 4))
 
 

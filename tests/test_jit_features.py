@@ -8,7 +8,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import (
+    WIDTH,
+    build,
+    make_batch,
+    make_mesh,
+    mlp_loss,
+    params_of,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 
@@ -252,3 +260,48 @@ def test_calling_a_trained_model_outside_mp_jit_names_mp_gather():
         ),
         rtol=1e-6,
     )
+
+
+class ReusedBlock(mp.PipelinedModel):
+    """One Linear run at every pipeline position (ALBERT-style weight sharing)."""
+
+    def __init__(self, num_stages: int, rngs: nnx.Rngs) -> None:
+        block = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.positions = nnx.List([mp.Stage(block, stage=s) for s in range(num_stages)])
+
+    def __call__(self, x):
+        for position in self.positions:
+            x = jnp.tanh(position(x))
+        return x
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "num_meshes"),
+    [(mp.OneFOneB(), 3, 3), (mp.ZeroBubbleH1(), 3, 3), (mp.Interleaved1F1B(), 4, 2)],
+    ids=["1f1b", "zb-h1", "interleaved"],
+)
+def test_one_module_at_every_position_shares_its_weights_like_nnx_jit(
+    schedule, num_stages, num_meshes
+):
+    models = [ReusedBlock(num_stages, nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    reference = nnx.jit(train_step_fn(mlp_loss, num_microbatches=4))
+    step = mp.jit(
+        train_step_fn(mlp_loss),
+        mesh=make_mesh(num_meshes, 2),
+        schedule=schedule,
+        num_microbatches=4,
+    )
+    for i in range(3):
+        batch = make_batch("mlp", 16, i)
+        np.testing.assert_allclose(
+            float(step(models[0], optimizers[0], batch)),
+            float(reference(models[1], optimizers[1], batch)),
+            rtol=1e-6,
+        )
+    got, want = params_of(models[0]), params_of(models[1])
+    assert list(got) == ["positions.0.bias", "positions.0.kernel"]
+    for path in got:
+        np.testing.assert_allclose(got[path], want[path], atol=1e-6, err_msg=path)
+    kernel = models[0].positions[0].module.kernel
+    assert kernel.get_metadata()["mpmd_stages"] == tuple(range(num_stages))

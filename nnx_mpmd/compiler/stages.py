@@ -315,7 +315,11 @@ def _dataflow(
                 raise PartitionError(
                     f"stage {stage} uses a value computed by stage {producer[v]} "
                     f"({eqn.primitive.name} reads it): data must flow from lower to higher "
-                    "stage numbers. Call the stages in increasing order or renumber them."
+                    "stage numbers. Call the stages in increasing order or renumber them. "
+                    "(To run one module at several pipeline positions, with shared weights, "
+                    "give each position a Stage of its own around that module, "
+                    "[mp.Stage(block, stage=s) for s in ...]: its parameters are then "
+                    "shared by those stages, like a tied embedding.)"
                 )
             elif producer[v] != stage:
                 _append_once(flow.consumers.setdefault(v, []), stage)
