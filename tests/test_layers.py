@@ -87,6 +87,7 @@ FLOORS = [
     (
         "nnx_mpmd.frontend.stage",
         "nnx_mpmd.frontend.annotate",
+        "nnx_mpmd.frontend.assign",
         "nnx_mpmd.frontend.markers",
         "nnx_mpmd.frontend.scan_stack",
     ),

@@ -24,6 +24,7 @@ __all__ = [
     "Stage",
     "array_attributes",
     "logical_path",
+    "path_text",
     "recording_stage_calls",
     "tag_stage",
     "tag_variables_created_later",
@@ -283,3 +284,13 @@ def logical_path(path: tuple[Any, ...], stage_paths: Any) -> tuple[Any, ...]:
     return tuple(
         key for i, key in enumerate(path) if not (key == "module" and path[:i] in stage_paths)
     )
+
+
+def path_text(path: tuple[Any, ...]) -> str:
+    """A graph path as text, its keys joined with dots.
+
+    Example:
+      >>> path_text(("blocks", 3, "kernel"))
+      'blocks.3.kernel'
+    """
+    return ".".join(str(key) for key in path)

@@ -18,13 +18,16 @@ import jax
 from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.stage import STAGE_KEY, STAGES_KEY, Stage, recording_stage_calls, tag_stage
+from nnx_mpmd.frontend.stage import (
+    STAGE_KEY,
+    STAGES_KEY,
+    Stage,
+    path_text,
+    recording_stage_calls,
+    tag_stage,
+)
 
 __all__ = ["restage", "stage_units"]
-
-
-def _path_text(path: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in path)
 
 
 def stage_units(
@@ -67,12 +70,12 @@ def stage_units(
     for stage in calls:
         if id(stage) in seen:
             raise PartitionError(
-                f"the loss calls the Stage at {_path_text(paths.get(id(stage), ()))!r} twice; "
+                f"the loss calls the Stage at {path_text(paths.get(id(stage), ()))!r} twice; "
                 "the planner moves each Stage wrapper as one unit, so each must run once "
                 "per forward. Wrap the repeated layer's callers instead."
             )
         seen.add(id(stage))
-        units.append((_path_text(paths.get(id(stage), ())), stage))
+        units.append((path_text(paths.get(id(stage), ())), stage))
     return units
 
 
