@@ -297,9 +297,34 @@ def test_no_readable_copy_raises(monkeypatch, fn):
         fn(x)
 
 
-def test_item_assignment_is_refused_with_a_way_out():
+ASSIGNMENTS = {
+    "whole-vector": ("f32 vector", None, ..., 2.5),
+    "one-element": ("f32 vector", None, 1, np.float32(9.0)),
+    "row-slice-from-a-device-array": ("i32 matrix", None, (0, slice(1, 3)), jnp.array([5, 6])),
+    "step-count": ("u32 step", None, ..., 10),
+    "data-sharded": ("f32 vector", P("data"), ..., np.ones(4, np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", ASSIGNMENTS, ids=list(ASSIGNMENTS))
+def test_item_assignment_updates_every_copy_like_at_set(case):
+    name, spec, index, value = ASSIGNMENTS[case]
+    x, reference = replicated(VALUES[name], spec=spec)
+    shardings = {q: x.array(q).sharding for q in x.mesh_ids}
+    x[index] = value  # what `variable[...] = value` does to a placed Variable
+    want = np.asarray(reference.at[index].set(value))
+    for q in x.mesh_ids:
+        copy = x.array(q)
+        assert copy.sharding == shardings[q] and copy.dtype == reference.dtype
+        np.testing.assert_array_equal(np.asarray(copy), want)
+
+
+def test_item_assignment_into_copies_on_other_processes_is_refused(monkeypatch):
     x, _ = replicated(VALUES["f32 vector"])
-    with pytest.raises(PlacementError, match=r"read-only.*x\[\.\.\.\] = .*set_value"):
+    monkeypatch.setattr(mpmd_array, "_is_readable", lambda array: False)
+    with pytest.raises(
+        PlacementError, match=r"cannot write into .*meshes \[0, 2\] live on other.*set_value"
+    ):
         x[...] = 1.0
 
 
@@ -379,3 +404,34 @@ def test_a_loss_returned_on_every_mesh_reads_as_in_plain_nnx():
     assert count + 1 == ref_count + 1
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert f"{loss:.4f}" == f"{ref_loss:.4f}"
+
+
+def test_hyperparameters_assigned_between_steps_train_like_nnx_jit():
+    """``opt_state.hyperparams["learning_rate"][...] = lr`` on placed state, as in plain NNX."""
+    models = [MLP(2, rngs=nnx.Rngs(0)) for _ in range(2)]
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    opts = [nnx.Optimizer(m, tx, wrt=nnx.Param) for m in models]
+    steps = [
+        mp.jit(
+            train_step_fn(mlp_loss),
+            mesh=make_mesh(2, 2),
+            schedule=mp.OneFOneB(),
+            num_microbatches=4,
+        ),
+        nnx.jit(train_step_fn(mlp_loss, 4)),
+    ]
+    for i in range(3):
+        batch = make_batch("regression", 8, seed=i)
+        losses = [float(step(m, o, batch)) for step, m, o in zip(steps, models, opts, strict=True)]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+        for opt in opts:
+            opt.opt_state.hyperparams["learning_rate"][...] = 0.1 * (i + 1)
+            opt.step[...] += 1
+    assert isinstance(opts[0].opt_state.hyperparams["learning_rate"].get_value(), MpmdArray)
+    assert int(opts[0].step[...]) == int(opts[1].step[...]) == 6
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(models[0], nnx.Param)),
+        jax.tree.leaves(nnx.state(models[1], nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -367,13 +368,37 @@ class MpmdArray:
         return copy[index]
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        raise PlacementError(
-            f"{self!r} is read-only: its copies cannot be written in place "
-            f"(x[{'...' if index is Ellipsis else repr(index)}] = ...). "
-            "On a placed Variable, write a new value with variable.set_value(...) (the next "
-            "mp.jit step places it), or mp.gather(...) the state first to edit it as plain "
-            "arrays."
-        )
+        """Writes ``value`` at ``index`` into every copy, as ``x.at[index].set(value)``.
+
+        This is what ``variable[...] = value`` does to a placed Variable between
+        steps (NNX writes into a value that is not a ``jax.Array`` in place):
+        each copy is replaced by its updated array, on its own submesh with its
+        own sharding, so the copies keep one value.
+
+        Raises:
+          PlacementError: a copy lives on another process's devices.
+        """
+        if isinstance(index, MpmdArray):
+            index = np.asarray(index)
+        unreadable = [q for q in self._mesh_ids if not _is_readable(self._arrays[q])]
+        if unreadable:
+            raise PlacementError(
+                f"cannot write into {self!r} (x[...] = ...): its copies on meshes "
+                f"{unreadable} live on other processes' devices. Write a new value with "
+                "variable.set_value(...) on every process (the next mp.jit step places it)."
+            )
+        # A device value once to the host, whatever device it is on; a Python
+        # scalar stays weakly typed, as in `x.at[index].set(3)`.
+        host_value = np.asarray(value) if isinstance(value, jax.Array | MpmdArray) else value
+        updated = {}
+        for mesh_id, copy in self._arrays.items():
+            sharding = copy.sharding
+            mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+            # Explicit axes: an eager update of a sharded array needs its mesh.
+            with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+                new = copy.at[index].set(host_value)
+            updated[mesh_id] = new if new.sharding == sharding else jax.device_put(new, sharding)
+        self._arrays = types.MappingProxyType(updated)
 
     def block_until_ready(self) -> MpmdArray:
         """Waits until every copy is computed.
