@@ -125,3 +125,57 @@ def test_bad_ranges_are_errors(ranges, match):
 def test_scan_stack_needs_layers():
     with pytest.raises(mp.PartitionError, match=r"num_layers=0.*int >= 1"):
         mp.ScanStack(Block, 0, rngs=nnx.Rngs(0))
+
+
+# (ranges, meshes, schedule, place the target before restoring)
+RECUTS = [
+    ({"blocks[:2]": 0, "blocks[2:]": 1, "head": 1}, 2, mp.OneFOneB(), True),
+    ({"blocks[:3]": 0, "blocks[3:5]": 1, "blocks[5:7]": 2, "blocks[7:]": 3, "head": 3}, 4,
+     mp.OneFOneB(), False),
+    ({"blocks": 0, "head": 0}, 1, mp.GPipe(), True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "ranges,meshes,schedule,placed", RECUTS, ids=["2-other-ranges", "4-chunks", "unsplit"]
+)
+def test_a_checkpoint_restores_into_a_stack_cut_into_other_ranges(
+    tmp_path, ranges, meshes, schedule, placed
+):
+    saved = mp.assign_stages(StackedNet(nnx.Rngs(0)), {**LAYOUTS[0][2], "head": 1})
+    reference = StackedNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(saved, optax.adamw(1e-2), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
+    step = mp.jit(train_step(), mesh=make_mesh(2, 4), schedule=mp.OneFOneB(), num_microbatches=4)
+    ref_step = nnx.jit(train_step(4))
+    for seed in range(2):
+        step(saved, optimizer, make_batch("regression", 16, seed=seed))
+        ref_step(reference, ref_optimizer, make_batch("regression", 16, seed=seed))
+    mp.checkpoint.save(tmp_path / "ckpt", {"model": saved, "optimizer": optimizer})
+
+    model = mp.assign_stages(StackedNet(nnx.Rngs(1)), ranges)
+    new_optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    mesh = make_mesh(meshes, 8 // meshes)
+    if placed:
+        mp.place((model, new_optimizer), mesh, schedule)
+    mp.checkpoint.restore(tmp_path / "ckpt", {"model": model, "optimizer": new_optimizer})
+    new_step = mp.jit(train_step(), mesh=mesh, schedule=schedule, num_microbatches=4)
+    batch = make_batch("regression", 16, seed=2)
+    np.testing.assert_allclose(
+        float(new_step(model, new_optimizer, batch)),
+        float(ref_step(reference, ref_optimizer, batch)),
+        rtol=1e-5,
+    )
+    mp.gather(model)
+    probe = make_batch("regression", 4, seed=9)["x"]
+    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-6)
+
+
+def test_a_stack_with_other_layers_in_total_is_still_a_shape_mismatch(tmp_path):
+    saved = mp.assign_stages(StackedNet(nnx.Rngs(0)), {"blocks[:4]": 0, "blocks[4:]": 1})
+    mp.checkpoint.save(tmp_path / "ckpt", {"model": saved})
+    other = StackedNet(nnx.Rngs(0))
+    other.blocks = mp.ScanStack(Block, NUM_LAYERS - 2, rngs=nnx.Rngs(0))
+    mp.assign_stages(other, {"blocks[:3]": 0, "blocks[3:]": 1})
+    with pytest.raises(mp.CheckpointError, match=r"shape mismatch at 'model\.blocks\.chunks\.0"):
+        mp.checkpoint.restore(tmp_path / "ckpt", {"model": other})

@@ -41,6 +41,7 @@ from nnx_mpmd.checkpoint.manifest import (
     fingerprint,
     key_impl_name,
 )
+from nnx_mpmd.checkpoint.recut import recut_stacks
 from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 
@@ -278,6 +279,7 @@ def restore_layout(
       {'step': 7}
     """
     records = check_manifest(manifest, where)
+    layout, recuts = recut_stacks(layout, records)  # a ScanStack cut into other ranges
     check_target(records, layout, where, partial=partial)
     stored = [e for e in layout.entries if e.kind in (ARRAY, KEY, NUMPY)]
     saved_arrays = [r for r in records.values() if r.get("kind") in (ARRAY, KEY, NUMPY)]
@@ -286,7 +288,12 @@ def restore_layout(
         _verify(records, stored, arrays, where)
     copies = _read_other_copies(reader, stored, where)
     new_leaves: dict[int, Any] = {}
+    for recut in recuts:
+        recut.assemble(arrays, _lookup)
+    proxies = {id(proxy) for recut in recuts for proxy in recut.saved}
     for entry in layout.entries:
+        if id(entry) in proxies:
+            continue
         value = _restored_value(entry, records[entry.name], arrays, copies)
         if entry.variable is not None:
             entry.variable.set_value(value)
