@@ -370,8 +370,76 @@ def test_sow_inside_the_loss_is_an_error_naming_the_variable(pipelined):
         f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=M)
     else:
         f = nnx.jit(step)
-    with pytest.raises(mp.CompileError, match=r"added or removed state at hidden_mean.*has_aux"):
+    with pytest.raises(
+        mp.CompileError, match=r"added or removed state at hidden_mean.*nnx\.capture.*has_aux"
+    ):
         f(model, opt, _batch(0))
+
+
+class SowingStages(mp.PipelinedModel):
+    """Each stage sows a value (a load-balancing term, say), and so does glue between them."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.a = mp.Stage(SowingLinear(rngs), stage=0)
+        self.b = mp.Stage(SowingLinear(rngs), stage=1)
+
+    def __call__(self, x):
+        h = self.a(x)
+        self.sow(nnx.Intermediate, "glue", jnp.mean(h))
+        return self.b(h)
+
+
+class SowingLinear(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.linear(x))
+        self.sow(nnx.Intermediate, "balance", jnp.mean(h**2))
+        return h
+
+
+def _captured_loss(model, batch):
+    out, sown = nnx.capture(model, nnx.Intermediate)(batch["x"])
+    extra = sum(jnp.sum(v) for v in jax.tree.leaves(sown))
+    return jnp.mean((out - batch["y"]) ** 2) + 0.1 * extra, jax.tree.map(jnp.mean, sown)
+
+
+def _popped_loss(model, batch):
+    out = model(batch["x"])
+    sown = nnx.pop(model, nnx.Intermediate)
+    extra = sum(jnp.sum(v) for v in jax.tree.leaves(sown))
+    return jnp.mean((out - batch["y"]) ** 2) + 0.1 * extra, jax.tree.map(jnp.mean, sown)
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")
+@pytest.mark.parametrize("schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1f1b", "zb-h1"])
+@pytest.mark.parametrize("loss_fn", [_captured_loss, _popped_loss], ids=["capture", "pop"])
+def test_values_sown_in_stages_and_collected_in_the_loss_equal_nnx_jit(loss_fn, schedule):
+    def step(model, opt, batch, num_microbatches=None):
+        (loss, sown), grads = mp.value_and_grad(
+            loss_fn, has_aux=True, num_microbatches=num_microbatches
+        )(model, batch)
+        opt.update(model, grads)
+        return loss, sown
+
+    models = [SowingStages(nnx.Rngs(0)) for _ in range(2)]
+    opts = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    pipelined = mp.jit(step, mesh=make_mesh(2, 2), schedule=schedule, num_microbatches=M)
+    reference = nnx.jit(functools.partial(step, num_microbatches=M))
+    for i in range(2):
+        (loss, sown), (want, want_sown) = [
+            f(m, o, _batch(i)) for f, m, o in zip((pipelined, reference), models, opts)
+        ]
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+        assert jax.tree.structure(sown) == jax.tree.structure(want_sown)
+        for got, expected in zip(jax.tree.leaves(sown), jax.tree.leaves(want_sown)):
+            np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+    for model in models:  # nothing sown is left behind
+        assert not nnx.state(model, nnx.Intermediate)
+    np.testing.assert_allclose(
+        models[0].b.module.linear.kernel[...], models[1].b.module.linear.kernel[...], atol=1e-6
+    )
 
 
 def test_step_drawing_from_an_rngs_it_does_not_receive_advances_it():

@@ -289,9 +289,10 @@ def _new_state_leaves(local: Any, wrt: Any, other_tree: Any) -> list[Any]:
         raise CompileError(
             f"the loss function added or removed state at {', '.join(changed)} (e.g. sow of an "
             "nnx.Intermediate): a microbatched value_and_grad can only update existing "
-            "Variables. Return such values as aux (mp.value_and_grad(loss_fn, has_aux=True), "
-            "averaged over microbatches), or nnx.pop them before the step and do not sow "
-            "inside the loss function."
+            "Variables. Collect sown values inside the loss function, with "
+            "`out, sown = nnx.capture(model, nnx.Intermediate)(x)` (or nnx.pop(model, "
+            "nnx.Intermediate) before it returns), and return what you need as aux "
+            "(mp.value_and_grad(loss_fn, has_aux=True), averaged over microbatches)."
         )
     return leaves
 
