@@ -254,6 +254,23 @@ def has_host_callbacks(lowered: Any) -> bool | None:
         return None
 
 
+def concrete_mesh(mesh: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``mesh`` is the concrete mesh, usable inside a trace.
+
+    ``jax.set_mesh`` refuses to run while a function is traced; evaluating a
+    recorded computation eagerly there (under ``jax.ensure_compile_time_eval``)
+    can still need to compile it for the devices its abstract mesh stands for.
+    A no-op context when this JAX has no such hook.
+
+    Relies on: ``jax._src.sharding_impls._internal_use_concrete_mesh`` (jax 0.10).
+    """
+    try:
+        from jax._src.sharding_impls import _internal_use_concrete_mesh
+    except ImportError:
+        return contextlib.nullcontext()
+    return _internal_use_concrete_mesh(mesh)
+
+
 def sharding_device_list(sharding: Any) -> Any:
     """The device list object a batched copy wants for ``sharding``.
 

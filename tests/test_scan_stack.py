@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
 from pipeline_models import WIDTH, make_batch, make_mesh
 
 import nnx_mpmd as mp
@@ -179,3 +180,89 @@ def test_a_stack_with_other_layers_in_total_is_still_a_shape_mismatch(tmp_path):
     mp.assign_stages(other, {"blocks[:3]": 0, "blocks[3:]": 1})
     with pytest.raises(mp.CheckpointError, match=r"shape mismatch at 'model\.blocks\.chunks\.0"):
         mp.checkpoint.restore(tmp_path / "ckpt", {"model": other})
+
+
+class DroppingBlock(nnx.Module):
+    """A layer with a dropout stream of its own: stacked, one key and count per layer."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.mlp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jnp.tanh(self.mlp(x)))
+
+
+class DroppingNet(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.blocks = mp.ScanStack(DroppingBlock, NUM_LAYERS, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.blocks(x))
+
+
+def _counts(model):
+    return [int(c) for _, v in nnx.to_flat_state(nnx.state(model, nnx.RngCount)) for c in v[...]]
+
+
+# (schedule, ranges, meshes, axis types)
+DROPPING = [
+    (mp.OneFOneB(), {"blocks[:4]": 0, "blocks[4:]": 1, "head": 1}, 2, None),
+    (mp.ZeroBubbleH1(), {"blocks[:3]": 0, "blocks[3:]": 1, "head": 1}, 2, AxisType.Auto),
+    (mp.Interleaved1F1B(), {"blocks[:2]": 0, "blocks[2:4]": 1, "blocks[4:6]": 2,
+                            "blocks[6:]": 3, "head": 3}, 2, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schedule,ranges,meshes,axis_type", DROPPING, ids=["1f1b", "zb-h1-auto", "interleaved"]
+)
+def test_stacked_layers_with_dropout_streams_train_like_nnx_jit(
+    schedule, ranges, meshes, axis_type
+):
+    model, reference = mp.assign_stages(DroppingNet(nnx.Rngs(0)), ranges), DroppingNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(
+        train_step(),
+        mesh=make_mesh(meshes, 8 // meshes, axis_type),
+        schedule=schedule,
+        num_microbatches=4,
+    )
+    ref_step = nnx.jit(train_step(4))
+    for seed in range(3):
+        batch = make_batch("regression", 16, seed=seed)
+        np.testing.assert_allclose(
+            float(step(model, optimizer, batch)),
+            float(ref_step(reference, ref_optimizer, batch)),
+            rtol=1e-5,
+        )
+    assert _counts(model) == _counts(reference) == [3 * 4] * NUM_LAYERS  # steps x microbatches
+    mp.gather(model)
+    model.eval()
+    reference.eval()
+    probe = make_batch("regression", 4, seed=9)["x"]
+    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_dropout_streams_restore_into_other_ranges(tmp_path):
+    saved = mp.assign_stages(DroppingNet(nnx.Rngs(0)), DROPPING[0][1])
+    optimizer = nnx.Optimizer(saved, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(train_step(), mesh=make_mesh(2, 4), schedule=mp.OneFOneB(), num_microbatches=4)
+    step(saved, optimizer, make_batch("regression", 16, seed=0))
+    mp.checkpoint.save(tmp_path / "ckpt", {"model": saved, "optimizer": optimizer})
+    model = mp.assign_stages(DroppingNet(nnx.Rngs(1)), DROPPING[1][1])
+    new_optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    mp.checkpoint.restore(tmp_path / "ckpt", {"model": model, "optimizer": new_optimizer})
+    batch = make_batch("regression", 16, seed=1)
+    np.testing.assert_allclose(  # the same keys are drawn: the same dropout masks
+        float(step(saved, optimizer, batch)),
+        float(
+            mp.jit(
+                train_step(), mesh=make_mesh(2, 4), schedule=mp.ZeroBubbleH1(), num_microbatches=4
+            )(model, new_optimizer, batch)
+        ),
+        rtol=1e-5,
+    )
+    assert _counts(model) == _counts(saved) == [2 * 4] * NUM_LAYERS

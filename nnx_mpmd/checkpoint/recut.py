@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.checkpoint.global_arrays import move_to
-from nnx_mpmd.checkpoint.layout import ARRAY, Entry, Layout
+from nnx_mpmd.checkpoint.layout import ARRAY, KEY, Entry, Layout
+from nnx_mpmd.checkpoint.manifest import key_impl_name
 
 __all__ = ["StackRecut", "recut_stacks"]
 
@@ -40,10 +41,13 @@ class StackRecut:
       targets: the target's chunk entries, in layer order.
       saved: proxies of the saved chunk entries, in layer order; their values
         are abstract arrays placed where they are read.
+      key_impl: for typed PRNG keys (stored as their key data), their
+        implementation's name; None for arrays.
     """
 
     targets: tuple[Entry, ...]
     saved: tuple[Entry, ...]
+    key_impl: str | None = None
 
     def assemble(self, arrays: dict[str, Any], lookup: Any) -> None:
         """Sets each target chunk from the saved chunks' layers it covers.
@@ -61,7 +65,8 @@ class StackRecut:
                 if low < high:
                     piece = _rows(lookup(arrays, proxy.path), low - first, high - first)
                     pieces.append(move_to(piece, _rows_sharding(entry.value.sharding)))
-            entry.variable.set_value(_joined(tuple(pieces), entry.value.sharding))  # type: ignore[union-attr]
+            joined = _joined(tuple(pieces), entry.value.sharding, self.key_impl)
+            entry.variable.set_value(joined)  # type: ignore[union-attr]
 
 
 def _ranges(lengths: list[int]) -> list[tuple[int, int]]:
@@ -92,14 +97,21 @@ def _rows(array: jax.Array, start: int, stop: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=256)
-def _join_program(sharding: jax.sharding.Sharding) -> Any:
-    return jax.jit(lambda *pieces: jnp.concatenate(pieces, axis=0), out_shardings=sharding)
+def _join_program(sharding: jax.sharding.Sharding, key_impl: str | None) -> Any:
+    def join(*pieces: jax.Array) -> jax.Array:
+        joined = jnp.concatenate(pieces, axis=0)
+        return joined if key_impl is None else jax.random.wrap_key_data(joined, impl=key_impl)
+
+    return jax.jit(join, out_shardings=sharding)
 
 
-def _joined(pieces: tuple[jax.Array, ...], sharding: jax.sharding.Sharding) -> jax.Array:
-    if len(pieces) == 1:
+def _joined(
+    pieces: tuple[jax.Array, ...], sharding: jax.sharding.Sharding, key_impl: str | None
+) -> jax.Array:
+    """The pieces joined along the layer axis, with ``sharding``; keys wrapped again."""
+    if len(pieces) == 1 and key_impl is None:
         return move_to(pieces[0], sharding)
-    return _join_program(sharding)(*pieces)
+    return _join_program(sharding, key_impl)(*pieces)
 
 
 def _groups(names: Any) -> dict[tuple[str, str], dict[int, str]]:
@@ -120,27 +132,37 @@ def _in_order(chunks: dict[int, Any]) -> list[Any] | None:
     return [chunks[i] for i in range(len(chunks))]
 
 
+def _dtype_or_impl(entry: Entry) -> str:
+    return key_impl_name(entry.value) if entry.kind == KEY else str(entry.value.dtype)
+
+
 def _recut(
     targets: list[Entry], saved: list[str], records: dict[str, dict[str, Any]]
 ) -> StackRecut | None:
     """The recut of one group, or None when the saved chunks cannot fill the target's."""
+    kind = targets[0].kind
     if any(
-        entry.kind != ARRAY or not isinstance(entry.value, jax.Array) or entry.variable is None
+        entry.kind != kind
+        or kind not in (ARRAY, KEY)
+        or not isinstance(entry.value, jax.Array)
+        or entry.variable is None
         for entry in targets
     ):
         return None
     shapes = [records[name].get("shape") for name in saved]
-    if any(records[name].get("kind") != ARRAY or not shape for name, shape in zip(saved, shapes)):
+    if any(records[name].get("kind") != kind or not shape for name, shape in zip(saved, shapes)):
         return None
     target_shapes = [list(entry.value.shape) for entry in targets]
     if [s[0] for s in shapes] == [s[0] for s in target_shapes]:
         return None  # the same cut: restored as it is
-    dtype = str(targets[0].value.dtype)
+    # Besides the shapes, the dtype must agree; for keys (stored as key data), the impl.
+    field = "impl" if kind == KEY else "dtype"
+    value = _dtype_or_impl(targets[0])
     if (
         sum(s[0] for s in shapes) != sum(s[0] for s in target_shapes)
         or any(s[1:] != target_shapes[0][1:] for s in shapes + target_shapes)
-        or any(records[name].get("dtype") != dtype for name in saved)
-        or any(str(entry.value.dtype) != dtype for entry in targets)
+        or any(records[name].get(field) != value for name in saved)
+        or any(_dtype_or_impl(entry) != value for entry in targets)
     ):
         return None  # not the same layers: the ordinary mismatch error names it
     target_ranges = _ranges([s[0] for s in target_shapes])
@@ -155,8 +177,8 @@ def _recut(
         abstract = jax.ShapeDtypeStruct(
             tuple(shape), reader.value.dtype, sharding=_rows_sharding(reader.value.sharding)
         )
-        proxies.append(Entry(tuple(name.split(".")), abstract, ARRAY, None, None, reader.physical))
-    return StackRecut(tuple(targets), tuple(proxies))
+        proxies.append(Entry(tuple(name.split(".")), abstract, kind, None, None, reader.physical))
+    return StackRecut(tuple(targets), tuple(proxies), value if kind == KEY else None)
 
 
 def recut_stacks(

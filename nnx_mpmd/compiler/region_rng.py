@@ -15,6 +15,7 @@ update that is not such a shift is refused (`CompileError`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_mpmd._jax_compat import convert_constvars_jaxpr, dce_jaxpr
+from nnx_mpmd._jax_compat import concrete_mesh, convert_constvars_jaxpr, dce_jaxpr
 from nnx_mpmd.compiler.jaxpr_utils import put_scalar
 from nnx_mpmd.errors import CompileError
 
@@ -93,7 +94,7 @@ def rng_counts_from_index(
     increments = _count_increments(
         convert_constvars_jaxpr(closed.jaxpr), counts, first_in, first_out, paths, submesh
     )
-    if not any(increments.values()):
+    if not any(np.any(k) for k in increments.values()):
         return closed, list(closed.consts), {}
     derived, body_consts = _derive_counts(
         closed, increments, num_diff, first_out, in_avals, index_aval
@@ -125,15 +126,17 @@ def advance_counts(
     return out
 
 
-def _concrete_count(count: int, submesh: Mesh | None) -> Any:
+def _concrete_count(count: int, shape: tuple[int, ...], submesh: Mesh | None) -> Any:
     """An RNG counter value to evaluate a counter update with, eagerly.
 
-    The update's equations were recorded under the submeshes' abstract mesh
-    (`mp.jit` traces there) and evaluating them enters it again; on Explicit
-    axes an eager computation there needs its devices from an argument, so the
-    value is committed to the concrete ``submesh``.
+    ``shape`` is the counter's: ``()``, or one count per layer for the streams
+    of stacked layers (`nnx_mpmd.ScanStack`). The update's equations were
+    recorded under the submeshes' abstract mesh (`mp.jit` traces there) and
+    evaluating them enters it again; on Explicit axes an eager computation
+    there needs its devices from an argument, so the value is committed to the
+    concrete ``submesh``.
     """
-    value = np.uint32(count)
+    value = np.full(shape, count, np.uint32)
     if submesh is None or not submesh.axis_names:
         return value
     return put_scalar(value, NamedSharding(submesh, PartitionSpec()))
@@ -169,27 +172,31 @@ def _count_increments(
       CompileError: a counter's new value depends on anything but the counter, or
         is not the counter plus a constant.
     """
-    increments: dict[int, int] = {}
+    increments: dict[int, Any] = {}
     for j in counts:
         keep = [i == first_out + j for i in range(len(jaxpr.outvars))]
         sub, used = dce_jaxpr(jaxpr, keep, instantiate=False)
         used_inputs = [i for i, u in enumerate(used) if u]
         fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
+        shape = tuple(jaxpr.invars[first_in + j].aval.shape)
 
-        def at(count: int, fn: Any = fn) -> int:
-            with jax.ensure_compile_time_eval():
-                return int(fn(_concrete_count(count, submesh))[0])
+        def at(count: int, fn: Any = fn, shape: tuple[int, ...] = shape) -> np.ndarray:
+            # The concrete submesh in context: an update that runs a scan (the
+            # streams of stacked layers) is compiled, and needs its devices.
+            on_devices = concrete_mesh(submesh) if submesh is not None else contextlib.nullcontext()
+            with on_devices, jax.ensure_compile_time_eval():
+                return np.asarray(fn(_concrete_count(count, shape, submesh))[0], np.int64)
 
         # A new value that does not read the counter (a constant) is never a shift.
         k = at(0) if used_inputs == [first_in + j] else None
-        if k is None or at(1000) != (1000 + k) % (1 << 32):
+        if k is None or np.any(at(1000) != (1000 + k) % (1 << 32)):
             raise CompileError(
                 f"the RNG counter {paths[j]} is changed in a way other than drawing keys (its "
                 "new value is not its old value plus the number of keys drawn). Pipelined "
                 "microbatches derive each counter from the microbatch index; do not assign "
                 "RNG counters inside the loss function."
             )
-        increments[j] = k
+        increments[j] = int(k) if k.ndim == 0 else k  # one K per layer of a stack
     return increments
 
 
