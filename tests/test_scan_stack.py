@@ -266,3 +266,71 @@ def test_stacked_dropout_streams_restore_into_other_ranges(tmp_path):
         rtol=1e-5,
     )
     assert _counts(model) == _counts(saved) == [2 * 4] * NUM_LAYERS
+
+
+SEQ_LEN = 6
+
+
+class MaskedBlock(nnx.Module):
+    """Self-attention that takes the padding mask and a keyword from the caller."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=2, in_features=WIDTH, qkv_features=WIDTH, decode=False, rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+
+    def __call__(self, x, mask, *, scale=1.0):
+        return x + scale * self.attn(self.norm(x), mask=mask)
+
+
+class MaskedNet(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.blocks = mp.ScanStack(MaskedBlock, 6, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+    def __call__(self, x, valid):
+        mask = nnx.make_attention_mask(valid, valid) * nnx.make_causal_mask(valid)
+        return self.head(self.blocks(self.embed(x), mask, scale=0.5))
+
+
+def _masked_loss(model, batch):
+    return jnp.mean((model(batch["x"], batch["valid"])[..., 0] - batch["y"]) ** 2)
+
+
+def _padded_batch(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, SEQ_LEN + 1, size=(16, 1))
+    return {
+        "x": rng.normal(size=(16, SEQ_LEN, WIDTH)).astype(np.float32),
+        "y": rng.normal(size=(16, SEQ_LEN)).astype(np.float32),
+        "valid": (np.arange(SEQ_LEN)[None] < lengths).astype(np.int32),
+    }
+
+
+@pytest.mark.parametrize("schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1f1b", "zb-h1"])
+def test_every_layer_gets_the_extra_arguments_of_the_stack(schedule):
+    def step_fn(num_microbatches=None):
+        def step(model, optimizer, batch):
+            loss, grads = mp.value_and_grad(_masked_loss, num_microbatches=num_microbatches)(
+                model, batch
+            )
+            optimizer.update(model, grads)
+            return loss
+
+        return step
+
+    ranges = {"embed": 0, "blocks[:3]": 0, "blocks[3:]": 1, "head": 1}
+    model, reference = mp.assign_stages(MaskedNet(nnx.Rngs(0)), ranges), MaskedNet(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
+    step = mp.jit(step_fn(), mesh=make_mesh(2, 2), schedule=schedule, num_microbatches=4)
+    ref_step = nnx.jit(step_fn(4))
+    for seed in range(3):
+        batch = _padded_batch(seed)
+        np.testing.assert_allclose(
+            float(step(model, optimizer, batch)),
+            float(ref_step(reference, ref_optimizer, batch)),
+            rtol=1e-5,
+        )

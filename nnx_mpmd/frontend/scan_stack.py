@@ -34,7 +34,10 @@ class ScannedLayers(nnx.Module):
 
     Args:
       layers: one module whose Variables all have the same leading axis (the
-        layer index), e.g. made with ``nnx.vmap``; each layer maps ``x -> x``.
+        layer index), e.g. made with ``nnx.vmap``; each layer maps
+        ``(x, *args, **kwargs) -> x``: ``x`` is carried from layer to layer,
+        the other arguments (an attention mask, positions) reach every layer
+        unchanged.
 
     Example:
       >>> import jax.numpy as jnp
@@ -53,19 +56,21 @@ class ScannedLayers(nnx.Module):
         leaves = jax.tree.leaves(nnx.state(self.layers))
         return int(leaves[0].shape[0]) if leaves else 0
 
-    def __call__(self, x: Any) -> Any:
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(carry: Any, layer: nnx.Module) -> Any:
-            return layer(carry)
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+        def run(carry: Any, layer: nnx.Module, extra: Any) -> Any:
+            return layer(carry, *extra[0], **extra[1])
 
-        return run(x, self.layers)
+        return run(x, self.layers, (args, kwargs))
 
 
 class ScanStack(nnx.Module):
     """``num_layers`` identical layers, stacked and scanned; splittable into stage ranges.
 
     Args:
-      make_layer: ``make_layer(rngs) -> layer``, one layer (``x -> x``).
+      make_layer: ``make_layer(rngs) -> layer``, one layer: ``layer(x, *args,
+        **kwargs) -> x``, where ``x`` is carried through the layers and the
+        other arguments are passed to each of them unchanged.
       num_layers: how many layers.
       rngs: the random streams; each layer gets its own split.
 
@@ -98,9 +103,9 @@ class ScanStack(nnx.Module):
         """The number of layers in all chunks."""
         return sum(_scanned(chunk).num_layers for chunk in self.chunks)
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         for chunk in self.chunks:
-            x = chunk(x)
+            x = chunk(x, *args, **kwargs)
         return x
 
     def chunk_ranges(self) -> list[tuple[int, int]]:
