@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 from pipeline_models import (
+    MLP,
     WIDTH,
     build,
     make_batch,
@@ -305,3 +306,52 @@ def test_one_module_at_every_position_shares_its_weights_like_nnx_jit(
         np.testing.assert_allclose(got[path], want[path], atol=1e-6, err_msg=path)
     kernel = models[0].positions[0].module.kernel
     assert kernel.get_metadata()["mpmd_stages"] == tuple(range(num_stages))
+
+
+def _two_views_loss(model, batch):
+    """A contrastive-style loss: the same pipelined model on two inputs."""
+    z1, z2 = model(batch["x"]), model(batch["y"])
+    return jnp.mean((z1 - z2) ** 2) + 0.1 * jnp.mean(z1**2)
+
+
+def _distillation_step(num_microbatches=None):
+    def step(student, teacher, optimizer, batch):
+        def loss_fn(model, b):
+            target = jax.lax.stop_gradient(teacher(b["x"]))  # a second pipelined model
+            return jnp.mean((model(b["x"]) - target) ** 2)
+
+        loss, grads = mp.value_and_grad(loss_fn, num_microbatches=num_microbatches)(student, batch)
+        optimizer.update(student, grads)
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1f1b", "zb-h1"])
+@pytest.mark.parametrize("case", ["two-views", "teacher-student"])
+def test_stages_called_twice_in_order_in_one_loss_equal_nnx_jit(case, schedule):
+    """Each stage runs both calls in its task: model(x1) and model(x2), or a teacher's
+    stages and a student's."""
+    models = [MLP(2, rngs=nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    mesh = make_mesh(2, 2)
+    if case == "two-views":
+        step = mp.jit(
+            train_step_fn(_two_views_loss), mesh=mesh, schedule=schedule, num_microbatches=4
+        )
+        reference = nnx.jit(train_step_fn(_two_views_loss, num_microbatches=4))
+        extra = [(), ()]
+    else:
+        step = mp.jit(_distillation_step(), mesh=mesh, schedule=schedule, num_microbatches=4)
+        reference = nnx.jit(_distillation_step(4))
+        extra = [(MLP(2, rngs=nnx.Rngs(7)),), (MLP(2, rngs=nnx.Rngs(7)),)]
+    for i in range(2):
+        batch = make_batch("mlp", 16, i)
+        np.testing.assert_allclose(
+            float(step(models[0], *extra[0], optimizers[0], batch)),
+            float(reference(models[1], *extra[1], optimizers[1], batch)),
+            rtol=1e-6,
+        )
+    got, want = params_of(models[0]), params_of(models[1])
+    for path in got:
+        np.testing.assert_allclose(got[path], want[path], atol=1e-6, err_msg=path)
