@@ -334,3 +334,46 @@ def test_every_layer_gets_the_extra_arguments_of_the_stack(schedule):
             float(ref_step(reference, ref_optimizer, batch)),
             rtol=1e-5,
         )
+
+
+class ShardedBlock(nnx.Module):
+    """A layer whose kernel is sharded over the data axis on its output features."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        sharded = {"out_sharding": (None, "data"), "eager_sharding": False}
+        self.mlp = nnx.Linear(WIDTH, WIDTH, kernel_metadata=sharded, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.mlp(x))
+
+
+class ShardedNet(mp.PipelinedModel):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.blocks = mp.ScanStack(ShardedBlock, NUM_LAYERS, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_stacked_variables_keep_their_sharding_behind_the_layer_axis(axis_type):
+    ranges = {"blocks[:4]": 0, "blocks[4:]": 1, "head": 1}
+    model, reference = mp.assign_stages(ShardedNet(nnx.Rngs(0)), ranges), ShardedNet(nnx.Rngs(0))
+    kernel = model.blocks.chunks[0].module.layers.mlp.kernel
+    assert kernel.get_metadata()["out_sharding"] == (None, None, "data")  # layers, in, out
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
+    step = mp.jit(
+        train_step(), mesh=make_mesh(2, 2, axis_type), schedule=mp.OneFOneB(), num_microbatches=4
+    )
+    ref_step = nnx.jit(train_step(4))
+    for seed in range(2):
+        batch = make_batch("regression", 16, seed=seed)
+        np.testing.assert_allclose(
+            float(step(model, optimizer, batch)),
+            float(ref_step(reference, ref_optimizer, batch)),
+            rtol=1e-5,
+        )
+    spec = model.blocks.chunks[1].module.layers.mlp.kernel.get_value().sharding.spec
+    assert tuple(spec) == (None, None, "data")

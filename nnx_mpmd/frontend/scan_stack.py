@@ -26,6 +26,10 @@ from nnx_mpmd.frontend.stage import STAGE_KEY, STAGES_KEY, Stage
 
 __all__ = ["ScanStack", "ScannedLayers", "split_scan_stacks"]
 
+# The layer axis in sharding metadata: a stacked Variable's ``out_sharding`` gains a
+# leading None (the layers are not sharded), and a layer inside the scan sees its own.
+_LAYER_AXIS = {nnx.PARTITION_NAME: None}
+
 _RANGE = re.compile(r"^(?P<path>.+)\[(?P<lo>-?\d*):(?P<hi>-?\d*)\]$")
 
 
@@ -57,7 +61,11 @@ class ScannedLayers(nnx.Module):
         return int(leaves[0].shape[0]) if leaves else 0
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0, None),
+            out_axes=nnx.Carry,
+            transform_metadata=_LAYER_AXIS,
+        )
         def run(carry: Any, layer: nnx.Module, extra: Any) -> Any:
             return layer(carry, *extra[0], **extra[1])
 
@@ -92,7 +100,7 @@ class ScanStack(nnx.Module):
             raise PartitionError(f"ScanStack(num_layers={num_layers!r}): use an int >= 1.")
 
         @nnx.split_rngs(splits=num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
         def create(rngs: nnx.Rngs) -> nnx.Module:
             return make_layer(rngs)
 
