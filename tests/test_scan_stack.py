@@ -377,3 +377,19 @@ def test_stacked_variables_keep_their_sharding_behind_the_layer_axis(axis_type):
         )
     spec = model.blocks.chunks[1].module.layers.mlp.kernel.get_value().sharding.spec
     assert tuple(spec) == (None, None, "data")
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_a_trained_stack_can_be_cut_again(axis_type):
+    model = mp.assign_stages(StackedNet(nnx.Rngs(0)), {**LAYOUTS[0][2], "head": 1})
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    mesh = make_mesh(2, 2, axis_type)
+    step = mp.jit(train_step(), mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=4)
+    step(model, optimizer, make_batch("regression", 16, seed=0))
+    trained = mp.gather(nnx.clone(model))
+    mp.assign_stages(model, {"blocks[:2]": 0, "blocks[2:]": 1})  # the chunks were placed
+    assert model.blocks.chunk_ranges() == [(0, 2), (2, 8)]
+    probe = make_batch("regression", 4, seed=9)["x"]
+    np.testing.assert_allclose(mp.gather(nnx.clone(model))(probe), trained(probe), rtol=1e-6)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    assert np.isfinite(float(step(model, optimizer, make_batch("regression", 16, seed=1))))

@@ -163,11 +163,38 @@ class ScanStack(nnx.Module):
             _clear_stage_tags(_scanned(chunk).layers)
         parts = [nnx.split(_scanned(chunk).layers) for chunk in self.chunks]
         graphdef = parts[0][0]
-        if len(parts) == 1:
-            return graphdef, parts[0][1]
-        return graphdef, jax.tree.map(
-            lambda *xs: jnp.concatenate(xs, axis=0), *[state for _, state in parts]
+        states = _on_one_device([state for _, state in parts])
+        if len(states) == 1:
+            return graphdef, states[0]
+        return graphdef, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *states)
+
+
+def _on_one_device(states: list[Any]) -> list[Any]:
+    """The chunks' states on one device when a step placed them on their stages' submeshes.
+
+    Joining and slicing placed chunks would mix devices (or, on Explicit axes,
+    need each submesh as the context mesh); on one device they are as before
+    placement, and the next `mp.jit` step places the new chunks.
+
+    Raises:
+      PartitionError: some chunk lives on another process's devices.
+    """
+    arrays = [x for state in states for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    device_sets = {frozenset(x.sharding.device_set) for x in arrays}
+    if len(device_sets) <= 1 and all(len(devices) == 1 for devices in device_sets):
+        return states
+    if not all(x.is_fully_addressable for x in arrays):
+        raise PartitionError(
+            "ScanStack.split: the stack's chunks live on other processes' devices; "
+            "bring them here with mp.distributed.gather(model) on every process, then split."
         )
+    # A SingleDeviceSharding (not a bare device) also drops Explicit axes from the type.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def to_device(x: Any) -> Any:
+        return jax.device_put(x, one) if isinstance(x, jax.Array) else x
+
+    return [jax.tree.map(to_device, state) for state in states]
 
 
 def _clear_stage_tags(module: Any) -> None:
