@@ -49,6 +49,15 @@ def train_step(num_microbatches=None):
     return step
 
 
+def _assert_losses_equal(step, ref_step, pipelined, reference, batches):
+    """Runs ``step`` on ``pipelined`` and ``ref_step`` on ``reference`` (each a
+    ``(model, optimizer)``) over ``batches``, comparing every loss."""
+    for batch in batches:
+        np.testing.assert_allclose(
+            float(step(*pipelined, batch)), float(ref_step(*reference, batch)), rtol=1e-5
+        )
+
+
 # (schedule, meshes, {range pattern: stage}, head stage)
 LAYOUTS = [
     (mp.OneFOneB(), 2, {"blocks[0:4]": 0, "blocks[4:8]": 1}, 1),
@@ -231,13 +240,8 @@ def test_stacked_layers_with_dropout_streams_train_like_nnx_jit(
         num_microbatches=4,
     )
     ref_step = nnx.jit(train_step(4))
-    for seed in range(3):
-        batch = make_batch("regression", 16, seed=seed)
-        np.testing.assert_allclose(
-            float(step(model, optimizer, batch)),
-            float(ref_step(reference, ref_optimizer, batch)),
-            rtol=1e-5,
-        )
+    batches = [make_batch("regression", 16, seed=seed) for seed in range(3)]
+    _assert_losses_equal(step, ref_step, (model, optimizer), (reference, ref_optimizer), batches)
     assert _counts(model) == _counts(reference) == [3 * 4] * NUM_LAYERS  # steps x microbatches
     mp.gather(model)
     model.eval()
@@ -327,13 +331,8 @@ def test_every_layer_gets_the_extra_arguments_of_the_stack(schedule):
     ref_optimizer = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
     step = mp.jit(step_fn(), mesh=make_mesh(2, 2), schedule=schedule, num_microbatches=4)
     ref_step = nnx.jit(step_fn(4))
-    for seed in range(3):
-        batch = _padded_batch(seed)
-        np.testing.assert_allclose(
-            float(step(model, optimizer, batch)),
-            float(ref_step(reference, ref_optimizer, batch)),
-            rtol=1e-5,
-        )
+    batches = [_padded_batch(seed) for seed in range(3)]
+    _assert_losses_equal(step, ref_step, (model, optimizer), (reference, ref_optimizer), batches)
 
 
 class ShardedBlock(nnx.Module):
@@ -368,13 +367,8 @@ def test_stacked_variables_keep_their_sharding_behind_the_layer_axis(axis_type):
         train_step(), mesh=make_mesh(2, 2, axis_type), schedule=mp.OneFOneB(), num_microbatches=4
     )
     ref_step = nnx.jit(train_step(4))
-    for seed in range(2):
-        batch = make_batch("regression", 16, seed=seed)
-        np.testing.assert_allclose(
-            float(step(model, optimizer, batch)),
-            float(ref_step(reference, ref_optimizer, batch)),
-            rtol=1e-5,
-        )
+    batches = [make_batch("regression", 16, seed=seed) for seed in range(2)]
+    _assert_losses_equal(step, ref_step, (model, optimizer), (reference, ref_optimizer), batches)
     spec = model.blocks.chunks[1].module.layers.mlp.kernel.get_value().sharding.spec
     assert tuple(spec) == (None, None, "data")
 
