@@ -192,11 +192,34 @@ WRT_FILTERS = {
 }
 
 
-@pytest.mark.parametrize("schedule", [mp.OneFOneB(), mp.ZeroBubbleH1()], ids=["1f1b", "zb-h1"])
-@pytest.mark.parametrize("wrt_name", sorted(WRT_FILTERS))
-def test_training_a_filtered_subset_equals_plain_nnx(wrt_name, schedule):
-    """``wrt`` picks the trained Variables (LoRA fine-tuning, biases only); the rest stay
-    bit-for-bit frozen and the trained ones follow plain NNX."""
+def _filtered_grad_fn(given, wrt):
+    """``mp.value_and_grad(_mse)`` differentiating ``wrt``, the filter given as ``given`` says."""
+    if given == "wrt":
+        return mp.value_and_grad(_mse, wrt=wrt)
+    if given == "argnums":  # the NNX spelling
+        return mp.value_and_grad(_mse, argnums=nnx.DiffState(0, wrt))
+
+    @mp.value_and_grad(argnums=nnx.DiffState(0, wrt))
+    def decorated(model, batch):
+        return _mse(model, batch)
+
+    return decorated
+
+
+@pytest.mark.parametrize(
+    ("wrt_name", "schedule", "given"),
+    [
+        ("lora", mp.OneFOneB(), "wrt"),
+        ("lora", mp.ZeroBubbleH1(), "argnums"),
+        ("bias_only", mp.OneFOneB(), "decorator"),
+        ("bias_only", mp.ZeroBubbleH1(), "wrt"),
+    ],
+    ids=["lora-1f1b-wrt", "lora-zb-h1-argnums", "bias-1f1b-decorator", "bias-zb-h1-wrt"],
+)
+def test_training_a_filtered_subset_equals_plain_nnx(wrt_name, schedule, given):
+    """``wrt`` (or NNX's ``argnums=nnx.DiffState(0, filter)``, also as a decorator) picks the
+    trained Variables (LoRA fine-tuning, biases only); the rest stay bit-for-bit frozen and
+    the trained ones follow plain NNX."""
     wrt = WRT_FILTERS[wrt_name]
 
     def build_lora():
@@ -204,7 +227,7 @@ def test_training_a_filtered_subset_equals_plain_nnx(wrt_name, schedule):
         return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=wrt)
 
     def step(model, opt, batch):
-        loss, grads = mp.value_and_grad(_mse, wrt=wrt)(model, batch)
+        loss, grads = _filtered_grad_fn(given, wrt)(model, batch)
         opt.update(model, grads)
         return loss
 

@@ -201,3 +201,23 @@ def test_bad_reductions_are_errors(kwargs, loss_fn, match):
     model, _, _, _ = build("lm", "sgd", 2)
     with pytest.raises(mp.CompileError, match=match):
         mp.value_and_grad(loss_fn, num_microbatches=4, **kwargs)(model, padded_batch(0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"argnums": 1}, r"argnums=1\): the pipelined region differentiates the model"),
+        ({"argnums": (0, 1)}, r"argnums=\(0, 1\)\).*make it a Variable of the model"),
+        ({"argnums": nnx.DiffState(1, nnx.Param)}, r"argnum=1.*argument 0\) only"),
+        (
+            {"argnums": nnx.DiffState(0, nnx.LoRAParam), "wrt": nnx.BatchStat},
+            r"got both wrt=.*BatchStat.*and argnums=.*give the filter once",
+        ),
+        ({"has_aux": nnx.DiffState(0, nnx.Param)}, r"has_aux is True or False; pass argnums"),
+    ],
+    ids=["batch", "both-args", "diffstate-batch", "wrt-and-diffstate", "positional-diffstate"],
+)
+def test_argnums_other_than_the_model_are_errors(kwargs, match):
+    """NNX's ``argnums`` is accepted for the model only; the batch is not differentiated."""
+    with pytest.raises(mp.CompileError, match=match):
+        mp.value_and_grad(token_sum, **kwargs)

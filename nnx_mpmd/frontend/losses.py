@@ -23,6 +23,7 @@ mode, or concatenated where ``aux_reduction`` says (`nnx_mpmd.compiler.region_au
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,14 @@ from flax import nnx
 from nnx_mpmd.compiler.region import active_microbatches, reference_value_and_grad, trace_region
 from nnx_mpmd.errors import CompileError
 
-__all__ = ["REDUCTIONS", "check_reduction", "combine", "region_loss", "value_and_grad"]
+__all__ = [
+    "REDUCTIONS",
+    "check_reduction",
+    "combine",
+    "region_loss",
+    "value_and_grad",
+    "wrt_from_argnums",
+]
 
 REDUCTIONS = ("mean", "sum", "token_mean")
 """The reductions `value_and_grad` accepts."""
@@ -124,15 +132,45 @@ def combine(out: Any, reduction: str, has_aux: bool, num_microbatches: int) -> A
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
+def wrt_from_argnums(argnums: Any, wrt: Any) -> Any:
+    """The Variable filter `value_and_grad` differentiates, from NNX's ``argnums``.
+
+    ``argnums=0`` keeps ``wrt``; ``nnx.DiffState(0, filter)`` (the NNX way to
+    differentiate a subset of the model) gives ``filter``. Anything else would
+    differentiate the batch, which the pipelined region does not.
+
+    Example:
+      >>> from flax import nnx
+      >>> wrt_from_argnums(nnx.DiffState(0, nnx.LoRAParam), nnx.Param).__name__
+      'LoRAParam'
+    """
+    if isinstance(argnums, nnx.DiffState) and argnums.argnum == 0:
+        if wrt is not nnx.Param:
+            raise CompileError(
+                f"value_and_grad got both wrt={wrt!r} and argnums={argnums!r}; give the "
+                "filter once, as wrt=filter or argnums=nnx.DiffState(0, filter)."
+            )
+        return argnums.filter
+    if isinstance(argnums, int) and not isinstance(argnums, bool) and argnums == 0:
+        return wrt
+    raise CompileError(
+        f"value_and_grad(argnums={argnums!r}): the pipelined region differentiates the model "
+        "(argument 0) only, with argnums=0 or argnums=nnx.DiffState(0, filter) (or "
+        "wrt=filter). To differentiate an input, make it a Variable of the model (e.g. "
+        "nnx.Param) and choose it with the filter."
+    )
+
+
 def value_and_grad(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | None = None,
     has_aux: bool = False,
     *,
+    argnums: int | nnx.DiffState = 0,
     wrt: Any = nnx.Param,
     num_microbatches: int | None = None,
     reduction: str = "mean",
     aux_reduction: Any = None,
-) -> Callable[[Any, Any], Any]:
+) -> Callable[..., Any]:
     """Marks the pipelined region: the loss and gradient reduced over microbatches.
 
     ``value_and_grad(loss_fn)(model, batch)`` splits every leaf of ``batch``
@@ -148,11 +186,19 @@ def value_and_grad(
     gradient of that, the full batch's token-weighted mean however the real
     tokens fall into microbatches.
 
+    Like ``nnx.value_and_grad``, it also works as a decorator
+    (``@mp.value_and_grad(has_aux=True)``) and takes
+    ``argnums=nnx.DiffState(0, filter)`` to differentiate a subset of the
+    model's Variables (the same as ``wrt=filter``).
+
     Args:
       loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``);
-        for ``reduction="token_mean"`` the loss is ``(sum, count)``.
+        for ``reduction="token_mean"`` the loss is ``(sum, count)``. Leave it
+        out to get a decorator.
       has_aux: whether ``loss_fn`` also returns aux values (combined over the
         microbatches as ``aux_reduction`` says, whatever the ``reduction``).
+      argnums: ``0`` or ``nnx.DiffState(0, filter)``, as in
+        ``nnx.value_and_grad``; only the model (argument 0) is differentiated.
       wrt: an NNX filter of the differentiated Variables (default ``nnx.Param``).
       num_microbatches: microbatches when run outside `jit` (default 1;
         inside `jit` the step's ``num_microbatches`` is used).
@@ -169,7 +215,8 @@ def value_and_grad(
       A function ``(model, batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
 
     Raises:
-      CompileError: an unknown ``reduction`` or ``aux_reduction``, a
+      CompileError: ``argnums`` other than the model, ``has_aux`` not a bool,
+        an unknown ``reduction`` or ``aux_reduction``, a
         ``"token_mean"`` loss that does not return a scalar ``(sum, count)``,
         or (default ``aux_reduction``) an aux leaf that looks per-example.
 
@@ -195,7 +242,22 @@ def value_and_grad(
       >>> logits.shape  # the full batch's outputs, in order
       (4, 1)
     """
+    if not isinstance(has_aux, bool):
+        raise CompileError(
+            f"value_and_grad(has_aux={has_aux!r}): has_aux is True or False; pass argnums "
+            "by keyword (argnums=nnx.DiffState(0, filter))."
+        )
+    wrt = wrt_from_argnums(argnums, wrt)
     check_reduction(reduction)
+    if loss_fn is None:
+        return functools.partial(
+            value_and_grad,
+            has_aux=has_aux,
+            wrt=wrt,
+            num_microbatches=num_microbatches,
+            reduction=reduction,
+            aux_reduction=aux_reduction,
+        )
     traced_fn, traced_aux = region_loss(loss_fn, reduction, has_aux)
     # The token mean's region aux is (count, the user's aux): the count is averaged.
     region_aux = ("mean", aux_reduction) if reduction == "token_mean" else aux_reduction
