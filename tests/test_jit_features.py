@@ -250,6 +250,56 @@ def test_training_a_filtered_subset_equals_plain_nnx(wrt_name, schedule, given):
     assert pipelined.num_compiled_steps == 1
 
 
+def _weighted_mse(model, x, y, weight=None):
+    """A loss with its batch as several arguments, the way NNX code often writes it."""
+    error = jnp.mean((model(x) - y) ** 2, axis=-1)
+    return jnp.mean(error if weight is None else weight * error)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "form"),
+    [(mp.OneFOneB(), "positional"), (mp.ZeroBubbleH1(), "keywords")],
+    ids=["1f1b-positional", "zb-h1-keywords"],
+)
+def test_a_loss_taking_several_batch_arguments_equals_nnx_jit(schedule, form):
+    """``mp.value_and_grad(loss)(model, x, y)``, or with keyword arguments, splits each
+    argument into the microbatches like one batch pytree; the numbers follow
+    ``nnx.value_and_grad(loss)(model, x, y)`` on the full batch."""
+
+    def step(model, opt, x, y, weight):
+        grad_fn = mp.value_and_grad(_weighted_mse)
+        if form == "positional":
+            loss, grads = grad_fn(model, x, y, weight)
+        else:
+            loss, grads = grad_fn(model, x, weight=weight, y=y)
+        opt.update(model, grads)
+        return loss
+
+    def reference_step(model, opt, x, y, weight):
+        loss, grads = nnx.value_and_grad(_weighted_mse)(model, x, y, weight)
+        opt.update(model, grads)
+        return loss
+
+    (model, opt, _, _), (ref_model, ref_opt, _, _) = (
+        build("mlp", "adamw", 4),
+        build("mlp", "adamw", 4),
+    )
+    pipelined = mp.jit(step, mesh=make_mesh(4, 2), schedule=schedule, num_microbatches=4)
+    reference = nnx.jit(reference_step)
+    for i in range(2):
+        batch = make_batch("regression", 16, seed=i)
+        weight = np.linspace(0.5, 1.5, 16, dtype=np.float32)
+        np.testing.assert_allclose(
+            float(pipelined(model, opt, batch["x"], batch["y"], weight)),
+            float(reference(ref_model, ref_opt, batch["x"], batch["y"], weight)),
+            rtol=1e-5,
+        )
+    expected, got = params_of(ref_model), params_of(model)
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], atol=1e-5, err_msg=path)
+    assert pipelined.num_compiled_steps == 1
+
+
 def _trained(wrt_name, path):
     return "lora" in path if wrt_name == "lora" else path.endswith("bias")
 

@@ -221,3 +221,19 @@ def test_argnums_other_than_the_model_are_errors(kwargs, match):
     """NNX's ``argnums`` is accepted for the model only; the batch is not differentiated."""
     with pytest.raises(mp.CompileError, match=match):
         mp.value_and_grad(token_sum, **kwargs)
+
+
+def test_a_loss_that_closes_over_its_batch_is_an_error():
+    """``value_and_grad(loss)(model)`` has nothing to split into microbatches: the error
+    says to pass the arrays as arguments (closed-over ones would be whole in every one)."""
+    model, _, _, _ = build("mlp", "sgd", 2)
+
+    def closes_over_batch(model):
+        return jnp.mean(model(jnp.ones((4, 16))) ** 2)
+
+    with pytest.raises(
+        mp.CompileError,
+        match=r"closes_over_batch\)\(model\) got no batch.*"
+        r"closes_over_batch\(model, x, y\)",
+    ):
+        mp.value_and_grad(closes_over_batch, num_microbatches=2)(model)

@@ -40,6 +40,7 @@ __all__ = [
     "combine",
     "region_loss",
     "value_and_grad",
+    "batch_of_arguments",
     "wrt_from_argnums",
 ]
 
@@ -161,6 +162,48 @@ def wrt_from_argnums(argnums: Any, wrt: Any) -> Any:
     )
 
 
+def batch_of_arguments(
+    loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Callable[..., Any]]:
+    """The batch the region splits, and the loss function taking ``(model, batch)``.
+
+    ``f(model, batch)`` keeps ``batch`` as it is. ``f(model, x, y)`` or
+    ``f(model, x, labels=y)`` makes every argument after the model part of the
+    batch: ``(x, y)`` (``(x, {"labels": y})`` with keywords), each leaf split
+    along axis 0, and the loss is called with the microbatch's arguments.
+
+    Raises:
+      CompileError: no argument after the model (a loss that closes over its
+        batch, which cannot be split into microbatches).
+
+    Example:
+      >>> batch, fn = batch_of_arguments(lambda m, x, y: x - y, (3.0, 1.0), {})
+      >>> batch, fn(None, batch)
+      ((3.0, 1.0), 2.0)
+    """
+    if len(args) == 1 and not kwargs:
+        return args[0], loss_fn
+    if not args and not kwargs:
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise CompileError(
+            f"value_and_grad({name})(model) got no batch: the arrays to split into "
+            f"microbatches must be arguments, not values {name} closes over (those would "
+            f"be whole in every microbatch). Write {name}(model, x, y) and call "
+            f"mp.value_and_grad({name})(model, x, y), or pass one batch pytree."
+        )
+    if not kwargs:
+
+        def positional(model: Any, batch: Any) -> Any:
+            return loss_fn(model, *batch)
+
+        return args, positional
+
+    def with_keywords(model: Any, batch: Any) -> Any:
+        return loss_fn(model, *batch[:-1], **batch[-1])
+
+    return (*args, kwargs), with_keywords
+
+
 def value_and_grad(
     loss_fn: Callable[..., Any] | None = None,
     has_aux: bool = False,
@@ -179,6 +222,11 @@ def value_and_grad(
     `jit` the region is pipelined with the step's schedule; outside it runs
     unpipelined with the same numbers, so one step works both ways.
 
+    Every argument after the model is batch: ``value_and_grad(loss_fn)(model,
+    x, y)`` calls ``loss_fn(model, x_i, y_i)`` per microbatch, like
+    ``nnx.value_and_grad``. A loss that closes over its batch,
+    ``value_and_grad(loss_fn)(model)``, is a `CompileError` (nothing to split).
+
     ``reduction`` says how the microbatches combine
     (`nnx_mpmd.frontend.losses`): ``"mean"`` averages the microbatches' mean
     losses; ``"sum"`` adds the sums the loss returns; ``"token_mean"`` takes
@@ -192,9 +240,10 @@ def value_and_grad(
     model's Variables (the same as ``wrt=filter``).
 
     Args:
-      loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``);
-        for ``reduction="token_mean"`` the loss is ``(sum, count)``. Leave it
-        out to get a decorator.
+      loss_fn: ``loss_fn(model, microbatch) -> loss`` (or ``(loss, aux)``;
+        ``loss_fn(model, x, y)`` for several batch arguments); for
+        ``reduction="token_mean"`` the loss is ``(sum, count)``. Leave it out
+        to get a decorator.
       has_aux: whether ``loss_fn`` also returns aux values (combined over the
         microbatches as ``aux_reduction`` says, whatever the ``reduction``).
       argnums: ``0`` or ``nnx.DiffState(0, filter)``, as in
@@ -212,10 +261,11 @@ def value_and_grad(
         has the microbatch's row count (it looks per-example).
 
     Returns:
-      A function ``(model, batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
+      A function ``(model, *batch) -> (loss, grads)`` or ``((loss, aux), grads)``.
 
     Raises:
       CompileError: ``argnums`` other than the model, ``has_aux`` not a bool,
+        no batch argument after the model,
         an unknown ``reduction`` or ``aux_reduction``, a
         ``"token_mean"`` loss that does not return a scalar ``(sum, count)``,
         or (default ``aux_reduction``) an aux leaf that looks per-example.
@@ -258,11 +308,12 @@ def value_and_grad(
             reduction=reduction,
             aux_reduction=aux_reduction,
         )
-    traced_fn, traced_aux = region_loss(loss_fn, reduction, has_aux)
     # The token mean's region aux is (count, the user's aux): the count is averaged.
     region_aux = ("mean", aux_reduction) if reduction == "token_mean" else aux_reduction
 
-    def wrapped(model: Any, batch: Any) -> Any:
+    def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
+        batch, per_call_fn = batch_of_arguments(loss_fn, args, kwargs)
+        traced_fn, traced_aux = region_loss(per_call_fn, reduction, has_aux)
         active = active_microbatches()
         if active is not None:
             if num_microbatches not in (None, active):
