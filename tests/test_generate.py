@@ -134,6 +134,26 @@ def test_kv_cache_modes():
         required(_NoCacheLM(), _prompts(4, 3), 2)
 
 
+def test_a_scanned_zoo_model_decodes_without_a_cache_by_default():
+    """``scan_layers=True`` has ``init_cache`` but no cache to give: the default recomputes
+    the window, with the unpipelined tokens."""
+
+    def scanned():
+        return build_model(
+            "gpt", "tiny", num_stages=2, rngs=nnx.Rngs(0), vocab_size=VOCAB, scan_layers=True
+        )
+
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=16
+    )
+    model = scanned()
+    assert not model.supports_kv_cache and not generator.uses_cache(model)
+    prompts = _prompts(4, 3)
+    np.testing.assert_array_equal(
+        generator(model, prompts, 3), generator.reference(scanned(), prompts, 3)
+    )
+
+
 @pytest.mark.parametrize(
     "prompts,new,match",
     [

@@ -82,6 +82,46 @@ def test_stage_layout(name, num_stages):
         assert _stages_of(model.head.module.proj.kernel) == (last, (last,))
 
 
+def _stacked_block_state(unrolled):
+    """The unrolled model's block parameters stacked along a new leading (layer) axis."""
+    states = [nnx.state(block.module, nnx.Param).to_pure_dict() for block in unrolled.blocks]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scanned_blocks_have_the_unrolled_stages_and_outputs(name):
+    """``scan_layers=True`` stacks the blocks into one scanned chunk per stage, on the same
+    stages as the unrolled blocks; given the unrolled weights, it computes the same logits."""
+    unrolled = build_model(name, "tiny", num_stages=3, rngs=nnx.Rngs(0), n_layers=6)
+    scanned = build_model(
+        name, "tiny", num_stages=3, rngs=nnx.Rngs(0), n_layers=6, scan_layers=True
+    )
+    assert isinstance(scanned.blocks, mp.ScanStack)
+    assert scanned.block_stages == unrolled.block_stages
+    starts = [0, *itertools.accumulate(unrolled.block_stages.count(s) for s in range(3))]
+    assert scanned.blocks.chunk_ranges() == list(itertools.pairwise(starts))
+    assert [chunk.stage for chunk in scanned.blocks.chunks] == [0, 1, 2]
+    for chunk in scanned.blocks.chunks:
+        assert _stages_of(chunk.module.layers.attn.query.kernel) == (chunk.stage, (chunk.stage,))
+    assert count_params(scanned) == count_params(unrolled)
+
+    stacked = _stacked_block_state(unrolled)
+    for chunk, (start, stop) in zip(scanned.blocks.chunks, itertools.pairwise(starts), strict=True):
+        nnx.update(
+            chunk.module.layers, jax.tree.map(lambda a, lo=start, hi=stop: a[lo:hi], stacked)
+        )
+    for attr in ("embed", "head"):
+        nnx.update(getattr(scanned, attr), nnx.state(getattr(unrolled, attr), nnx.Param))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scanned_model_has_no_kv_cache():
+    model = build_model("gpt", "tiny", num_stages=2, rngs=nnx.Rngs(0), scan_layers=True)
+    with pytest.raises(mp.MpmdError, match=r"scan_layers=True.*kv_cache=False.*scan_layers=False"):
+        model.init_cache(4)
+
+
 def test_untied_gpt_has_its_own_head():
     cfg = GPTConfig.preset("tiny", num_stages=2, tie_embeddings=False)
     model = GPT(cfg, rngs=nnx.Rngs(0))
@@ -208,7 +248,7 @@ def test_sharded_loss_and_grads_match_unsharded(name, axis_type):
 
 @pytest.mark.parametrize("config_cls", [GPTConfig, LlamaConfig])
 def test_config_json_round_trip(config_cls):
-    cfg = config_cls.preset("tiny", num_stages=2, dtype="bfloat16", tensor="t")
+    cfg = config_cls.preset("tiny", num_stages=2, dtype="bfloat16", tensor="t", scan_layers=True)
     restored = config_cls.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert restored == cfg and restored.dtype == jnp.bfloat16
     with pytest.raises(mp.MpmdError, match=r"unknown field\(s\) \['bogus'\]"):
@@ -259,6 +299,11 @@ def test_registry_and_presets():
         ),
         (lambda: GPTConfig(num_stages=0), mp.MpmdError, r"num_stages=0: must be an int >= 1"),
         (lambda: GPTConfig(vocab_size=2.5), mp.MpmdError, r"vocab_size=2.5"),
+        (
+            lambda: GPTConfig(scan_layers="yes"),
+            mp.MpmdError,
+            r"scan_layers='yes': must be True or False",
+        ),
         (
             lambda: build_model("bert", "tiny", num_stages=1, rngs=nnx.Rngs(0)),
             mp.MpmdError,

@@ -45,8 +45,17 @@ def _multi_steps():
         ("gpt", {"tie_embeddings": False}, mp.ZeroBubbleH1(), 2, 2, None),
         ("llama", {"n_layers": 4}, mp.Interleaved1F1B(), 2, 4, None),
         ("gpt", {"n_layers": 4}, mp.OneFOneB(), 4, 4, _multi_steps),
+        ("gpt", {"n_layers": 6, "scan_layers": True}, mp.ZeroBubbleH1(), 2, 2, None),
+        ("llama", {"n_layers": 6, "scan_layers": True}, mp.Interleaved1F1B(), 2, 4, None),
     ],
-    ids=["gpt-tied-1f1b", "gpt-untied-zb-h1", "llama-interleaved", "gpt-4-meshes-multi-steps"],
+    ids=[
+        "gpt-tied-1f1b",
+        "gpt-untied-zb-h1",
+        "llama-interleaved",
+        "gpt-4-meshes-multi-steps",
+        "gpt-scanned-zb-h1",
+        "llama-scanned-interleaved",
+    ],
 )
 def test_zoo_model_pipelined_equals_nnx_jit(name, overrides, schedule, meshes, stages, make_tx):
     def build():

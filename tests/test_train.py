@@ -145,6 +145,7 @@ BAD_INPUTS = [
     (["--resume"], r"--resume: .* holds no checkpoints/ directory"),
     (["--allow-changed-settings"], r"only applies with --resume"),
     (["--compile-cache", "c", "--no-compile-cache"], r"--compile-cache=c and --no-compile-cache"),
+    (["--plan", "p.json", "--scan-layers"], r"--plan p.json moves single blocks.*drop one of them"),
 ]
 
 
@@ -168,6 +169,7 @@ def test_bad_input_exits_2_with_message(argv, message, tmp_path, capsys):
             r"lr: saved 0.003, now 0.01; warmup: saved 1, now 2; steps: saved 4, now 6\)",
         ),
         (["--preset", "small"], r"preset: saved 'tiny', now 'small'.*would not match"),
+        (["--scan-layers"], r"scan_layers: saved False, now True.*--scan-layers"),
     ],
 )
 def test_resume_into_changed_settings_exits_2(finished_run, change, message, capsys):
@@ -177,7 +179,7 @@ def test_resume_into_changed_settings_exits_2(finished_run, change, message, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit this run" in err, err
     assert __import__("re").search(message, err), err
-    if "--preset" not in change:
+    if "--preset" not in change and "--scan-layers" not in change:
         assert "pass --allow-changed-settings" in err
 
 
@@ -224,6 +226,18 @@ def test_resume_reproduces_the_straight_run_bit_for_bit(tmp_path):
     assert len(state) == len(straight_state) > 0
     for got, want in zip(state, straight_state, strict=True):
         assert np.array_equal(got, want)
+
+
+def test_a_scanned_run_resumes_into_another_stage_split(tmp_path):
+    """``--scan-layers``: a checkpoint of the stack cut for 2 stages restores into 4 chunks
+    on 4 meshes and continues the straight run's losses."""
+    args = [*TINY, "--layers", "4", "--scan-layers", "--steps", "3"]
+    args += ["--sample-tokens", "0", "--val-batches", "0"]
+    straight, _ = _train_in_process(args, tmp_path / "straight")
+    _train_in_process([*args, "--stop-at", "2"], tmp_path / "split")
+    resumed, _ = _train_in_process([*args, "--resume", "--meshes", "4"], tmp_path / "split")
+    assert len(resumed) == len(straight) == 3
+    np.testing.assert_allclose(resumed, straight, rtol=1e-5)
 
 
 def test_the_step_donates_by_default_and_no_donate_trains_the_same_numbers(tmp_path):

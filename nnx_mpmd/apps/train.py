@@ -89,6 +89,7 @@ class TrainConfig(argparse.Namespace):
     data: int
     stages: int | None
     layers: int | None
+    scan_layers: bool
     microbatches: int
     batch_size: int
     seq_len: int | None
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="blocks of the model (default: the preset's, raised to one per stage if fewer)",
+    )
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the blocks and scan them, one scanned chunk per stage (mp.ScanStack): "
+        "compile time does not grow with --layers",
     )
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
@@ -300,6 +307,12 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.errors import MpmdError
 
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    if cfg.plan is not None and cfg.scan_layers:
+        raise MpmdError(
+            f"--plan {cfg.plan} moves single blocks between stages, which --scan-layers stacks "
+            "into one chunk per stage; drop one of them (the planner does not cut scanned "
+            "stacks yet)."
+        )
     if cfg.plan is not None:
         apply_plan_file(cfg)
     positive = ("meshes", "data", "microbatches", "batch_size", "steps", "devices", "keep")

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 #: Settings that fix the parameters' shapes: a resumed run can never change them.
-STRUCTURE_KEYS = ("model", "preset", "layers")
+STRUCTURE_KEYS = ("model", "preset", "layers", "scan_layers")
 #: Settings that change the numbers a resumed run computes: changing one needs
 #: ``--allow-changed-settings``.
 ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
@@ -212,6 +212,7 @@ class Trainer:
         overrides: dict[str, Any] = {
             "vocab_size": self.tokenizer.vocab_size,
             "n_layers": self.num_layers,
+            "scan_layers": bool(getattr(cfg, "scan_layers", False)),
         }
         self.model = build_model(
             cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
@@ -276,6 +277,7 @@ class Trainer:
             "model": cfg.model,
             "preset": cfg.preset,
             "layers": self.num_layers,
+            "scan_layers": bool(getattr(cfg, "scan_layers", False)),
             "seq_len": self.seq_len,
             "batch_size": cfg.batch_size,
             "seed": cfg.seed,
@@ -302,6 +304,7 @@ class Trainer:
         config = dict(saved.get("config", {}))
         if config.get("layers") is None:  # older checkpoints saved None for the preset's
             config["layers"] = config.get("model_config", {}).get("n_layers")
+        config.setdefault("scan_layers", False)  # saved before --scan-layers existed
 
         def changes(keys: tuple[str, ...]) -> list[str]:
             return [
@@ -317,7 +320,7 @@ class Trainer:
             raise CheckpointError(
                 f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
                 "the parameters would not match; resume with the saved --model, --preset, "
-                "--layers and --corpus-bytes, or start a new --run-dir."
+                "--layers, --scan-layers and --corpus-bytes, or start a new --run-dir."
             )
         arithmetic = changes(ARITHMETIC_KEYS)
         if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):

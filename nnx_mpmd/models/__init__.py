@@ -17,8 +17,9 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.errors import MpmdError
+from nnx_mpmd.models.blocks import assign_block_stages, count_params
 from nnx_mpmd.models.gpt import GPT, GPTConfig
-from nnx_mpmd.models.layers import ModelConfig, assign_block_stages, count_params
+from nnx_mpmd.models.layers import ModelConfig
 from nnx_mpmd.models.llama import Llama, LlamaConfig
 from nnx_mpmd.models.presets import preset_names
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
-from nnx_mpmd.models import kv_cache, layers
+from nnx_mpmd.models import blocks, kv_cache, layers
 from nnx_mpmd.models.presets import GPT_PRESETS
 
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "GPTEmbedding"]
@@ -129,10 +129,8 @@ class GPT(PipelinedModel):
         last = cfg.num_stages - 1
         embedding = GPTEmbedding(cfg, rngs=rngs)
         self.embed = Stage(embedding, stage=0)
-        blocks = [GPTBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
-        self.block_stages = tuple(layers.stage_of_blocks(cfg, blocks, where="GPT"))
-        self.blocks = nnx.List(
-            [Stage(b, stage=s) for b, s in zip(blocks, self.block_stages, strict=True)]
+        self.blocks, self.block_stages = blocks.staged_blocks(
+            cfg, lambda r: GPTBlock(cfg, rngs=r), rngs=rngs, where="GPT"
         )
         norm = layers.LayerNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         tied = embedding.token if cfg.tie_embeddings else None
@@ -147,14 +145,14 @@ class GPT(PipelinedModel):
     ) -> jax.Array:
         layers._check_sequence(tokens, self.config)
         if positions is None:
-            x = self.embed(tokens)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
+            return self.head(blocks.run_blocks(self.blocks, self.embed(tokens)))
         x = self.embed(tokens, positions)
-        for block in self.blocks:
-            x = block(x, positions, cache_rows)
-        return self.head(x)
+        return self.head(blocks.run_blocks(self.blocks, x, positions, cache_rows))
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether `init_cache` can give the blocks a KV cache (not with ``scan_layers``)."""
+        return not self.config.scan_layers
 
     def init_cache(self, batch_size: int, **layout: Any) -> None:
         """Gives every block a KV cache for ``batch_size`` sequences.

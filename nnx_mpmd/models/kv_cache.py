@@ -195,7 +195,8 @@ def init_cache(
       max_len: positions per row; default: the model's ``config.max_len``.
 
     Raises:
-      MpmdError: the model has no zoo attention layer, or bad sizes.
+      MpmdError: the model has no zoo attention layer, was built with
+        ``scan_layers=True``, or bad sizes.
 
     Example:
       >>> from nnx_mpmd.models import GPT, GPTConfig
@@ -210,6 +211,13 @@ def init_cache(
             f"init_cache: {type(model).__name__} has no nnx_mpmd.models.layers.Attention layer; "
             "a KV cache needs the zoo's attention (or decode without one: "
             "mp.Generator(..., kv_cache=False))."
+        )
+    if getattr(getattr(model, "config", None), "scan_layers", False):
+        raise MpmdError(
+            f"init_cache: {type(model).__name__} was built with scan_layers=True, whose "
+            "stacked blocks have no KV cache; decode without one "
+            "(mp.Generator(..., kv_cache=False)) or build the model with scan_layers=False "
+            "(a checkpoint of the scanned model does not restore into it)."
         )
     if max_len is None:
         max_len = getattr(getattr(model, "config", None), "max_len", None)

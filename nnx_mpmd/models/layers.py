@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_mpmd.errors import MpmdError, PartitionError
-from nnx_mpmd.frontend.annotate import auto_stage
 from nnx_mpmd.models import kv_cache
+from nnx_mpmd.models.blocks import assign_block_stages, count_params
 
 __all__ = [
     "Attention",
@@ -68,6 +68,10 @@ class ModelConfig:
       data: mesh axis that splits the batch (used by training code, not by params).
       fsdp: mesh axis that shards parameters fully (ZeRO-3 style), or None.
       tensor: mesh axis for tensor (Megatron-style) parallelism, or None.
+      scan_layers: stack the blocks and scan them (`nnx_mpmd.ScanStack`), one
+        chunk per stage, instead of one call per block: each stage program
+        then holds one loop body, so compiling does not grow with depth. No
+        KV cache (generation decodes without one).
 
     Example:
       >>> ModelConfig(n_layers=2, num_stages=2).d_model
@@ -84,6 +88,7 @@ class ModelConfig:
     data: str | None = None
     fsdp: str | None = None
     tensor: str | None = None
+    scan_layers: bool = False
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     MODEL_NAME: ClassVar[str] = "model"
@@ -95,6 +100,8 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MpmdError(f"{name}.{field}={value!r}: must be an int >= 1.")
+        if not isinstance(self.scan_layers, bool):
+            raise MpmdError(f"{name}.scan_layers={self.scan_layers!r}: must be True or False.")
         if self.d_model % self.n_heads:
             raise PartitionError(
                 f"{name}: n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -605,61 +612,6 @@ class LMHead(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def assign_block_stages(
-    num_blocks: int,
-    num_stages: int,
-    *,
-    block_cost: float,
-    embed_cost: float,
-    head_cost: float,
-    where: str = "model",
-) -> list[int]:
-    """Balances transformer blocks over stages, counting embedding and head costs.
-
-    The embedding always runs on stage 0 and the head on the last stage, so
-    their cost is added to the first and the last block before calling
-    `nnx_mpmd.frontend.annotate.auto_stage` on the blocks. Every stage thus gets at
-    least one block, and the split minimises the heaviest stage.
-
-    Args:
-      num_blocks: number of transformer blocks.
-      num_stages: number of stages (1 <= num_stages <= num_blocks).
-      block_cost: cost of one block (e.g. forward FLOPs per token).
-      embed_cost: cost of the embedding (runs with the first block).
-      head_cost: cost of the final norm and head (runs with the last block).
-      where: the model name for error messages.
-
-    Returns:
-      The stage of each block: contiguous, non-decreasing, 0 to num_stages - 1.
-
-    Example:
-      >>> assign_block_stages(4, 2, block_cost=1.0, embed_cost=0.0, head_cost=2.0)
-      [0, 0, 0, 1]
-    """
-    if not 1 <= num_stages <= num_blocks:
-        raise PartitionError(
-            f"{where}: cannot split {num_blocks} blocks into {num_stages} stages; "
-            f"use 1 <= num_stages <= {num_blocks}."
-        )
-    weights = [float(block_cost)] * num_blocks
-    weights[0] += float(embed_cost)
-    weights[-1] += float(head_cost)
-    return auto_stage(range(num_blocks), num_stages, weights=weights)
-
-
-def count_params(model: Any) -> int:
-    """Number of parameter scalars in ``model`` (shared parameters counted once).
-
-    Works on abstract models from ``nnx.eval_shape`` too.
-
-    Example:
-      >>> count_params(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
-      8
-    """
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    return sum(math.prod(leaf.shape) for leaf in leaves)
-
-
 def _check_sequence(tokens: Any, cfg: ModelConfig) -> None:
     if tokens.ndim != 2:
         raise MpmdError(
@@ -671,21 +623,3 @@ def _check_sequence(tokens: Any, cfg: ModelConfig) -> None:
             f"{cfg.MODEL_NAME}: sequence length {tokens.shape[1]} exceeds max_len="
             f"{cfg.max_len}; truncate the input or build the model with a larger max_len."
         )
-
-
-def block_flops(cfg: ModelConfig, block_params: int) -> float:
-    """Forward FLOPs per token of one block: matmuls plus causal attention."""
-    return 2.0 * block_params + 2.0 * cfg.max_len * cfg.d_model
-
-
-def stage_of_blocks(cfg: ModelConfig, blocks: Sequence[Any], where: str) -> list[int]:
-    """Stages for ``blocks`` of a zoo model (FLOP-balanced, see `assign_block_stages`)."""
-    per_block = count_params(blocks[0])
-    return assign_block_stages(
-        len(blocks),
-        cfg.num_stages,
-        block_cost=block_flops(cfg, per_block),
-        embed_cost=0.0,
-        head_cost=2.0 * cfg.d_model * cfg.vocab_size,
-        where=where,
-    )

@@ -15,7 +15,7 @@ from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
-from nnx_mpmd.models import kv_cache, layers
+from nnx_mpmd.models import blocks, kv_cache, layers
 from nnx_mpmd.models.presets import LLAMA_PRESETS
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
@@ -116,10 +116,8 @@ class Llama(PipelinedModel):
             layers.Embedding(cfg, cfg.vocab_size, cfg.d_model, ("tensor", "fsdp"), rngs=rngs),
             stage=0,
         )
-        blocks = [LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
-        self.block_stages = tuple(layers.stage_of_blocks(cfg, blocks, where="Llama"))
-        self.blocks = nnx.List(
-            [Stage(b, stage=s) for b, s in zip(blocks, self.block_stages, strict=True)]
+        self.blocks, self.block_stages = blocks.staged_blocks(
+            cfg, lambda r: LlamaBlock(cfg, rngs=r), rngs=rngs, where="Llama"
         )
         norm = layers.RMSNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
         self.head = Stage(layers.LMHead(cfg, norm, rngs=rngs), stage=cfg.num_stages - 1)
@@ -132,10 +130,13 @@ class Llama(PipelinedModel):
         cache_rows: jax.Array | None = None,
     ) -> jax.Array:
         layers._check_sequence(tokens, self.config)
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x) if positions is None else block(x, positions, cache_rows)
-        return self.head(x)
+        args = () if positions is None else (positions, cache_rows)
+        return self.head(blocks.run_blocks(self.blocks, self.embed(tokens), *args))
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether `init_cache` can give the blocks a KV cache (not with ``scan_layers``)."""
+        return not self.config.scan_layers
 
     def init_cache(self, batch_size: int, **layout: Any) -> None:
         """Gives every block a KV cache for ``batch_size`` sequences.
