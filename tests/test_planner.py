@@ -20,6 +20,7 @@ from pipeline_models import build, make_batch, make_mesh, params_of, train_step_
 import nnx_mpmd as mp
 from nnx_mpmd.apps.train import config_from_args
 from nnx_mpmd.frontend.stage import variable_stage
+from nnx_mpmd.models import build_model, lm_loss
 from nnx_mpmd.planner import (
     Candidate,
     Plan,
@@ -313,6 +314,36 @@ def test_plan_json_round_trip_and_wrong_model(tmp_path):
     assert Plan.from_json(json.dumps(older)).costs[0].full_backward() == (2.0,) * 4
 
 
+def test_a_plan_of_the_unrolled_zoo_model_cuts_its_scanned_twin():
+    """Units ``blocks.0`` .. ``blocks.5`` of a plan apply to a ``ScanStack`` at ``blocks``:
+    the stack is cut into the planned ranges, each chunk with its stage's remat flag."""
+    unrolled = build_model("gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0), n_layers=6)
+    units = ("embed", *(f"blocks.{i}" for i in range(6)), "head")
+    assert tuple(path for path, _ in stage_units(unrolled, lm_loss, _zoo_batch())) == units
+    best = Candidate("1f1b", 3, 4, (0, 0, 0, 1, 1, 2, 2, 2), (True, False, True), 0.1, (1, 1, 1))
+    planned = Plan(best, (), units, 3, 8)
+    scanned = build_model(
+        "gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0), n_layers=6, scan_layers=True
+    )
+    planned.apply(scanned)
+    assert scanned.blocks.chunk_ranges() == [(0, 2), (2, 4), (4, 6)]
+    assert [(c.stage, c.remat) for c in scanned.blocks.chunks] == [
+        (0, True), (1, False), (2, True)
+    ]  # fmt: skip
+    assert (scanned.embed.stage, scanned.head.stage) == (0, 2)
+    assert mp.annotate.num_stages(scanned) == 3
+    deeper = build_model(
+        "gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0), n_layers=8, scan_layers=True
+    )
+    with pytest.raises(mp.PlanError, match=r"ScanStack at 'blocks' of GPT has 8 layers"):
+        planned.apply(deeper)
+
+
+def _zoo_batch():
+    tokens = np.zeros((2, 9), np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
 def test_plan_rejects_microbatch_counts_that_do_not_split():
     with pytest.raises(mp.PlanError, match=r"no usable microbatch count.*rows divide by 2"):
         _plan_mlp(make_mesh(2, 2), num_microbatches=[16])
@@ -364,6 +395,15 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     )  # fmt: skip
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
     assert f"{data['best']['num_microbatches']} microbatches" in trained.stdout
+    # The plan of the unrolled blocks cuts the scanned blocks of --scan-layers.
+    scanned = subprocess.run(
+        [sys.executable, "-m", "nnx_mpmd", "train", *common, "--plan", str(tmp_path / "p.json"),
+         "--scan-layers", "--steps", "1", "--ckpt-every", "0", "--val-batches", "0",
+         "--sample-tokens", "0", "--run-dir", str(tmp_path / "scanned")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert scanned.returncode == 0, scanned.stdout[-2000:] + scanned.stderr[-3000:]
+    assert f"{data['best']['num_microbatches']} microbatches" in scanned.stdout
 
 
 def test_contention_slows_the_tasks_that_run_beside_others():

@@ -145,7 +145,6 @@ BAD_INPUTS = [
     (["--resume"], r"--resume: .* holds no checkpoints/ directory"),
     (["--allow-changed-settings"], r"only applies with --resume"),
     (["--compile-cache", "c", "--no-compile-cache"], r"--compile-cache=c and --no-compile-cache"),
-    (["--plan", "p.json", "--scan-layers"], r"--plan p.json moves single blocks.*drop one of them"),
 ]
 
 

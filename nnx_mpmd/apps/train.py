@@ -307,12 +307,6 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.errors import MpmdError
 
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
-    if cfg.plan is not None and cfg.scan_layers:
-        raise MpmdError(
-            f"--plan {cfg.plan} moves single blocks between stages, which --scan-layers stacks "
-            "into one chunk per stage; drop one of them (the planner does not cut scanned "
-            "stacks yet)."
-        )
     if cfg.plan is not None:
         apply_plan_file(cfg)
     positive = ("meshes", "data", "microbatches", "batch_size", "steps", "devices", "keep")

@@ -14,7 +14,7 @@ scan, run range by range, so the results equal the unsplit stack's.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ from flax import nnx
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend.stage import STAGE_KEY, STAGES_KEY, Stage
 
-__all__ = ["ScanStack", "ScannedLayers", "split_scan_stacks"]
+__all__ = ["ScanStack", "ScannedLayers", "split_scan_stacks", "stage_ranges"]
 
 # The layer axis in sharding metadata: a stacked Variable's ``out_sharding`` gains a
 # leading None (the layers are not sharded), and a layer inside the scan sees its own.
@@ -231,6 +231,24 @@ def _check_ranges(
             f"[{covered}:{num_layers}]."
         )
     return ordered
+
+
+def stage_ranges(stages: Sequence[int]) -> dict[tuple[int, int], int]:
+    """``{(start, stop): stage}`` of the runs of equal stages in a per-layer list.
+
+    The ranges `ScanStack.split` takes for layers whose stages are ``stages``.
+
+    Example:
+      >>> stage_ranges([0, 0, 0, 1, 2, 2])
+      {(0, 3): 0, (3, 4): 1, (4, 6): 2}
+    """
+    ranges: dict[tuple[int, int], int] = {}
+    start = 0
+    for i in range(1, len(stages) + 1):
+        if i == len(stages) or stages[i] != stages[start]:
+            ranges[(start, i)] = int(stages[start])
+            start = i
+    return ranges
 
 
 def split_scan_stacks(model: Any, mapping: Mapping[str, int]) -> dict[str, int]:

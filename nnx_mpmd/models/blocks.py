@@ -28,7 +28,7 @@ from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend.annotate import Stage, auto_stage
-from nnx_mpmd.frontend.scan_stack import ScanStack
+from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
 
 __all__ = [
     "assign_block_stages",
@@ -104,22 +104,6 @@ def block_flops(cfg: Any, block_params: int) -> float:
       10192.0
     """
     return 2.0 * block_params + 2.0 * cfg.max_len * cfg.d_model
-
-
-def stage_ranges(stages: list[int] | tuple[int, ...]) -> dict[tuple[int, int], int]:
-    """``{(start, stop): stage}`` of the runs of equal stages in a block list.
-
-    Example:
-      >>> stage_ranges([0, 0, 0, 1, 2, 2])
-      {(0, 3): 0, (3, 4): 1, (4, 6): 2}
-    """
-    ranges: dict[tuple[int, int], int] = {}
-    start = 0
-    for i in range(1, len(stages) + 1):
-        if i == len(stages) or stages[i] != stages[start]:
-            ranges[(start, i)] = stages[start]
-            start = i
-    return ranges
 
 
 def staged_blocks(

@@ -24,6 +24,7 @@ from flax import nnx
 
 from nnx_mpmd.errors import PlanError
 from nnx_mpmd.frontend.jit import jit
+from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
 from nnx_mpmd.frontend.stage import Stage
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.profile_units import UnitCosts, profile_units, train_step_of
@@ -93,6 +94,11 @@ class Plan:
     def apply(self, model: Any, candidate: Candidate | None = None) -> Any:
         """Renumbers ``model``'s `Stage` wrappers (and remat flags) as planned.
 
+        A `ScanStack` at ``path`` stands for the planned units ``path.0``,
+        ``path.1``, ...: a plan made on an unrolled model (one `Stage` per
+        block) applies to its scanned twin by cutting the stack into the
+        planned ranges of layers.
+
         Args:
           model: a model with the planned units (the same architecture).
           candidate: the configuration to apply (default: ``best``).
@@ -101,22 +107,59 @@ class Plan:
           ``model``, changed in place.
 
         Raises:
-          PlanError: a planned unit path is not a `Stage` of ``model``.
+          PlanError: a planned unit path is not a `Stage` of ``model`` (nor a
+            layer of one of its `ScanStack`s).
         """
         chosen = candidate or self.best
         stages = {
             ".".join(map(str, p)): n for p, n in nnx.iter_graph(model) if isinstance(n, Stage)
         }
-        missing = [path for path in self.unit_paths if path not in stages]
-        if missing:
-            raise PlanError(
-                f"the plan moves the Stage wrappers {missing[:3]}, which {type(model).__name__} "
-                f"does not have (its Stage paths: {sorted(stages)[:6]}); apply the plan to the "
-                "model architecture it was made for."
-            )
-        units = [(path, stages[path]) for path in self.unit_paths]
-        restage(units, chosen.unit_stages, chosen.remat)
+        stacks = {
+            ".".join(map(str, p)): n for p, n in nnx.iter_graph(model) if isinstance(n, ScanStack)
+        }
+        units: list[tuple[str, Stage]] = []
+        unit_stages: list[int] = []
+        i = 0
+        while i < len(self.unit_paths):
+            path = self.unit_paths[i]
+            if path in stages:
+                units.append((path, stages[path]))
+                unit_stages.append(chosen.unit_stages[i])
+                i += 1
+                continue
+            stack_path = self._stack_of(path, stacks, stages, model)
+            stack = stacks[stack_path]
+            layer_stages = chosen.unit_stages[i : i + stack.num_layers]
+            stack.split(stage_ranges(layer_stages))
+            for k, chunk in enumerate(stack.chunks):
+                units.append((f"{stack_path}.chunks.{k}", chunk))
+                unit_stages.append(chunk.stage)
+            i += stack.num_layers
+        restage(units, unit_stages, chosen.remat)
         return model
+
+    def _stack_of(
+        self, path: str, stacks: dict[str, ScanStack], stages: dict[str, Stage], model: Any
+    ) -> str:
+        """The `ScanStack` whose layers the units from ``path`` on are, or a `PlanError`."""
+        stack_path, _, layer = path.rpartition(".")
+        stack = stacks.get(stack_path)
+        if stack is not None and layer == "0":
+            layers = tuple(f"{stack_path}.{j}" for j in range(stack.num_layers))
+            start = self.unit_paths.index(path)
+            if self.unit_paths[start : start + len(layers)] == layers:
+                return stack_path
+            raise PlanError(
+                f"the plan has the units {list(self.unit_paths[start : start + 3])}..., but "
+                f"the ScanStack at {stack_path!r} of {type(model).__name__} has "
+                f"{stack.num_layers} layers; plan a model with as many blocks."
+            )
+        known = sorted(stages) + [f"{p} (ScanStack)" for p in sorted(stacks)]
+        raise PlanError(
+            f"the plan moves the Stage wrapper {path!r}, which {type(model).__name__} "
+            f"does not have (its Stage paths: {known[:6]}); apply the plan to the "
+            "model architecture it was made for."
+        )
 
     def summary(self) -> str:
         """The best configuration and the runners-up as a small table."""
