@@ -344,6 +344,50 @@ def _zoo_batch():
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
+class _ScannedMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = mp.ScanStack(lambda r: nnx.Linear(16, 16, rngs=r), 4, rngs=rngs)
+        self.head = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.blocks(x)))
+
+
+def _scanned_mlp():
+    return mp.assign_stages(_ScannedMLP(nnx.Rngs(0)), {"blocks[:3]": 0, "blocks[3:]": 1, "head": 1})
+
+
+def test_planning_a_scan_stack_profiles_every_layer_and_cuts_it_as_planned():
+    """The units of a ``ScanStack`` are its layers (``blocks.0`` ..), not its chunks: the
+    plan may cut the stack anywhere, and the planned step trains like the reference."""
+    model, mesh = _scanned_mlp(), make_mesh(2, 2)
+    loss_fn = _mse_loss
+    batch = make_batch("regression", 8)
+    planned = plan(model, loss_fn, batch, mesh, optax.sgd(0.1), schedules=["1f1b"],
+                   num_microbatches=[2], remat=False, repeats=1)  # fmt: skip
+    units = ("blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")
+    assert planned.unit_paths == units and all(c.paths == units for c in planned.costs)
+    assert model.blocks.chunk_ranges() == [(0, 3), (3, 4)]  # planning changed nothing
+    planned.apply(model)
+    layer_stages = planned.best.unit_stages[:4]
+    assert [c.stage for c in model.blocks.chunks for _ in range(c.module.num_layers)] == list(
+        layer_stages
+    )
+    reference = _scanned_mlp()
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(train_step_fn(loss_fn), mesh=mesh, schedule=planned.schedule(),
+                  num_microbatches=2)  # fmt: skip
+    ref_step = nnx.jit(train_step_fn(loss_fn, num_microbatches=2))
+    np.testing.assert_allclose(
+        float(step(model, opt, batch)), float(ref_step(reference, ref_opt, batch)), rtol=1e-6
+    )
+
+
+def _mse_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
 def test_plan_rejects_microbatch_counts_that_do_not_split():
     with pytest.raises(mp.PlanError, match=r"no usable microbatch count.*rows divide by 2"):
         _plan_mlp(make_mesh(2, 2), num_microbatches=[16])

@@ -289,7 +289,8 @@ def plan(
 ) -> Plan:
     """Chooses the split, schedule, microbatches and remat for ``model`` on ``mesh``.
 
-    Each unit (a `Stage` wrapper of the model) is timed and measured on one of
+    Each unit (a `Stage` wrapper of the model, or one layer of a `ScanStack`:
+    the plan may cut a stack anywhere) is timed and measured on one of
     ``mesh``'s submeshes (`profile_units`); every registered schedule (or
     those named), stage count and microbatch count is then simulated with
     those costs (`search`). The model is not changed: apply the plan with
@@ -335,11 +336,13 @@ def plan(
             f"{data} devices (asked {counts}); give num_microbatches that divide the batch "
             f"into microbatches whose rows divide by {data}."
         )
+    layered, renamed = _one_chunk_per_layer(model)
     costs = profile_units(
-        model, loss_fn, batch, mesh, tx,
+        layered, loss_fn, batch, mesh, tx,
         microbatch_sizes=sorted({batch_size // m for m in counts}),
         remat=(False, True) if remat else (False,), repeats=repeats,
     )  # fmt: skip
+    costs = [dataclasses.replace(c, paths=tuple(renamed.get(p, p) for p in c.paths)) for c in costs]
     found = search(
         costs, mesh.num_meshes, batch_size, schedules=schedules,
         num_microbatches=counts, memory_budget=memory_budget, donate=donate,
@@ -354,6 +357,32 @@ def plan(
         costs=tuple(costs),
         donate=donate,
     )
+
+
+def _one_chunk_per_layer(model: Any) -> tuple[Any, dict[str, str]]:
+    """``model``, or a copy whose `ScanStack`s are cut into one chunk per layer.
+
+    Each layer keeps the stage of the chunk it was in. Returns the model to
+    profile and ``{chunk unit path: layer unit path}`` (``blocks.chunks.3`` ->
+    ``blocks.3``), the names `Plan.apply` cuts a stack by.
+    """
+    if not any(isinstance(n, ScanStack) for _, n in nnx.iter_graph(model)):
+        return model, {}
+    copy = nnx.clone(model)
+    renamed: dict[str, str] = {}
+    found = [(p, n) for p, n in nnx.iter_graph(copy) if isinstance(n, ScanStack)]
+    for path, stack in found:
+        layer_stages = [
+            getattr(chunk, "stage", None)
+            for chunk, (lo, hi) in zip(stack.chunks, stack.chunk_ranges(), strict=True)
+            for _ in range(lo, hi)
+        ]
+        if None in layer_stages:
+            continue  # an uncut stack has no stage: profiling says what is missing
+        stack.split({(i, i + 1): stage for i, stage in enumerate(layer_stages)})
+        prefix = ".".join(map(str, path))
+        renamed.update({f"{prefix}.chunks.{i}": f"{prefix}.{i}" for i in range(len(layer_stages))})
+    return copy, renamed
 
 
 @dataclasses.dataclass(frozen=True)

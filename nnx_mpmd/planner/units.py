@@ -58,9 +58,23 @@ def stage_units(
       >>> [path for path, _ in stage_units(model, loss, jnp.ones((2, 2)))]
       ['a', 'b']
     """
-    paths = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, Stage)}
-    with recording_stage_calls() as calls:
-        jax.eval_shape(lambda: loss_fn(model, batch))
+    by_path = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, Stage)}
+    graphdef, state = nnx.split(model)
+    called: list[Any] = []
+
+    # The model goes in as traced state (a ScanStack's nnx.scan refuses Variables of
+    # an outer trace level); its copy's Stage calls are mapped back by path.
+    def trace(state: Any) -> Any:
+        local = nnx.merge(graphdef, state)
+        local_paths = {id(n): p for p, n in nnx.iter_graph(local) if isinstance(n, Stage)}
+        with recording_stage_calls() as calls:
+            out = loss_fn(local, batch)
+        called.extend(by_path.get(local_paths.get(id(c)), c) for c in calls)
+        return out
+
+    jax.eval_shape(trace, state)
+    paths = {id(node): path for path, node in by_path.items()}
+    calls = called
     if not calls:
         raise PartitionError(
             f"the loss calls no Stage of {type(model).__name__}; wrap its layers in mp.Stage "
