@@ -427,6 +427,7 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     )  # fmt: skip
     assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-3000:]
     assert "| schedule | stages | m | predicted ms | measured ms" in planned.stdout
+    assert "--batch-size 8 --layers 2 --seq-len 16\n" in planned.stdout  # the model's options
     assert not [p.name for p in (tmp_path / "tmp").glob("nnx-mpmd-plan-*")]
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["unit_paths"] == ["embed", "blocks.0", "blocks.1", "head"]

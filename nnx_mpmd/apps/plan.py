@@ -122,9 +122,23 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
     print(
         f"wrote {cfg.out}: {best.schedule}, {best.num_stages} stages, {best.num_microbatches} "
         f"microbatches; train with: nnx-mpmd train --plan {cfg.out} --meshes {cfg.meshes} "
-        f"--data {cfg.data} --batch-size {cfg.batch_size}"
+        f"--data {cfg.data} --batch-size {cfg.batch_size}{_model_options(cfg)}"
     )
     return planned
+
+
+def _model_options(cfg: TrainConfig) -> str:
+    """The options that built the planned model, for the ``train`` command to repeat."""
+    options = []
+    if cfg.model != "gpt" or cfg.preset != "tiny":
+        options += [f"--model {cfg.model}", f"--preset {cfg.preset}"]
+    if cfg.layers is not None:
+        options.append(f"--layers {cfg.layers}")
+    if cfg.seq_len is not None:
+        options.append(f"--seq-len {cfg.seq_len}")
+    if cfg.scan_layers:
+        options.append("--scan-layers")
+    return "".join(f" {option}" for option in options)
 
 
 def _launched_processes() -> int:
