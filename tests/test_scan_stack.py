@@ -13,6 +13,7 @@ from pipeline_models import WIDTH, make_batch, make_mesh
 
 import nnx_mpmd as mp
 from nnx_mpmd.frontend.scan_stack import split_scan_stacks
+from nnx_mpmd.models import build_model, lm_loss
 
 NUM_LAYERS = 8
 
@@ -387,3 +388,48 @@ def test_a_trained_stack_can_be_cut_again(axis_type):
     np.testing.assert_allclose(mp.gather(nnx.clone(model))(probe), trained(probe), rtol=1e-6)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     assert np.isfinite(float(step(model, optimizer, make_batch("regression", 16, seed=1))))
+
+
+def _zoo_gpt(scan_layers, num_stages, n_layers=4):
+    model = build_model(
+        "gpt", "tiny", num_stages=num_stages, rngs=nnx.Rngs(0), n_layers=n_layers,
+        scan_layers=scan_layers,
+    )  # fmt: skip
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+
+def _zoo_step(model, optimizer, batch):
+    loss, grads = mp.value_and_grad(lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _token_batches(count):
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, 256, (8, 17)).astype(np.int32) for _ in range(count)]
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+@pytest.mark.parametrize(
+    "saved_scanned", [True, False], ids=["stacked-to-unrolled", "unrolled-to-stacked"]
+)
+def test_a_checkpoint_converts_between_a_stack_and_its_unrolled_layers(tmp_path, saved_scanned):
+    """A zoo model's checkpoint restores into its twin built the other way (`scan_layers`),
+    parameters and Adam's state, split into other stages: the next step's loss is the
+    uninterrupted run's."""
+    batches = _token_batches(3)
+    model, optimizer = _zoo_gpt(saved_scanned, 2)
+    step = mp.jit(_zoo_step, mesh=make_mesh(2, 4), schedule=mp.OneFOneB(), num_microbatches=4)
+    for batch in batches[:2]:
+        step(model, optimizer, batch)
+    mp.checkpoint.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    twin, twin_optimizer = _zoo_gpt(not saved_scanned, 4)
+    mp.checkpoint.restore(tmp_path / "ckpt", {"model": twin, "optimizer": twin_optimizer})
+    twin_step = mp.jit(_zoo_step, mesh=make_mesh(4, 2), schedule=mp.OneFOneB(), num_microbatches=4)
+    np.testing.assert_allclose(
+        float(twin_step(twin, twin_optimizer, batches[2])),
+        float(step(model, optimizer, batches[2])),
+        rtol=1e-5,
+    )
+    with pytest.raises(mp.CheckpointError, match=r"model\.blocks\.0\.attn"):  # 6 layers, not 4
+        mp.checkpoint.restore(tmp_path / "ckpt", {"model": _zoo_gpt(not saved_scanned, 2, 6)[0]})

@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 #: Settings that fix the parameters' shapes: a resumed run can never change them.
-STRUCTURE_KEYS = ("model", "preset", "layers", "scan_layers")
+STRUCTURE_KEYS = ("model", "preset", "layers")
 #: Settings that change the numbers a resumed run computes: changing one needs
 #: ``--allow-changed-settings``.
 ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
@@ -58,7 +58,7 @@ ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "co
 RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
 #: Settings of the pipeline layout: they may change on resume (same numbers up to
 #: float rounding), and the log says which did.
-LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches")
+LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches", "scan_layers")
 SAMPLE_PROMPT = "def "
 VAL_FRACTION = 0.05
 DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
@@ -320,7 +320,7 @@ class Trainer:
             raise CheckpointError(
                 f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
                 "the parameters would not match; resume with the saved --model, --preset, "
-                "--layers, --scan-layers and --corpus-bytes, or start a new --run-dir."
+                "--layers and --corpus-bytes, or start a new --run-dir."
             )
         arithmetic = changes(ARITHMETIC_KEYS)
         if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):

@@ -11,6 +11,12 @@ chunk index) whose chunks hold the same layers in total, and stands in for the
 target's chunks with proxies of the saved ones: reading and verifying them is
 then the ordinary restore. `StackRecut.assemble` slices the saved chunks and
 joins the pieces into each target chunk, on that chunk's mesh and sharding.
+
+The same goes between a stack and its unrolled twin, a list of the same layers
+(``<stack>.<i>.<leaf>``, one entry per layer, as the zoo's models have without
+``scan_layers``): a checkpoint of either restores into the other, each layer
+taken from (or put into) its place along the stack's layer axis. Typed PRNG
+keys are converted only between stacks.
 """
 
 from __future__ import annotations
@@ -38,16 +44,22 @@ class StackRecut:
     """One stacked leaf of a `ScanStack`, saved in some layer ranges, restored in others.
 
     Attributes:
-      targets: the target's chunk entries, in layer order.
+      targets: the target's chunk entries, in layer order (one per layer, without
+        the layer axis, when ``targets_stacked`` is False: an unrolled target).
       saved: proxies of the saved chunk entries, in layer order; their values
-        are abstract arrays placed where they are read.
+        are abstract arrays placed where they are read (one per layer, without
+        the layer axis, when ``saved_stacked`` is False).
       key_impl: for typed PRNG keys (stored as their key data), their
         implementation's name; None for arrays.
+      saved_stacked: whether the saved entries carry the layer axis.
+      targets_stacked: whether the target entries carry the layer axis.
     """
 
     targets: tuple[Entry, ...]
     saved: tuple[Entry, ...]
     key_impl: str | None = None
+    saved_stacked: bool = True
+    targets_stacked: bool = True
 
     def assemble(self, arrays: dict[str, Any], lookup: Any) -> None:
         """Sets each target chunk from the saved chunks' layers it covers.
@@ -56,17 +68,63 @@ class StackRecut:
           arrays: the arrays read for the proxies, nested by path.
           lookup: ``lookup(arrays, path)`` gives one of them.
         """
-        saved_ranges = _ranges([entry.value.shape[0] for entry in self.saved])
-        target_ranges = _ranges([entry.value.shape[0] for entry in self.targets])
+        saved_ranges = _ranges(_layer_counts(self.saved, self.saved_stacked))
+        target_ranges = _ranges(_layer_counts(self.targets, self.targets_stacked))
         for entry, (start, stop) in zip(self.targets, target_ranges, strict=True):
             pieces = []
             for proxy, (first, last) in zip(self.saved, saved_ranges, strict=True):
                 low, high = max(start, first), min(stop, last)
                 if low < high:
-                    piece = _rows(lookup(arrays, proxy.path), low - first, high - first)
-                    pieces.append(move_to(piece, _rows_sharding(entry.value.sharding)))
+                    saved = lookup(arrays, proxy.path)
+                    piece = _rows(saved, low - first, high - first) if self.saved_stacked else saved
+                    pieces.append(piece)
+            if not self.targets_stacked:  # one layer, from one saved chunk or entry
+                (piece,) = pieces
+                layer = _layer(piece) if self.saved_stacked else piece
+                entry.variable.set_value(move_to(layer, entry.value.sharding))  # type: ignore[union-attr]
+                continue
+            if not self.saved_stacked:  # single layers gain the layer axis
+                pieces = [_with_layer_axis(p) for p in pieces]
+            sharding = _rows_sharding(entry.value.sharding)
+            pieces = [move_to(p, sharding) for p in pieces]
             joined = _joined(tuple(pieces), entry.value.sharding, self.key_impl)
             entry.variable.set_value(joined)  # type: ignore[union-attr]
+
+
+def _layer_counts(entries: tuple[Entry, ...], stacked: bool) -> list[int]:
+    return [entry.value.shape[0] if stacked else 1 for entry in entries]
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_program(sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(lambda a: a[0], out_shardings=_without_layer_axis(sharding))
+
+
+def _layer(array: jax.Array) -> jax.Array:
+    """The only layer of a one-layer piece, without the layer axis."""
+    return _layer_program(array.sharding)(array)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_layer_axis_program(sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(lambda a: a[None], out_shardings=_with_leading_none(sharding))
+
+
+def _with_layer_axis(array: jax.Array) -> jax.Array:
+    """One layer as a stack of one."""
+    return _with_layer_axis_program(array.sharding)(array)
+
+
+def _without_layer_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+        return sharding
+    return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+
+
+def _with_leading_none(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 
 def _ranges(lengths: list[int]) -> list[tuple[int, int]]:
@@ -181,10 +239,90 @@ def _recut(
     return StackRecut(tuple(targets), tuple(proxies), value if kind == KEY else None)
 
 
+def _layer_names(head: str, tail: str, names: Any) -> list[str]:
+    """``head.0.<leaf>``, ``head.1.<leaf>``, ... among ``names``: the unrolled twin of the
+    stacked leaf ``head.chunks.<i>.<tail>`` (``tail`` is ``layers.<leaf>``)."""
+    leaf = tail.removeprefix("layers.")
+    found: list[str] = []
+    while f"{head}.{len(found)}.{leaf}" in names:
+        found.append(f"{head}.{len(found)}.{leaf}")
+    return found
+
+
+def _plain_arrays(entries: list[Entry]) -> bool:
+    return all(
+        e.kind == ARRAY and isinstance(e.value, jax.Array) and e.variable is not None
+        for e in entries
+    )
+
+
+def _saved_as(saved: list[str], records: dict[str, dict[str, Any]], dtype: str) -> bool:
+    """Whether the saved entries are plain arrays of ``dtype``."""
+    return all(
+        records[name].get("kind") == ARRAY and records[name].get("dtype") == dtype for name in saved
+    )
+
+
+def _from_layers(
+    targets: list[Entry], saved: list[str], records: dict[str, dict[str, Any]]
+) -> StackRecut | None:
+    """Unrolled layers saved, restored into a stack's chunks (or None if they do not fit)."""
+    if not _plain_arrays(targets):
+        return None
+    layer_shape, dtype = list(targets[0].value.shape[1:]), str(targets[0].value.dtype)
+    counts = [entry.value.shape[0] for entry in targets]
+    if (
+        sum(counts) != len(saved)
+        or any(list(e.value.shape[1:]) != layer_shape or str(e.value.dtype) != dtype
+               for e in targets)
+        or any(list(records[name].get("shape") or [-1]) != layer_shape for name in saved)
+        or not _saved_as(saved, records, dtype)
+    ):  # fmt: skip
+        return None
+    ranges = _ranges(counts)
+    proxies = []
+    for i, name in enumerate(saved):
+        reader = next(e for e, (start, stop) in zip(targets, ranges) if start <= i < stop)
+        abstract = jax.ShapeDtypeStruct(
+            tuple(layer_shape), reader.value.dtype,
+            sharding=_without_layer_axis(reader.value.sharding),
+        )  # fmt: skip
+        proxies.append(Entry(tuple(name.split(".")), abstract, ARRAY, None, None, reader.physical))
+    return StackRecut(tuple(targets), tuple(proxies), None, saved_stacked=False)
+
+
+def _into_layers(
+    targets: list[Entry], saved: list[str], records: dict[str, dict[str, Any]]
+) -> StackRecut | None:
+    """A stack's chunks saved, restored into unrolled layers (or None if they do not fit)."""
+    if not _plain_arrays(targets):
+        return None
+    layer_shape, dtype = list(targets[0].value.shape), str(targets[0].value.dtype)
+    shapes = [list(records[name].get("shape") or []) for name in saved]
+    if (
+        any(list(e.value.shape) != layer_shape or str(e.value.dtype) != dtype for e in targets)
+        or any(len(shape) != len(layer_shape) + 1 or shape[1:] != layer_shape for shape in shapes)
+        or sum(shape[0] for shape in shapes) != len(targets)
+        or not _saved_as(saved, records, dtype)
+    ):
+        return None
+    proxies = []
+    for name, shape, (first, _) in zip(saved, shapes, _ranges([s[0] for s in shapes])):
+        reader = targets[first]
+        abstract = jax.ShapeDtypeStruct(
+            tuple(shape), reader.value.dtype, sharding=_with_leading_none(reader.value.sharding)
+        )
+        proxies.append(Entry(tuple(name.split(".")), abstract, ARRAY, None, None, reader.physical))
+    return StackRecut(tuple(targets), tuple(proxies), None, targets_stacked=False)
+
+
 def recut_stacks(
     layout: Layout, records: dict[str, dict[str, Any]]
 ) -> tuple[Layout, list[StackRecut]]:
     """Stands in for scan-stack chunks cut into other ranges than the checkpoint's.
+
+    Also for a stack saved unrolled (one entry per layer) and restored stacked,
+    and the other way round.
 
     Args:
       layout: the collected target.
@@ -203,13 +341,27 @@ def recut_stacks(
       (['step'], [])
     """
     by_name = layout.by_name()
-    saved_groups = _groups(records)
+    saved_groups, target_groups = _groups(records), _groups(by_name)
     recuts = []
-    for key, chunks in _groups(by_name).items():
-        targets, saved = _in_order(chunks), _in_order(saved_groups.get(key, {}))
-        if targets is None or not saved:
+    for key, chunks in target_groups.items():
+        targets = _in_order(chunks)
+        if targets is None:
             continue
-        recut = _recut([by_name[name] for name in targets], saved, records)
+        entries = [by_name[name] for name in targets]
+        saved = _in_order(saved_groups.get(key, {}))
+        if saved:
+            recut = _recut(entries, saved, records)
+        else:  # saved unrolled?
+            layers = [n for n in _layer_names(*key, records) if n not in by_name]
+            recut = _from_layers(entries, layers, records) if layers else None
+        if recut is not None:
+            recuts.append(recut)
+    for key, chunks in saved_groups.items():  # saved stacked, restored unrolled?
+        saved = _in_order(chunks)
+        layers = [n for n in _layer_names(*key, by_name) if n not in records]
+        if key in target_groups or not saved or not layers:
+            continue
+        recut = _into_layers([by_name[name] for name in layers], saved, records)
         if recut is not None:
             recuts.append(recut)
     if not recuts:

@@ -13,8 +13,8 @@ two ways:
 
 Both give the same stages and the same numbers for the same weights; their
 parameter paths differ (``blocks.3.attn...`` vs
-``blocks.chunks.0.layers.attn...``), so a checkpoint restores into a model
-built the same way (a scanned one into any cut of the stack).
+``blocks.chunks.0.layers.attn...``), and a checkpoint of either restores into
+the other (`nnx_mpmd.checkpoint.recut`).
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def init_cache(
             f"init_cache: {type(model).__name__} was built with scan_layers=True, whose "
             "stacked blocks have no KV cache; decode without one "
             "(mp.Generator(..., kv_cache=False)) or build the model with scan_layers=False "
-            "(a checkpoint of the scanned model does not restore into it)."
+            "(a checkpoint of the scanned model restores into it)."
         )
     if max_len is None:
         max_len = getattr(getattr(model, "config", None), "max_len", None)
