@@ -229,6 +229,26 @@ def test_a_constant_aux_value_is_named_with_the_fix():
         f(model, opt, make_batch(kind, 4))
 
 
+def test_an_aux_value_no_array_can_hold_is_named():
+    """A string in the aux (a label for logging, say) is refused with its path, before JAX
+    fails on the region's outputs."""
+    model, opt, _, kind = build("mlp", "sgd", 2)
+
+    def loss_with_label(m, b):
+        return mlp_loss(m, b), {"loss": mlp_loss(m, b), "name": "mse"}
+
+    def step(m, o, b):
+        (loss, _), grads = mp.value_and_grad(loss_with_label, has_aux=True)(m, b)
+        o.update(m, grads)
+        return loss
+
+    f = mp.jit(step, mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(
+        mp.CompileError, match=r"aux value at \['name'\] is a str, not an array or a number"
+    ):
+        f(model, opt, make_batch(kind, 4))
+
+
 def mlp_loss_of(out, batch):
     return jnp.mean((out - batch["y"]) ** 2)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 from jax.extend.core import Primitive
@@ -322,16 +323,31 @@ def _head_leaves(out: Any, *, has_aux: bool, with_grad: bool) -> tuple[list[Any]
     """The loss function's result as leaves ``[loss, *aux]`` (or every output leaf).
 
     Raises:
-      CompileError: a forward-only step returns no arrays.
+      CompileError: a forward-only step returns no arrays, or an output (an
+        aux value) is not an array or a number.
     """
     if with_grad:
         loss, aux = out if has_aux else (out, None)
+        _check_array_leaves(aux, "aux value")
         aux_leaves, aux_tree = jax.tree.flatten(aux)
         return [loss, *aux_leaves], aux_tree
+    _check_array_leaves(out, "output")
     head, tree = jax.tree.flatten(out)  # forward only: every output leaf, per microbatch
     if not head:
         raise CompileError("a forward-only pipelined step must return arrays.")
     return head, tree
+
+
+def _check_array_leaves(tree: Any, what: str) -> None:
+    """Raises a `CompileError` naming the first leaf of ``tree`` that no array can hold."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+            raise CompileError(
+                f"the loss function's {what} at {jax.tree_util.keystr(path) or '(root)'} is a "
+                f"{type(leaf).__name__}, not an array or a number: the pipelined region "
+                "returns arrays only. Compute it outside mp.value_and_grad (or outside the "
+                "step), or return it as an array."
+            )
 
 
 def _bind_region(info: RegionInfo, inputs: list[Any], diff_tree: Any) -> tuple[Any, Any, list]:
