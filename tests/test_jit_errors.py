@@ -249,6 +249,29 @@ def test_an_aux_value_no_array_can_hold_is_named():
         f(model, opt, make_batch(kind, 4))
 
 
+class _Unannotated(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+def test_an_optimizer_made_before_assign_stages_is_named():
+    """``assign_stages`` wraps modules in ``Stage`` (``module`` joins the paths); an
+    optimizer created before keeps the old tree: the error says to create it after."""
+    model = _Unannotated(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    mp.assign_stages(model, {"layers.0": 0, "layers.1": 1})
+    step = mp.jit(_step(), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2)
+    with pytest.raises(
+        mp.CompileError, match=r"created before mp.assign_stages.*create the optimizer after"
+    ):
+        step(model, optimizer, make_batch("regression", 4))
+
+
 def mlp_loss_of(out, batch):
     return jnp.mean((out - batch["y"]) ** 2)
 

@@ -292,13 +292,31 @@ def _assemble(flat: FlatArgs, nodes: Sequence[Any], other_leaves: Sequence[Any])
     return tuple(a.value if isinstance(a, StaticArg) else a for a in args)
 
 
+def _raise_if_stale_optimizer(error: ValueError) -> None:
+    """A `CompileError` for the pytree mismatch of an optimizer made before the model's
+    `Stage` wrappers (whose ``module`` attribute is in the parameters' paths)."""
+    text = str(error)
+    if "pytree structure error" in text and "module" in text:
+        raise CompileError(
+            "the optimizer's state and the gradients have different trees: one has a Stage "
+            "wrapper ('module' in the path) where the other has none. An nnx.Optimizer keeps "
+            "the tree of the parameters it was created for, so this happens when it is created "
+            "before mp.assign_stages (or before modules are wrapped in mp.Stage); create the "
+            "optimizer after annotating the model. JAX said: " + text.strip().splitlines()[0]
+        ) from error
+
+
 def _training_function(fn: Callable[..., Any], flat: FlatArgs, out_tree: list[Any]) -> Any:
     """``(state leaves, other leaves) -> (outputs, new state leaves)`` of the step."""
 
     def pure(state_leaves: list[Any], other_leaves: list[Any]) -> Any:
         nodes = nnx.merge(flat.graphdef, jax.tree.unflatten(flat.state_tree, state_leaves))
         with implicit_rngs_bound(flat, nodes):
-            out = fn(*_assemble(flat, nodes, other_leaves))
+            try:
+                out = fn(*_assemble(flat, nodes, other_leaves))
+            except ValueError as e:
+                _raise_if_stale_optimizer(e)
+                raise
         _, new_state = nnx.split(nodes)
         new_leaves, new_tree = jax.tree.flatten(new_state)
         if new_tree != flat.state_tree:
