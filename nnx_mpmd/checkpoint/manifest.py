@@ -17,6 +17,7 @@ same manifest.
 
 from __future__ import annotations
 
+import re
 import zlib
 from functools import partial
 from typing import Any
@@ -218,6 +219,42 @@ def check_manifest(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
     return manifest["entries"]
 
 
+_STACKED = re.compile(r"^(?P<head>.+)\.chunks\.\d+\.layers\.(?P<leaf>.+)$")
+_UNROLLED = re.compile(r"^(?P<head>.+)\.\d+\.(?P<leaf>.+)$")
+
+
+def _layers_hint(name: str, others: Any, holder: str) -> str:
+    """A hint when ``name`` is a `ScanStack` leaf and ``others`` (``holder``'s names) hold
+    it unrolled, or the other way round: those convert only with the same layers in total."""
+    stacked = _STACKED.match(name)
+    if stacked:
+        head, leaf = stacked["head"], stacked["leaf"]
+        count = sum(
+            1
+            for other in others
+            if re.fullmatch(rf"{re.escape(head)}\.\d+\.{re.escape(leaf)}", other)
+        )
+        if count:
+            return (
+                f" {holder} holds {count} unrolled layers of this ScanStack "
+                f"({head}.0.{leaf}, ...); a stack and its unrolled layers convert only when "
+                "they have the same number of layers in total."
+            )
+        return ""
+    unrolled = _UNROLLED.match(name)
+    if unrolled:
+        pattern = (
+            rf"{re.escape(unrolled['head'])}\.chunks\.\d+\.layers\.{re.escape(unrolled['leaf'])}"
+        )
+        if any(re.fullmatch(pattern, other) for other in others):
+            return (
+                f" {holder} holds these layers as a ScanStack "
+                f"({unrolled['head']}.chunks.<i>.layers.{unrolled['leaf']}); a stack and its "
+                "unrolled layers convert only when they have the same number of layers in total."
+            )
+    return ""
+
+
 def check_target(
     records: dict[str, dict[str, Any]], layout: Layout, where: str, *, partial: bool = False
 ) -> None:
@@ -239,7 +276,7 @@ def check_target(
             raise CheckpointError(
                 f"target path {name!r} is not in checkpoint {where}; the checkpoint was saved "
                 "from a different model or tree (check the tree keys and the model config), or "
-                "remove that leaf from the target."
+                f"remove that leaf from the target.{_layers_hint(name, records, 'The checkpoint')}"
             )
         if name not in targets:
             if partial:
@@ -247,6 +284,7 @@ def check_target(
             raise CheckpointError(
                 f"checkpoint {where} has {name!r} but the target does not; add it to the target "
                 "tree, or pass partial=True to restore only the target's paths."
+                f"{_layers_hint(name, targets, 'The target')}"
             )
         saved, wanted = records[name], _target_record(targets[name])
         for field in ("kind", "type", "shape", "dtype", "impl"):
