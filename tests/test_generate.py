@@ -134,24 +134,26 @@ def test_kv_cache_modes():
         required(_NoCacheLM(), _prompts(4, 3), 2)
 
 
-def test_a_scanned_zoo_model_decodes_without_a_cache_by_default():
-    """``scan_layers=True`` has ``init_cache`` but no cache to give: the default recomputes
-    the window, with the unpipelined tokens."""
+def test_a_scanned_zoo_model_decodes_with_stacked_caches():
+    """``scan_layers=True``: each stacked attention gets caches stacked along the layer
+    axis; the tokens equal the unpipelined decoding's and the recomputed window's."""
 
     def scanned():
         return build_model(
-            "gpt", "tiny", num_stages=2, rngs=nnx.Rngs(0), vocab_size=VOCAB, scan_layers=True
-        )
+            "llama", "tiny", num_stages=4, rngs=nnx.Rngs(0), vocab_size=VOCAB, n_layers=8,
+            scan_layers=True,
+        )  # fmt: skip
 
-    generator = mp.Generator(
-        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=16
-    )
-    model = scanned()
-    assert not model.supports_kv_cache and not generator.uses_cache(model)
-    prompts = _prompts(4, 3)
-    np.testing.assert_array_equal(
-        generator(model, prompts, 3), generator.reference(scanned(), prompts, 3)
-    )
+    settings = dict(mesh=make_mesh(2, 2), schedule=mp.Interleaved1F1B(), num_microbatches=2,
+                    window=64, temperature=0.8, top_k=5)  # fmt: skip
+    generator, model, prompts = mp.Generator(**settings), scanned(), _prompts(4, 5)
+    assert generator.uses_cache(model)
+    got = generator(model, prompts, 6, seed=3)
+    key = model.blocks.chunks[0].module.layers.attn.cached_key
+    assert key.shape[:2] == (2, 2)  # [layers of the chunk, microbatches, ...]
+    np.testing.assert_array_equal(got, generator.reference(scanned(), prompts, 6, seed=3))
+    window = mp.Generator(**settings, kv_cache=False)(scanned(), prompts, 6, seed=3)
+    np.testing.assert_array_equal(got, window)
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,7 @@ stage's submesh between tokens. Two step signatures are compiled (prefill and
 one-token decode). Without a cache, the whole window is recomputed per token.
 
 A model decodes with a cache when it has ``init_cache(batch_size, *,
-num_microbatches, batch_axis)`` (and no ``supports_kv_cache`` attribute that
-is False, as a zoo model built with ``scan_layers=True`` has) and its
+num_microbatches, batch_axis)`` and its
 ``__call__`` takes ``positions=`` and ``cache_rows=`` (``[batch]`` ints: each
 row's first position in the call, and its row in the cache); see
 `nnx_mpmd.models.kv_cache`.
@@ -153,8 +152,7 @@ class Generator:
       top_k: sample among the ``top_k`` most likely tokens (None: all).
       kv_cache: decode with the model's KV cache (True), recompute the window
         for every token (False), or use the cache when the model has one
-        (None, the default: a model with ``init_cache`` whose
-        ``supports_kv_cache``, if it has one, is True).
+        (None, the default: a model with ``init_cache``).
 
     Raises:
       CompileError: a negative temperature, a ``top_k`` below 1 or a window
@@ -223,8 +221,6 @@ class Generator:
           CompileError: ``kv_cache=True`` and the model has no ``init_cache``.
         """
         has = callable(getattr(model, "init_cache", None))
-        if self.kv_cache is None:  # a model may have the method but no cache to give
-            has = has and bool(getattr(model, "supports_kv_cache", True))
         if self.kv_cache and not has:
             raise CompileError(
                 f"Generator(kv_cache=True): {type(model).__name__} has no init_cache(batch_size) "

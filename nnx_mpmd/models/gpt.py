@@ -149,11 +149,6 @@ class GPT(PipelinedModel):
         x = self.embed(tokens, positions)
         return self.head(blocks.run_blocks(self.blocks, x, positions, cache_rows))
 
-    @property
-    def supports_kv_cache(self) -> bool:
-        """Whether `init_cache` can give the blocks a KV cache (not with ``scan_layers``)."""
-        return not self.config.scan_layers
-
     def init_cache(self, batch_size: int, **layout: Any) -> None:
         """Gives every block a KV cache for ``batch_size`` sequences.
 

@@ -166,6 +166,20 @@ def _attention_layers(model: Any) -> list[Any]:
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
 
 
+def _stacked_layers(model: Any) -> dict[int, int]:
+    """``{id(attention layer): layers}`` for the attention layers stacked in a `ScanStack`."""
+    from nnx_mpmd.frontend.scan_stack import ScannedLayers
+    from nnx_mpmd.models.layers import Attention
+
+    out = {}
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, ScannedLayers):
+            for _, inner in nnx.iter_graph(node.layers):
+                if isinstance(inner, Attention):
+                    out[id(inner)] = node.num_layers
+    return out
+
+
 def _stage_of(layer: Any) -> int | None:
     return layer.query.kernel.get_metadata().get(STAGE_KEY)
 
@@ -194,9 +208,12 @@ def init_cache(
       batch_axis: the submesh axis the microbatches are sharded over, or None.
       max_len: positions per row; default: the model's ``config.max_len``.
 
+    An attention layer stacked in a `nnx_mpmd.ScanStack` (a zoo model with
+    ``scan_layers=True``) gets its caches stacked along the same layer axis,
+    ``[layers, num_microbatches, ...]``, which the stack's scan slices per layer.
+
     Raises:
-      MpmdError: the model has no zoo attention layer, was built with
-        ``scan_layers=True``, or bad sizes.
+      MpmdError: the model has no zoo attention layer, or bad sizes.
 
     Example:
       >>> from nnx_mpmd.models import GPT, GPTConfig
@@ -212,13 +229,6 @@ def init_cache(
             "a KV cache needs the zoo's attention (or decode without one: "
             "mp.Generator(..., kv_cache=False))."
         )
-    if getattr(getattr(model, "config", None), "scan_layers", False):
-        raise MpmdError(
-            f"init_cache: {type(model).__name__} was built with scan_layers=True, whose "
-            "stacked blocks have no KV cache; decode without one "
-            "(mp.Generator(..., kv_cache=False)) or build the model with scan_layers=False "
-            "(a checkpoint of the scanned model restores into it)."
-        )
     if max_len is None:
         max_len = getattr(getattr(model, "config", None), "max_len", None)
     sizes = (("batch_size", batch_size), ("num_microbatches", num_microbatches))
@@ -233,13 +243,19 @@ def init_cache(
     tensor = getattr(getattr(model, "config", None), "tensor", None)
     sharding = (None, batch_axis, None, tensor, None)
     per_slot = batch_size // num_microbatches
+    stacked = _stacked_layers(model)
     for layer in layers:
-        shape = (num_microbatches, per_slot, max_len, layer.n_kv_heads, layer.head_dim)
+        # An attention layer stacked in a ScanStack gets one cache per layer, stacked too.
+        lead = (stacked[id(layer)],) if id(layer) in stacked else ()
+        shape = (*lead, num_microbatches, per_slot, max_len, layer.n_kv_heads, layer.head_dim)
         current = getattr(layer, "cached_key", None)
         if current is not None and current.shape == shape:
             continue
         # Like the zoo's parameters: sharded when placed on a submesh, not when built.
-        metadata = {"out_sharding": sharding, "eager_sharding": False} if any(sharding) else {}
+        layer_sharding = (None,) * len(lead) + sharding
+        metadata = (
+            {"out_sharding": layer_sharding, "eager_sharding": False} if any(sharding) else {}
+        )
         for name in ("cached_key", "cached_value"):
             setattr(layer, name, nnx.Cache(jnp.zeros(shape, layer.cache_dtype), **metadata))
         stage = _stage_of(layer)

@@ -70,8 +70,8 @@ class ModelConfig:
       tensor: mesh axis for tensor (Megatron-style) parallelism, or None.
       scan_layers: stack the blocks and scan them (`nnx_mpmd.ScanStack`), one
         chunk per stage, instead of one call per block: each stage program
-        then holds one loop body, so compiling does not grow with depth. No
-        KV cache (generation decodes without one).
+        then holds one loop body, so compiling does not grow with depth (the
+        KV cache of `init_cache` is stacked the same way).
 
     Example:
       >>> ModelConfig(n_layers=2, num_stages=2).d_model

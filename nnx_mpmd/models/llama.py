@@ -133,11 +133,6 @@ class Llama(PipelinedModel):
         args = () if positions is None else (positions, cache_rows)
         return self.head(blocks.run_blocks(self.blocks, self.embed(tokens), *args))
 
-    @property
-    def supports_kv_cache(self) -> bool:
-        """Whether `init_cache` can give the blocks a KV cache (not with ``scan_layers``)."""
-        return not self.config.scan_layers
-
     def init_cache(self, batch_size: int, **layout: Any) -> None:
         """Gives every block a KV cache for ``batch_size`` sequences.
 
