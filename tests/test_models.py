@@ -116,12 +116,6 @@ def test_scanned_blocks_have_the_unrolled_stages_and_outputs(name):
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_a_scanned_model_has_no_kv_cache():
-    model = build_model("gpt", "tiny", num_stages=2, rngs=nnx.Rngs(0), scan_layers=True)
-    with pytest.raises(mp.MpmdError, match=r"scan_layers=True.*kv_cache=False.*scan_layers=False"):
-        model.init_cache(4)
-
-
 def test_untied_gpt_has_its_own_head():
     cfg = GPTConfig.preset("tiny", num_stages=2, tie_embeddings=False)
     model = GPT(cfg, rngs=nnx.Rngs(0))
