@@ -39,6 +39,7 @@ from nnx_mpmd.errors import CheckpointError
 
 __all__ = [
     "FORMAT",
+    "STACKED_LEAF",
     "build_manifest",
     "check_manifest",
     "check_target",
@@ -219,16 +220,17 @@ def check_manifest(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
     return manifest["entries"]
 
 
-_STACKED = re.compile(r"^(?P<head>.+)\.chunks\.\d+\.layers\.(?P<leaf>.+)$")
+STACKED_LEAF = re.compile(r"^(?P<head>.+)\.chunks\.(?P<index>\d+)\.(?P<tail>layers\..+)$")
+"""A stacked `ScanStack` leaf's name: ``<stack>.chunks.<i>.layers.<leaf>``."""
 _UNROLLED = re.compile(r"^(?P<head>.+)\.\d+\.(?P<leaf>.+)$")
 
 
 def _layers_hint(name: str, others: Any, holder: str) -> str:
     """A hint when ``name`` is a `ScanStack` leaf and ``others`` (``holder``'s names) hold
     it unrolled, or the other way round: those convert only with the same layers in total."""
-    stacked = _STACKED.match(name)
+    stacked = STACKED_LEAF.match(name)
     if stacked:
-        head, leaf = stacked["head"], stacked["leaf"]
+        head, leaf = stacked["head"], stacked["tail"].removeprefix("layers.")
         count = sum(
             1
             for other in others

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any
 
 import jax
@@ -32,11 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.checkpoint.global_arrays import move_to
 from nnx_mpmd.checkpoint.layout import ARRAY, KEY, Entry, Layout
-from nnx_mpmd.checkpoint.manifest import key_impl_name
+from nnx_mpmd.checkpoint.manifest import STACKED_LEAF, key_impl_name
 
 __all__ = ["StackRecut", "recut_stacks"]
-
-_CHUNK = re.compile(r"^(?P<head>.+)\.chunks\.(?P<index>\d+)\.(?P<tail>layers\..+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +173,7 @@ def _groups(names: Any) -> dict[tuple[str, str], dict[int, str]]:
     """``{(head, tail): {chunk index: name}}`` for names of stacked chunk leaves."""
     groups: dict[tuple[str, str], dict[int, str]] = {}
     for name in names:
-        match = _CHUNK.match(name)
+        match = STACKED_LEAF.match(name)
         if match:
             key = (match["head"], match["tail"])
             groups.setdefault(key, {})[int(match["index"])] = name

@@ -74,14 +74,13 @@ def stage_units(
 
     jax.eval_shape(trace, state)
     paths = {id(node): path for path, node in by_path.items()}
-    calls = called
-    if not calls:
+    if not called:
         raise PartitionError(
             f"the loss calls no Stage of {type(model).__name__}; wrap its layers in mp.Stage "
             "or annotate them with mp.assign_stages before planning."
         )
     units, seen = [], set()
-    for stage in calls:
+    for stage in called:
         if id(stage) in seen:
             raise PartitionError(
                 f"the loss calls the Stage at {path_text(paths.get(id(stage), ()))!r} twice; "
