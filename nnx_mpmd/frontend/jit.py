@@ -25,6 +25,7 @@ from nnx_mpmd.compiler.trace_step import (
 )
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
 from nnx_mpmd.frontend.donation import donated_positions, donated_state_leaves
+from nnx_mpmd.frontend import graph_key
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.frontend.stages import Lowered as Lowered
 from nnx_mpmd.frontend.static_args import argument_positions, check_disjoint, wrap_static
@@ -96,6 +97,13 @@ class _Signature:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def frozen(self) -> _Signature:
+        """This key as the cache stores it: unhashable static values copied (`frozen_graphdef`)."""
+        stored = object.__new__(_Signature)
+        stored.graphdef = graph_key.frozen_graphdef(self.graphdef)
+        stored.rest, stored._hash = self.rest, self._hash
+        return stored
 
     def __getitem__(self, index: Any) -> Any:
         """Reads like the tuple ``(graphdef, state_tree, args_tree, state keys, other keys)``."""
@@ -253,7 +261,7 @@ class PipelinedFunction:
         if last is not None and (last is graphdef or last == graphdef):
             graphdef, graphdef_hash = last, last_hash
         else:
-            graphdef_hash = hash(graphdef)
+            graphdef_hash = graph_key.graphdef_hash(graphdef)
             self._last_graphdef = (graphdef, graphdef_hash)
         rest = (
             flat.state_tree,
@@ -283,7 +291,7 @@ class PipelinedFunction:
             transfer_warning_bytes=self.transfer_warning_bytes,
             donated_state=donated_state_leaves(flat, self.donate_argnums),
         )
-        self._cache[key] = compiled
+        self._cache[key.frozen()] = compiled
         while len(self._cache) > MAX_COMPILED_STEPS:
             evicted = self._cache.popitem(last=False)[1]
             self._finish_compiling(evicted)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx.training.optimizer import OptState
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import PartitionError, PlacementError
 from nnx_mpmd.frontend.annotate import STAGE_KEY, variable_stage
@@ -249,6 +249,33 @@ def _check_spec(
             )
 
 
+def _round_trip_spec(spec: PartitionSpec, submesh: Mesh) -> PartitionSpec:
+    """``spec`` without its Auto axes of size 1: the spec a step's update gives back.
+
+    XLA drops a size-1 Auto axis from the shardings it chooses, so a value placed
+    ``P('data', None)`` on ``data`` of size 1 would come back ``P()`` and the next
+    call would see another signature (and compile again). Explicit axes stay: the
+    value's type carries them through the step.
+    """
+    kinds = dict(zip(submesh.axis_names, submesh.axis_types, strict=True))
+    dropped = {
+        name
+        for name in submesh.axis_names
+        if submesh.shape[name] == 1 and kinds[name] != AxisType.Explicit
+    }
+    if not dropped or not any(set(_axis_names(e, "")) & dropped for e in spec):
+        return spec
+    entries = []
+    for entry in spec:
+        names = _axis_names(entry, "")
+        if not set(names) & dropped:
+            entries.append(entry)
+            continue
+        kept = tuple(name for name in names if name not in dropped)
+        entries.append(kept[0] if len(kept) == 1 else (kept or None))
+    return PartitionSpec(*entries)
+
+
 def leaf_sharding(
     variable_or_metadata: nnx.Variable | Mapping[str, Any],
     submesh: Mesh,
@@ -291,7 +318,7 @@ def leaf_sharding(
     where = path or "<variable>"
     spec = _spec_from_metadata(metadata, where)
     _check_spec(spec, submesh, shape, where, mpmd_axis)
-    return NamedSharding(submesh, spec)
+    return NamedSharding(submesh, _round_trip_spec(spec, submesh))
 
 
 # ------------------------------------------------------------------ placement
@@ -402,7 +429,7 @@ def placement_of(
         if not isinstance(variable, OptState) or not _fits_axes(spec, submesh, mesh.mpmd_axis):
             raise
         spec = PartitionSpec()
-    return mesh_ids, spec
+    return mesh_ids, _round_trip_spec(spec, submesh)
 
 
 def _fits_axes(spec: PartitionSpec, submesh: Mesh, mpmd_axis: str) -> bool:
