@@ -24,8 +24,8 @@ from nnx_mpmd.compiler.trace_step import (
     reusable_flat_args,
 )
 from nnx_mpmd.errors import CompileError, MeshError, ScheduleError
-from nnx_mpmd.frontend.donation import donated_positions, donated_state_leaves
 from nnx_mpmd.frontend import graph_key
+from nnx_mpmd.frontend.donation import donated_positions, donated_state_leaves
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.frontend.stages import Lowered as Lowered
 from nnx_mpmd.frontend.static_args import argument_positions, check_disjoint, wrap_static
