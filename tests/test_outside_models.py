@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.stats import count_compilations
@@ -303,3 +304,25 @@ def test_annotated_state_returns_as_it_came(mesh_shape, out_sharding, rules, kin
     )
     _run_calls(step, nnx.jit(_step), (model, opt), (twin, twin_opt), CALLS)
     _assert_params_equal(model, twin)
+
+
+@pytest.mark.parametrize(
+    "out_sharding,kind,want",
+    [
+        (("data", None), AUTO, P()),
+        ((None, ("data", "model")), AUTO, P(None, "data")),
+        (("model", "data"), AUTO, P(None, "data")),
+        (("data", None), EXPLICIT, P("data", None)),
+        ((None, ("data", "model")), EXPLICIT, P(None, ("data", "model"))),
+    ],
+)
+def test_placement_leaves_out_auto_axes_of_size_one(out_sharding, kind, want):
+    from nnx_mpmd.placement.partition import leaf_sharding, placement_of
+
+    data = 1 if out_sharding == ("data", None) else 2
+    mesh = _mesh(2, data, kind, model=1)
+    param = nnx.Param(
+        jnp.zeros((4, 4)), mpmd_stage=1, out_sharding=out_sharding, eager_sharding=False
+    )
+    assert placement_of(param, "w", mesh) == ((1,), want)
+    assert leaf_sharding(param, mesh.submesh(1)).spec == want

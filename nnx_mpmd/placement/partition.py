@@ -273,6 +273,8 @@ def _round_trip_spec(spec: PartitionSpec, submesh: Mesh) -> PartitionSpec:
             continue
         kept = tuple(name for name in names if name not in dropped)
         entries.append(kept[0] if len(kept) == 1 else (kept or None))
+    while entries and entries[-1] is None:  # P('data', None) on data of size 1: P()
+        entries.pop()
     return PartitionSpec(*entries)
 
 
@@ -296,6 +298,8 @@ def leaf_sharding(
 
     Returns:
       ``NamedSharding(submesh, spec)``; replicated when there is no out_sharding.
+      Auto axes of size 1 are left out of ``spec``, as XLA leaves them out of
+      the shardings it chooses (so placed state comes back from a step as it went in).
 
     Raises:
       PlacementError: an axis is unknown to the submesh or is the mpmd axis, a
@@ -388,7 +392,7 @@ def placement_of(
       params: optional ``{path: Param}`` of the model, for the suffix fallback.
 
     Returns:
-      ``(mesh_ids, spec)``.
+      ``(mesh_ids, spec)``; ``spec`` without Auto axes of size 1 (see `leaf_sharding`).
 
     Raises:
       PlacementError: a Param has no stage, the schedule maps the stage outside
