@@ -99,7 +99,21 @@ class Mixer(nnx.Module):
         self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
     def __call__(self, x, inputs):
-        return OPS[self.op](jnp.tanh(self.linear(x)), inputs)
+        h = jnp.tanh(self.linear(x))
+        seen = [x, self.linear.kernel[...], *inputs.values(), h]
+        MESHES_SEEN.append([jax.typeof(v).sharding.mesh.axis_names for v in seen])
+        return OPS[self.op](h, inputs)
+
+
+# The mesh axes each value in Mixer is typed on, per trace: under nnx.jit inside
+# jax.set_mesh every input names the mesh, as a computed value does.
+MESHES_SEEN: list[list[tuple[str, ...]]] = []
+
+
+def assert_inputs_typed_on_the_submesh():
+    assert MESHES_SEEN
+    for meshes in MESHES_SEEN:
+        assert meshes == [("data",)] * len(meshes), meshes
 
 
 class MixNet(nnx.Module):
@@ -181,8 +195,10 @@ def test_forward_mixing_inputs_with_computed_values_equals_nnx_jit(op, axis_type
     ref_mesh = reference_mesh(kind)
     with jax.set_mesh(ref_mesh):
         expected = nnx.jit(forward)(make_model(op), *on_reference(ref_mesh, x, inputs))
+    MESHES_SEEN.clear()
     got = pipelined(forward, pipeline_mesh(kind))(make_model(op), x, inputs)
     assert_trees_close(got, expected)
+    assert_inputs_typed_on_the_submesh()
     assert not [w for w in recwarn if issubclass(w.category, ReplicatedBatchWarning)]
 
 
@@ -198,8 +214,10 @@ def test_value_and_grad_mixing_inputs_with_computed_values_equals_nnx_jit(op, ax
             make_model(op), on_reference(ref_mesh, batch)[0]
         )
     step = pipelined(grad_step(), pipeline_mesh(kind))
+    MESHES_SEEN.clear()
     got = step(make_model(op), {"x": x, "inputs": inputs})
     assert_trees_close(got, expected)
+    assert_inputs_typed_on_the_submesh()
     replicated = [w for w in recwarn if issubclass(w.category, ReplicatedBatchWarning)]
     compiled = next(iter(step._cache.values()))
     if op in SORTING and kind == AxisType.Explicit:
