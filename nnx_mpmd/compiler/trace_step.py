@@ -394,7 +394,15 @@ def _trace_gradient_on_sharded_batch(info: RegionInfo, abstract_mesh: Any) -> No
     def loss(diff: list[Any], rest: list[Any]) -> Any:
         return jcore.jaxpr_as_fun(body)(*rest[:first], *diff, *rest[first:])[0]
 
-    jax.make_jaxpr(jax.grad(loss))(avals[first:last], avals[:first] + avals[last:])
+    trace = jax.make_jaxpr(jax.grad(loss))
+    try:
+        _, rejection = explicit_sharding_rejection(
+            trace, avals[first:last], avals[:first] + avals[last:]
+        )
+    except Exception:  # other errors surface where the stage programs are built
+        return
+    if rejection is not None:
+        raise rejection
 
 
 def _typed_like(aval: Any, abstract_mesh: Any) -> jax.ShapeDtypeStruct:
