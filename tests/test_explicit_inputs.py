@@ -311,3 +311,59 @@ def test_code_rejected_with_any_batch_sharding_is_a_compile_error_without_a_warn
     ):
         warnings.simplefilter("error", ReplicatedBatchWarning)
         step(model, jnp.ones((BATCH, WIDTH)))
+
+
+# -- state meeting computed values: a sharded buffer each microbatch writes ------------
+
+
+class Recorder(nnx.Module):
+    """Writes each microbatch's mean activation into a state buffer sharded over "data"."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.means = nnx.BatchStat(jnp.zeros((CACHE, WIDTH)), out_sharding=("data", None))
+
+    def __call__(self, x):
+        h = jnp.tanh(self.linear(x))
+        row = jnp.mean(h, axis=0, keepdims=True)
+        rows = jax.sharding.reshard(jnp.broadcast_to(row, (4, WIDTH)), P("data", None))
+        self.means[...] = lax.dynamic_update_slice(0.5 * self.means[...], rows, (2, 0))
+        return h
+
+
+class RecordingNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.recorder = Recorder(rngs)
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.recorder(x))
+
+
+def recording_loss(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def test_sharded_state_updated_with_a_computed_value_equals_nnx_jit():
+    """A state buffer placed ``P("data", None)`` takes a dynamic_update_slice of rows
+    computed and sharded the same way: its input type must carry its placement."""
+    x, _ = make_inputs(2)
+    ref_mesh = reference_mesh(AxisType.Explicit)
+    with jax.set_mesh(ref_mesh):  # Flax shards the annotated buffer eagerly here
+        reference = RecordingNet(nnx.Rngs(0))
+        mp.assign_stages(reference, {"recorder": 0, "head": 1})
+        ref_step = mp.value_and_grad(recording_loss, num_microbatches=MICROBATCHES)
+        expected = nnx.jit(ref_step)(reference, on_reference(ref_mesh, x)[0])
+    mesh = pipeline_mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh.jax_mesh):  # as the sharding guide says for annotated state
+        model = RecordingNet(nnx.Rngs(0))
+    mp.assign_stages(model, {"recorder": 0, "head": 1})
+    step = pipelined(lambda m, x: mp.value_and_grad(recording_loss)(m, x), mesh)
+    got = step(model, x)
+    assert_trees_close(got, expected)
+    np.testing.assert_allclose(
+        np.asarray(mp.gather(model.recorder.means[...])),
+        np.asarray(reference.recorder.means[...]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
