@@ -383,9 +383,10 @@ def _trace_gradient_on_sharded_batch(info: RegionInfo, abstract_mesh: Any) -> No
     The stage programs differentiate the body only when they are built; an op
     whose derivative JAX's Explicit rules reject on a sharded batch (``sort``'s,
     which adds a replicated operand) must fail here, while the batch can still
-    be replicated (`trace_step`), not later as a raw error.
+    be replicated (`trace_step`), not later as a raw error. Only bodies that use
+    such an op (`_SORTING`) are traced.
     """
-    if not info.with_grad or info.unreduced_axis is None:
+    if not info.with_grad or info.unreduced_axis is None or not _uses(info.body, _SORTING):
         return
     body = jcore.ClosedJaxpr(info.body, [])
     avals = [_typed_like(v.aval, abstract_mesh) for v in info.body.invars]
@@ -403,6 +404,22 @@ def _trace_gradient_on_sharded_batch(info: RegionInfo, abstract_mesh: Any) -> No
         return
     if rejection is not None:
         raise rejection
+
+
+# Primitives whose derivative JAX's Explicit rules reject next to a sharded batch
+# (sort's adds replicated iota indices). Tracing the gradient costs about half of a
+# step's trace, so it is traced only for bodies that use one of these.
+_SORTING = frozenset({"sort"})
+
+
+def _uses(jaxpr: Any, names: frozenset[str]) -> bool:
+    """Whether a primitive named in ``names`` is anywhere in ``jaxpr`` (any depth)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        if any(_uses(sub, names) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def _typed_like(aval: Any, abstract_mesh: Any) -> jax.ShapeDtypeStruct:
