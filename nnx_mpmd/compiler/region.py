@@ -176,12 +176,16 @@ def microbatch_spec(
 
 
 def _microbatch_aval(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-    """A microbatch's abstract value: typed as sharded when the batch axis is Explicit."""
+    """A microbatch's abstract value, typed on the submeshes' abstract mesh.
+
+    Sharded over the batch axis as `microbatch_spec` says (a spec that only
+    Explicit axes keep in the type), else replicated: an untyped input would
+    not combine with values computed in the stage on Explicit axes.
+    """
     submesh, axis = _region_state.submesh, _region_state.batch_axis
-    spec = microbatch_spec(shape, submesh, axis) if submesh is not None else None
-    types = dict(zip(submesh.axis_names, submesh.axis_types)) if submesh is not None else {}
-    if spec is None or types.get(axis) != AxisType.Explicit:
+    if submesh is None:
         return jax.ShapeDtypeStruct(shape, dtype)
+    spec = microbatch_spec(shape, submesh, axis) or PartitionSpec()
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(submesh.abstract_mesh, spec))
 
 
@@ -378,7 +382,22 @@ def _store_state(
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    """``x``'s abstract value for the region body: its type on the submeshes' mesh.
+
+    A value of the step's trace keeps its sharding (the step's inputs are typed
+    by their placement); any other value (a captured array, a constant) is
+    typed replicated there, as ``nnx.jit`` inside ``jax.set_mesh`` types it.
+    """
+    shape, dtype = jnp.shape(x), jnp.result_type(x)
+    submesh = _region_state.submesh
+    if submesh is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    abstract = submesh.abstract_mesh
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = PartitionSpec()
+    if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == abstract.axis_names:
+        spec = sharding.spec
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(abstract, spec))
 
 
 def _trace_body(

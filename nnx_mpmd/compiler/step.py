@@ -381,7 +381,11 @@ def compile_step(
     def record(name: str, render: Callable[[], str]) -> None:
         passes.append(PassRecord(name, render))
 
-    avals = ([a.aval for a in state_avals], [a.aval for a in other_avals])
+    typed_on = mesh.submesh(0).abstract_mesh
+    avals = (
+        [a.traced_on(typed_on) for a in state_avals],
+        [a.traced_on(typed_on) for a in other_avals],
+    )
     traced = trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
     record("trace", lambda: str(traced.jaxpr))
     region = _region_passes(traced, schedule, mesh, num_microbatches, record)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from flax import errors as flax_errors
 from flax import nnx
 from flax.nnx import graph as nnx_graph
-from jax.sharding import AxisType
+from jax.extend import core as jcore
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd._jax_compat import (
@@ -370,7 +371,63 @@ def _trace_once(
         markers.outer_tracing() as outside,
     ):
         closed = jax.make_jaxpr(pure)(*avals)
+    with submesh_tracing(mesh):  # outside the markers' tracing: they differentiate here
+        for info in regions:
+            _trace_gradient_on_sharded_batch(info, mesh.submesh(0).abstract_mesh)
     return closed, regions, outside
+
+
+def _trace_gradient_on_sharded_batch(info: RegionInfo, abstract_mesh: Any) -> None:
+    """Traces the gradient of a region whose microbatches are sharded over an Explicit axis.
+
+    The stage programs differentiate the body only when they are built; an op
+    whose derivative JAX's Explicit rules reject on a sharded batch (``sort``'s,
+    which adds a replicated operand) must fail here, while the batch can still
+    be replicated (`trace_step`), not later as a raw error. Only bodies that use
+    such an op (`_SORTING`) are traced.
+    """
+    if not info.with_grad or info.unreduced_axis is None or not _uses(info.body, _SORTING):
+        return
+    body = jcore.ClosedJaxpr(info.body, [])
+    avals = [_typed_like(v.aval, abstract_mesh) for v in info.body.invars]
+    first, last = info.n_closure, info.n_closure + info.n_diff
+
+    def loss(diff: list[Any], rest: list[Any]) -> Any:
+        return jcore.jaxpr_as_fun(body)(*rest[:first], *diff, *rest[first:])[0]
+
+    trace = jax.make_jaxpr(jax.grad(loss))
+    try:
+        _, rejection = explicit_sharding_rejection(
+            trace, avals[first:last], avals[:first] + avals[last:]
+        )
+    except Exception:  # other errors surface where the stage programs are built
+        return
+    if rejection is not None:
+        raise rejection
+
+
+# Primitives whose derivative JAX's Explicit rules reject next to a sharded batch
+# (sort's adds replicated iota indices). Tracing the gradient costs about half of a
+# step's trace, so it is traced only for bodies that use one of these.
+_SORTING = frozenset({"sort"})
+
+
+def _uses(jaxpr: Any, names: frozenset[str]) -> bool:
+    """Whether a primitive named in ``names`` is anywhere in ``jaxpr`` (any depth)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        if any(_uses(sub, names) for sub in jcore.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _typed_like(aval: Any, abstract_mesh: Any) -> jax.ShapeDtypeStruct:
+    """``aval`` with its sharding, replicated on ``abstract_mesh`` when it names no mesh."""
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or sharding.mesh.empty:
+        sharding = NamedSharding(abstract_mesh, P())
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
 
 
 def _trace_modes(
@@ -407,7 +464,8 @@ def trace_step(
 
     On an Explicit ``batch_axis``, a step whose code JAX rejects with sharded
     microbatches (an embedding gather, say) is traced again with replicated
-    microbatches, with a `ReplicatedBatchWarning`.
+    microbatches, with a `ReplicatedBatchWarning`; code that JAX rejects with
+    either batch is a `CompileError`.
 
     Args:
       fn: the step.
@@ -421,14 +479,14 @@ def trace_step(
       The `TracedStep`, dead code removed.
     """
     trace = functools.partial(_trace_modes, fn, flat, avals, mesh, num_microbatches)
-    rejection = None
-    if _explicit_axis(mesh, batch_axis):
-        result, rejection = explicit_sharding_rejection(trace, batch_axis)
-    else:
-        result = trace(batch_axis)
+    result, rejection = explicit_sharding_rejection(trace, batch_axis)
+    if rejection is not None and _explicit_axis(mesh, batch_axis):
+        replicated, second = explicit_sharding_rejection(trace, None)
+        if second is None:  # only the sharded batch is rejected: replicate it
+            _warn_replicated_batch(rejection, mesh, batch_axis)
+            batch_axis, result, rejection = None, replicated, None
     if rejection is not None:
-        _warn_replicated_batch(rejection, mesh, batch_axis)
-        batch_axis, result = None, trace(None)
+        raise _explicit_rules_error(rejection, mesh) from rejection
     closed, regions, out_tree, forward_only = result
     jaxpr = convert_constvars_jaxpr(closed.jaxpr)
     jaxpr, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
@@ -442,6 +500,20 @@ def trace_step(
         num_user_outputs,
         batch_axis,
         forward_only,
+    )
+
+
+def _explicit_rules_error(error: BaseException, mesh: MpmdMesh) -> CompileError:
+    """A `CompileError` for an op that JAX's Explicit sharding rules reject whatever
+    the batch's sharding (the same op fails under ``nnx.jit`` inside ``jax.set_mesh``)."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+    return CompileError(
+        f"JAX's Explicit sharding rules reject an op of the step on the submeshes of {mesh!r} "
+        f"({first_line}). Inputs are typed with the sharding they have at run time, as under "
+        "nnx.jit inside jax.set_mesh(submesh), so the same code fails there too. Make the "
+        "shardings agree (jax.sharding.reshard(x, P(...)) on one operand, or out_sharding=P(...) "
+        "on the op), or build the mesh with Auto axes, jax.make_mesh(shape, names, "
+        "axis_types=(AxisType.Auto,) * len(names))."
     )
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import PlacementError
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -62,8 +62,35 @@ class PlacedAval:
 
     @property
     def aval(self) -> jax.ShapeDtypeStruct:
-        """Shape and dtype only: what the step is traced with."""
+        """Shape and dtype only, without a placement."""
         return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
+
+    def traced_on(self, abstract_mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
+        """What the step is traced with: the value typed on the submeshes' abstract mesh.
+
+        Its sharding is its placement's on a submesh (replicated for a host
+        value), so that on Explicit axes an op mixing an input with a value
+        computed in the step types as under ``nnx.jit`` inside ``jax.set_mesh``.
+
+        Args:
+          abstract_mesh: the abstract mesh every submesh shares.
+
+        Returns:
+          A ``jax.ShapeDtypeStruct`` whose sharding names ``abstract_mesh``.
+        """
+        spec = PartitionSpec()
+        for _, sharding in self.shardings:
+            if isinstance(sharding, NamedSharding) and (
+                sharding.mesh.axis_names == abstract_mesh.axis_names
+            ):
+                spec = normalize_spec(sharding.spec)
+                break
+        return jax.ShapeDtypeStruct(
+            self.shape,
+            self.dtype,
+            sharding=NamedSharding(abstract_mesh, spec),
+            weak_type=self.weak_type,
+        )
 
     def key(self) -> tuple[Any, ...]:
         """A hashable signature (P() and P(None) count as the same layout).
