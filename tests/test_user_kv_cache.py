@@ -163,3 +163,63 @@ def test_each_layers_cache_lives_on_its_stages_mesh_and_later_calls_do_not_compi
         again = generator(wrapped, _prompts(4), 5)
     assert counter.count == 0 and generator.num_compiled_steps == 2
     np.testing.assert_array_equal(again, first)
+    # Unpipelined, one call on every row covers both microbatches' blocks of the cache.
+    reference = generator.reference(mp.FunctionalKVCache(_model(4)), _prompts(4), 5)
+    np.testing.assert_array_equal(reference, first)
+
+
+def _without_index(out):
+    logits, cache = out
+    return logits, {name: {"k": c["k"], "v": c["v"]} for name, c in cache.items()}
+
+
+def _grown(out):
+    logits, cache = out
+    return logits, jax.tree.map(lambda x: jnp.concatenate([x, x], axis=0), cache)
+
+
+BROKEN = {
+    "logits only": (
+        {"apply": lambda m, tokens, cache, positions: m(tokens, cache, positions)[0]},
+        r"apply must return \(logits, new_cache\), got one array float32\[4, 1, 32\]",
+    ),
+    "cache of another structure": (
+        {"apply": lambda m, tokens, cache, positions: _without_index(m(tokens, cache, positions))},
+        r"returned a cache of structure .* same keys and leaves",
+    ),
+    "cache of another shape": (
+        {"apply": lambda m, tokens, cache, positions: _grown(m(tokens, cache, positions))},
+        r"returned cache\['layer_0'\]\['index'\] as int32\[\d+\].*keeps its shapes and dtypes",
+    ),
+    "no batch axis": (
+        {"init_cache": lambda m, batch_size, max_len: {"k": jnp.zeros((batch_size, batch_size))}},
+        r"cache\['k'\] has shape \(8, 8\) for 8 rows .* one axis of batch_size rows",
+    ),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=list(BROKEN))
+def test_a_model_breaking_the_protocol_gets_a_clear_error(broken):
+    functions, message = BROKEN[broken]
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2, window=WINDOW
+    )
+    with pytest.raises(mp.CompileError, match=message):
+        generator(mp.FunctionalKVCache(_model(2), **functions), _prompts(8), 2)
+
+
+def test_a_functional_cache_model_passed_bare_is_told_to_wrap_it():
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2, window=WINDOW
+    )
+    with pytest.raises(
+        mp.CompileError,
+        match=r"OutsideLM.init_cache\(batch_size, max_len\) "
+        r"takes no num_microbatches or batch_axis.*mp.FunctionalKVCache\(model\)",
+    ):
+        generator(_model(2), _prompts(4), 2)
+
+
+def test_a_model_without_init_cache_is_told_to_pass_one():
+    with pytest.raises(mp.CompileError, match=r"Linear has no init_cache.*init_cache=lambda"):
+        mp.FunctionalKVCache(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))

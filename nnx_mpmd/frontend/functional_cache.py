@@ -136,7 +136,7 @@ class FunctionalKVCache(nnx.Module):
       >>> mesh = mp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data"),
       ...                    devices=jax.devices()[:2]), "stage")
       >>> gen = mp.Generator(mesh=mesh, schedule=mp.GPipe(), num_microbatches=2, window=8)
-      >>> gen(mp.FunctionalKVCache(lm), np.ones((4, 2), np.int32), max_new_tokens=3).shape
+      >>> gen(mp.FunctionalKVCache(lm), jnp.ones((4, 2), jnp.int32), max_new_tokens=3).shape
       (4, 5)
     """
 
@@ -345,10 +345,15 @@ def _check_output(out: Any, cache: Any) -> tuple[jax.Array, Any]:
       CompileError: not a pair, or a new cache of another structure, shape or dtype.
     """
     if not isinstance(out, tuple | list) or len(out) != 2:
+        if isinstance(out, tuple | list):
+            got = f"a {type(out).__name__} of {len(out)}"
+        elif hasattr(out, "shape"):
+            got = f"one array {out.dtype}{list(out.shape)}"
+        else:
+            got = type(out).__name__
         raise CompileError(
-            f"FunctionalKVCache: apply must return (logits, new_cache), got "
-            f"{type(out).__name__}{f' of {len(out)}' if isinstance(out, tuple | list) else ''}; "
-            "pass apply=lambda model, tokens, cache, positions: ... returning that pair."
+            f"FunctionalKVCache: apply must return (logits, new_cache), got {got}; pass "
+            "apply=lambda model, tokens, cache, positions: ... returning that pair."
         )
     logits, new = out
     treedef = jax.tree.structure(cache)

@@ -34,6 +34,7 @@ wrapped in `FunctionalKVCache`.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -142,6 +143,29 @@ def _pick(
     return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, last).astype(jnp.int32)
 
 
+def _check_zoo_cache_protocol(model: Any) -> None:
+    """Raises unless ``model.init_cache`` takes the zoo's keywords.
+
+    A model whose ``init_cache(batch_size, max_len)`` returns a cache for its
+    call to take and return (a functional cache) gets told to use the wrapper.
+    """
+    try:
+        parameters = inspect.signature(model.init_cache).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [name for name in ("num_microbatches", "batch_axis") if name not in parameters]
+    if missing:
+        raise CompileError(
+            f"Generator: {type(model).__name__}.init_cache{inspect.signature(model.init_cache)} "
+            f"takes no {' or '.join(missing)}: it is not the cache protocol of the zoo models "
+            "(Variables the model updates itself). A model that takes and returns its own cache "
+            "decodes wrapped: generator(mp.FunctionalKVCache(model), prompts, ...); or pass "
+            "kv_cache=False to recompute the window per token."
+        )
+
+
 class Generator:
     """Decodes batches of sequences with a pipelined forward step.
 
@@ -155,7 +179,9 @@ class Generator:
       top_k: sample among the ``top_k`` most likely tokens (None: all).
       kv_cache: decode with the model's KV cache (True), recompute the window
         for every token (False), or use the cache when the model has one
-        (None, the default: a model with ``init_cache``).
+        (None, the default: a model with ``init_cache``). A model that takes
+        and returns its own cache pytree decodes with it wrapped in
+        `FunctionalKVCache`.
 
     Raises:
       CompileError: a negative temperature, a ``top_k`` below 1 or a window
@@ -227,6 +253,8 @@ class Generator:
 
         Raises:
           CompileError: ``kv_cache=True`` and the model has no ``init_cache``.
+            (A model whose ``init_cache`` lacks the zoo's keywords is told, at
+            the call, to wrap it in `FunctionalKVCache`.)
         """
         has = callable(getattr(model, "init_cache", None))
         if self.kv_cache and not has:
@@ -305,6 +333,8 @@ class Generator:
         axis, sizes = self._cache_axis, {}
         if isinstance(model, FunctionalKVCache):
             axis, sizes = self._functional_cache_axis, {"max_len": self.window}
+        else:
+            _check_zoo_cache_protocol(model)
         model.init_cache(batch, num_microbatches=self.num_microbatches, batch_axis=axis, **sizes)
         rows = np.arange(batch, dtype=np.int32)
         tokens, first, index = prompts, np.zeros_like(rows), np.full_like(rows, length - 1)
