@@ -132,7 +132,7 @@ class FunctionalKVCache(nnx.Module):
       ...         x = cache["sum"][:, None] + jnp.cumsum(x, axis=1)
       ...         return self.head(x), {"sum": x[:, -1]}
       >>> lm = Lm(nnx.Rngs(0))
-      >>> mp.assign_stages(lm, {"embed": 0, "head": 1})
+      >>> _ = mp.assign_stages(lm, {"embed": 0, "head": 1})
       >>> mesh = mp.MpmdMesh(jax.make_mesh((2, 1), ("stage", "data"),
       ...                    devices=jax.devices()[:2]), "stage")
       >>> gen = mp.Generator(mesh=mesh, schedule=mp.GPipe(), num_microbatches=2, window=8)
