@@ -168,6 +168,56 @@ def test_each_layers_cache_lives_on_its_stages_mesh_and_later_calls_do_not_compi
     np.testing.assert_array_equal(reference, first)
 
 
+def _rows_last_shared_index(model, batch_size, max_len):
+    """The model's cache laid out otherwise: rows on the last axis, one index for all rows."""
+    cache = model.init_cache(batch_size, max_len)
+    return {
+        name: {
+            "k": jnp.moveaxis(c["k"], 0, -1),
+            "v": jnp.moveaxis(c["v"], 0, -1),
+            "index": jnp.zeros((), jnp.int32),
+        }
+        for name, c in cache.items()
+    }
+
+
+def _apply_rows_last(model, tokens, cache, positions):
+    rows = tokens.shape[0]
+    given = {
+        name: {
+            "k": jnp.moveaxis(c["k"], -1, 0),
+            "v": jnp.moveaxis(c["v"], -1, 0),
+            "index": jnp.broadcast_to(c["index"], (rows,)),
+        }
+        for name, c in cache.items()
+    }
+    logits, new = model(tokens, given, positions)
+    return logits, {
+        name: {
+            "k": jnp.moveaxis(c["k"], 0, -1),
+            "v": jnp.moveaxis(c["v"], 0, -1),
+            "index": c["index"][0],
+        }
+        for name, c in new.items()
+    }
+
+
+def test_protocol_functions_adapt_another_cache_layout():
+    """init_cache/apply given as functions: rows on the last axis and a shared scalar index."""
+    generator = mp.Generator(
+        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=WINDOW
+    )
+    layout = {"init_cache": _rows_last_shared_index, "apply": _apply_rows_last}
+    wrapped = mp.FunctionalKVCache(_model(2), **layout)
+    got = generator(wrapped, _prompts(4), 6)
+    # Stored per microbatch: [microbatches, rows per microbatch, ...], the index once per microbatch.
+    assert wrapped.cache_leaves[0][...].shape == (2,)
+    assert wrapped.cache_leaves[1][...].shape == (2, 2, WINDOW, HEADS, DIM // HEADS)
+    np.testing.assert_array_equal(got, _plain_nnx_decoding(_model(2), _prompts(4), 6, 0.0, 0))
+    reference = generator.reference(mp.FunctionalKVCache(_model(2), **layout), _prompts(4), 6)
+    np.testing.assert_array_equal(reference, got)
+
+
 def _without_index(out):
     logits, cache = out
     return logits, {name: {"k": c["k"], "v": c["v"]} for name, c in cache.items()}
