@@ -273,3 +273,24 @@ def test_a_functional_cache_model_passed_bare_is_told_to_wrap_it():
 def test_a_model_without_init_cache_is_told_to_pass_one():
     with pytest.raises(mp.CompileError, match=r"Linear has no init_cache.*init_cache=lambda"):
         mp.FunctionalKVCache(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_a_cache_that_does_not_split_into_the_microbatches_is_an_error():
+    with pytest.raises(
+        mp.CompileError, match=r"batch_size=5 does not split into num_microbatches=2"
+    ):
+        mp.FunctionalKVCache(_model(2)).init_cache(5, num_microbatches=2, max_len=WINDOW)
+
+
+def test_a_call_on_part_of_a_microbatch_is_an_error():
+    wrapped = mp.FunctionalKVCache(_model(2))
+    wrapped.init_cache(4, num_microbatches=2, max_len=WINDOW)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(mp.CompileError, match=r"call on 1 rows does not cover whole microbatches"):
+        wrapped(tokens, positions=jnp.zeros((1,), jnp.int32), cache_rows=jnp.zeros((1,), jnp.int32))
+
+
+def test_apply_without_a_cache_must_give_logits():
+    wrapped = mp.FunctionalKVCache(_model(2), apply=lambda m, tokens, cache, positions: {"x": 1})
+    with pytest.raises(mp.CompileError, match=r"apply returned dict, not logits"):
+        wrapped(jnp.zeros((2, 3), jnp.int32))
