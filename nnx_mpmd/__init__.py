@@ -29,6 +29,7 @@ from nnx_mpmd.frontend.annotate import ScanStack as ScanStack
 from nnx_mpmd.frontend.annotate import Stage as Stage
 from nnx_mpmd.frontend.annotate import assign_stages as assign_stages
 from nnx_mpmd.frontend.annotate import auto_stage as auto_stage
+from nnx_mpmd.frontend.functional_cache import FunctionalKVCache as FunctionalKVCache
 from nnx_mpmd.frontend.generate import Generator as Generator
 from nnx_mpmd.frontend.jit import Lowered as Lowered
 from nnx_mpmd.frontend.jit import PipelinedFunction as PipelinedFunction
@@ -66,6 +67,7 @@ __all__ = [
     "DistributedError",
     "DualPipeV",
     "Eager1F1B",
+    "FunctionalKVCache",
     "GPipe",
     "Generator",
     "Interleaved1F1B",

@@ -22,7 +22,7 @@ from nnx_mpmd.compiler.region import RegionInfo
 from nnx_mpmd.errors import PartitionError
 from nnx_mpmd.frontend.markers import stage_marker_p
 
-__all__ = ["OutputSource", "StagePlan", "StageSlice", "cut_stages"]
+__all__ = ["OutputSource", "StagePlan", "StageSlice", "cut_stages", "input_stages"]
 
 
 @dataclasses.dataclass
@@ -415,3 +415,37 @@ def cut_stages(info: RegionInfo) -> StagePlan:
         ]
         stages.append(_stage_slice(jaxpr, stage, flow.per_stage[stage], boundary_out, markers))
     return StagePlan(info, stages, producer, flow.consumers, outputs, flow.input_stages)
+
+
+def input_stages(jaxpr: Any) -> dict[int, list[int]]:
+    """Which stages read each input of a jaxpr traced with stage markers.
+
+    The same dataflow as `cut_stages` (glue goes to the stage it reads from, or
+    else to the first stage that uses it), for a trace outside a step, e.g. to
+    find which stage a decoding cache belongs to.
+
+    Args:
+      jaxpr: a jaxpr traced under `pipeline_tracing`.
+
+    Returns:
+      ``{input index: [stages that read it]}``; inputs no stage reads are absent.
+
+    Raises:
+      PartitionError: as `cut_stages`.
+
+    Example:
+      >>> import jax
+      >>> from nnx_mpmd.frontend.markers import call_stage, pipeline_tracing
+      >>> def f(a, b):
+      ...     return call_stage(1, lambda x: x * b, (call_stage(0, jax.numpy.sin, (a,), {}),), {})
+      >>> with pipeline_tracing():
+      ...     jaxpr = jax.make_jaxpr(f)(1.0, 2.0).jaxpr
+      >>> input_stages(jaxpr)
+      {0: [0], 1: [1]}
+    """
+    _check_no_hidden_stages(jaxpr)
+    markers = _read_markers(jaxpr.eqns)
+    num_stages = _count_stages(jaxpr.eqns, markers)
+    stage_of, producer = _glue_to_producers(jaxpr.eqns, markers)
+    stage_of, producer = _glue_to_first_users(jaxpr, markers, stage_of, producer, num_stages)
+    return _dataflow(jaxpr, markers, stage_of, producer, num_stages).input_stages

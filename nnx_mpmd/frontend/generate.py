@@ -26,12 +26,15 @@ A model decodes with a cache when it has ``init_cache(batch_size, *,
 num_microbatches, batch_axis)`` and its
 ``__call__`` takes ``positions=`` and ``cache_rows=`` (``[batch]`` ints: each
 row's first position in the call, and its row in the cache); see
-`nnx_mpmd.models.kv_cache`.
+`nnx_mpmd.models.kv_cache`. A model that takes and returns its own cache
+pytree (``logits, cache = model(tokens, cache, positions)``) decodes with it
+wrapped in `FunctionalKVCache`.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -40,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_mpmd.errors import CompileError
+from nnx_mpmd.frontend.functional_cache import FunctionalKVCache
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.placement.mesh import MpmdMesh
 
@@ -139,6 +143,29 @@ def _pick(
     return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, last).astype(jnp.int32)
 
 
+def _check_zoo_cache_protocol(model: Any) -> None:
+    """Raises unless ``model.init_cache`` takes the zoo's keywords.
+
+    A model whose ``init_cache(batch_size, max_len)`` returns a cache for its
+    call to take and return (a functional cache) gets told to use the wrapper.
+    """
+    try:
+        parameters = inspect.signature(model.init_cache).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [name for name in ("num_microbatches", "batch_axis") if name not in parameters]
+    if missing:
+        raise CompileError(
+            f"Generator: {type(model).__name__}.init_cache{inspect.signature(model.init_cache)} "
+            f"takes no {' or '.join(missing)}: it is not the cache protocol of the zoo models "
+            "(Variables the model updates itself). A model that takes and returns its own cache "
+            "decodes wrapped: generator(mp.FunctionalKVCache(model), prompts, ...); or pass "
+            "kv_cache=False to recompute the window per token."
+        )
+
+
 class Generator:
     """Decodes batches of sequences with a pipelined forward step.
 
@@ -152,7 +179,9 @@ class Generator:
       top_k: sample among the ``top_k`` most likely tokens (None: all).
       kv_cache: decode with the model's KV cache (True), recompute the window
         for every token (False), or use the cache when the model has one
-        (None, the default: a model with ``init_cache``).
+        (None, the default: a model with ``init_cache``). A model that takes
+        and returns its own cache pytree decodes with it wrapped in
+        `FunctionalKVCache`.
 
     Raises:
       CompileError: a negative temperature, a ``top_k`` below 1 or a window
@@ -205,6 +234,11 @@ class Generator:
         # The cache is sharded like the microbatches: over the batch axis, if it splits them.
         axis = self._steps[True].batch_axis
         self._cache_axis = axis if axis and mesh.submesh(0).shape[axis] > 1 else None
+        # A FunctionalKVCache is sharded like the rows only on an Auto axis: on an Explicit
+        # one a step may replicate the rows (ReplicatedBatchWarning), and the cache with them.
+        types = dict(zip(mesh.submesh(0).axis_names, mesh.submesh(0).axis_types, strict=True))
+        explicit = types.get(self._cache_axis) == jax.sharding.AxisType.Explicit
+        self._functional_cache_axis = None if explicit else self._cache_axis
         self._references = {False: nnx.jit(window_fn), True: nnx.jit(cached_fn)}
 
     @property
@@ -219,13 +253,16 @@ class Generator:
 
         Raises:
           CompileError: ``kv_cache=True`` and the model has no ``init_cache``.
+            (A model whose ``init_cache`` lacks the zoo's keywords is told, at
+            the call, to wrap it in `FunctionalKVCache`.)
         """
         has = callable(getattr(model, "init_cache", None))
         if self.kv_cache and not has:
             raise CompileError(
                 f"Generator(kv_cache=True): {type(model).__name__} has no init_cache(batch_size) "
-                "method; use a model with a KV cache (nnx_mpmd.models GPT or Llama) or "
-                "kv_cache=False to recompute the window per token."
+                "method; use a model with a KV cache (nnx_mpmd.models GPT or Llama), wrap a "
+                "model that takes and returns its own cache in mp.FunctionalKVCache(model), or "
+                "pass kv_cache=False to recompute the window per token."
             )
         return has if self.kv_cache is None else self.kv_cache
 
@@ -291,8 +328,14 @@ class Generator:
         out[:, :length] = prompts
         if not max_new_tokens:
             return out
-        # init_cache keeps a cache of this layout: stale entries are never read.
-        model.init_cache(batch, num_microbatches=self.num_microbatches, batch_axis=self._cache_axis)
+        # The zoo's init_cache keeps a cache of this layout (stale entries are never read);
+        # a FunctionalKVCache makes a fresh one of the window's length (its index restarts).
+        axis, sizes = self._cache_axis, {}
+        if isinstance(model, FunctionalKVCache):
+            axis, sizes = self._functional_cache_axis, {"max_len": self.window}
+        else:
+            _check_zoo_cache_protocol(model)
+        model.init_cache(batch, num_microbatches=self.num_microbatches, batch_axis=axis, **sizes)
         rows = np.arange(batch, dtype=np.int32)
         tokens, first, index = prompts, np.zeros_like(rows), np.full_like(rows, length - 1)
         base = jax.random.key(seed)

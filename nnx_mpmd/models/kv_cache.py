@@ -30,6 +30,7 @@ from flax import nnx
 
 from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.frontend.annotate import STAGE_KEY, tag_stage
+from nnx_mpmd.frontend.functional_cache import same_explicit_sharding
 
 __all__ = [
     "cached_attention",
@@ -95,34 +96,9 @@ def write_cache(
     written = jnp.take_along_axis(new, jnp.clip(offset, 0, length - 1)[:, :, None, None], axis=1)
     inside = (offset >= 0) & (offset < length)
     block = jnp.where(inside[:, :, None, None], written.astype(cache.dtype), block)
-    blocks, update = _same_sharding(blocks, block[None])
+    blocks, update = same_explicit_sharding(blocks, block[None])
     blocks = jax.lax.dynamic_update_slice_in_dim(blocks, update, slot, 0)
     return blocks.reshape(cache.shape), block
-
-
-def _explicit_sharding(x: jax.Array) -> Any:
-    """The sharding in ``x``'s type on an Explicit mesh, else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not mesh.axis_names or not mesh.are_all_axes_explicit:
-        return None
-    return sharding
-
-
-def _same_sharding(blocks: jax.Array, update: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``blocks`` and ``update`` on one Explicit sharding, as a slice update needs.
-
-    The rows written take the sharding of the call's rows. A cache with no mesh
-    in its type (state inside a pipelined region is typed unsharded) takes the
-    update's sharding: rows split like the microbatches, which is also where
-    `init_cache` places it. A cache with a sharding (a reshape loses it) keeps it.
-    """
-    stored, written = _explicit_sharding(blocks), _explicit_sharding(update)
-    if written is None or (stored is not None and stored.spec == written.spec):
-        return blocks, update
-    if stored is None:
-        return jax.sharding.reshard(blocks, written), update
-    return blocks, jax.sharding.reshard(update, stored)
 
 
 def cached_attention(
