@@ -405,3 +405,13 @@ def test_docs_do_not_date_the_past_to_the_installed_version():
         if past.search(text)
     ]
     assert not wrong, f"{nnx_mpmd.__version__} is the installed version, not an old one: {wrong}"
+
+
+def test_readme_quick_start_says_how_to_use_the_venv_and_the_test_loops():
+    # After `make demo`, a plain `python examples/01_quickstart.py` has no jax and
+    # `nnx-mpmd` is not on PATH: the quick start says how to reach .venv.
+    quick_start = (ROOT / "README.md").read_text(encoding="utf-8").split("## Twenty lines")[0]
+    assert "source .venv/bin/activate" in quick_start
+    assert ".venv/bin/python examples/01_quickstart.py" in quick_start
+    assert re.search(r"make test .*~25 min on 2 cores", quick_start)
+    assert re.search(r"`make test-fast`.*about a minute", quick_start, re.DOTALL)
