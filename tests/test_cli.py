@@ -281,3 +281,34 @@ def test_help_has_no_markup_and_says_each_default_once(argv):
         assert len(re.findall(r"\(default", entry)) <= 1, entry
         assert "(default: None)" not in entry and "(default: False)" not in entry, entry
     assert "`" not in text, text
+
+
+# -- 6. schedule makespans in the docs' units --------------------------------------------
+
+
+# docs/concepts.md's table: 4 meshes, 8 microbatches, 8-stage tasks cost half.
+DOCS_MAKESPANS = {"1f1b": "33", "gpipe": "33", "interleaved": "28.5", "looped-bfs": "28.5"}
+DOCS_MAKESPANS |= {"zb-h1": "27", "zb-v": "25.5", "dualpipev": "25.5"}
+
+
+@pytest.mark.parametrize(("name", "makespan"), DOCS_MAKESPANS.items())
+def test_schedule_makespans_compare_across_stage_counts_as_in_the_docs(name, makespan, capsys):
+    assert schedule_cli.main(["--schedule", name, "--meshes", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"makespan {makespan}," in out, out
+    assert "time unit: one forward through one mesh's layers (F=1, B=2)" in out
+    if SCHEDULES[name]().default_num_stages(4) == 8:
+        assert "costs F=0.5 B=1 BI=0.5 BW=0.5 transfer=0" in out
+        assert "each of the 8 stages holds 1/2 of them" in out
+
+
+def test_schedule_costs_given_per_task_are_not_scaled_and_say_so(capsys):
+    argv = ["--schedule", "zb-v", "--meshes", "4", "--microbatches", "8"]
+    assert schedule_cli.main([*argv, "--costs", "F=1,B=2,BI=1,BW=1"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan 51," in out
+    assert "time unit: the task costs given by --costs (per task, not scaled" in out
+    # A transfer delay alone keeps the scaled task costs.
+    assert schedule_cli.main([*argv, "--costs", "transfer=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "costs F=0.5 B=1 BI=0.5 BW=0.5 transfer=0.5" in out
