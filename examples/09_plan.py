@@ -3,7 +3,9 @@
 `mp.plan` times and measures every layer on one submesh, simulates every
 registered schedule with those numbers, and returns the fastest configuration
 (layer split, schedule, microbatches, remat) with its predicted step time and
-peak memory. The top two are then run and measured (`mp.planner.verify`), the
+peak memory. The top two are then run and measured (`mp.planner.verify`); their
+times are printed beside the calibrated prediction (the simulator's times
+scaled by the median measured / predicted ratio, `Plan.calibration`), the
 fastest measured one is applied to the model, and the planned run's losses are
 checked against the same model run unpipelined.
 
@@ -63,15 +65,22 @@ def main() -> None:
         remat=not args.no_remat, repeats=2,
     )  # fmt: skip
     checked = mp.planner.verify(plan, model, lm_loss, first, mesh, tx, top=2, steps=2)
+    # The simulator's step times assume free transfers and an idle host; `calibration`
+    # (the median measured / predicted of the runs) scales them to this machine.
+    plan = plan.with_measurements(checked)
     for v in checked:
         c = v.candidate
         print(
-            f"{c.schedule} x{c.num_stages} stages, m={c.num_microbatches}: predicted "
-            f"{1e3 * c.step_s:.1f} ms, measured {1e3 * v.measured_step_s:.1f} ms; peak "
-            f"{max(c.peak_bytes) / 2**20:.2f} MiB predicted, "
-            f"{max(v.measured_peak_bytes) / 2**20:.2f} MiB measured ({v.memory_error:+.0%})"
+            f"{c.schedule} x{c.num_stages} stages, m={c.num_microbatches}: measured "
+            f"{1e3 * v.measured_step_s:.1f} ms, calibrated prediction "
+            f"{1e3 * c.step_s * plan.calibration:.1f} ms; peak "
+            f"{max(v.measured_peak_bytes) / 2**20:.2f} MiB measured, "
+            f"{max(c.peak_bytes) / 2**20:.2f} MiB predicted ({v.memory_error:+.0%})"
         )
-    plan = plan.with_measurements(checked)
+    print(
+        f"calibration {plan.calibration:.2f}: the uncalibrated simulator predicted "
+        + ", ".join(f"{1e3 * v.candidate.step_s:.1f} ms" for v in checked)
+    )
     print(plan.summary())
 
     plan.apply(model)

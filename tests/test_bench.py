@@ -222,3 +222,49 @@ def test_format_markdown_marks_probes_that_ran_out_of_memory():
         "| gpipe | 12 | 150.0 | 1.07 | 1.07 | 26.00 | 1.69 |  |  | OOM | OOM | OOM | 1.0 vs 1.0 |"
         in text
     )
+
+
+def _schedule_probe_settings():
+    # Two meshes of one device and 4 microbatches: the smallest step every schedule takes.
+    argv = ["--num-meshes=2", "--data=1", "--microbatches=4", "--batch=8", "--seq=8"]
+    return bench._settings(bench.parse_args([*argv, "--overhead-repeats=1"]))
+
+
+@pytest.mark.parametrize("name", list(mp.schedules.SCHEDULES))
+def test_probes_run_on_every_registered_schedule(name):
+    settings = _schedule_probe_settings()
+    batches = bench._batches(settings, settings.batch, 1, 256)
+    result = bench._pipelined(settings, "tiny", name, batches)
+    assert not isinstance(result, str), result
+    variant, _ = result
+    probes = bench._probes(variant, settings)
+    assert probes["overhead"]["stage_tasks"] > 0 and probes["overhead"]["us_per_task"] > 0
+    assert len(probes["memory"]["peak_bytes"]) == 2
+    assert all(p > 0 for p in probes["memory"]["peak_activations"])
+    assert 0 <= probes["bubble"]["measured_bubble"] < 1
+    assert 0 <= probes["bubble"]["simulated_bubble"] < 1
+    # Every stage's forward and backward (whole, split or inside a pair) has a measured time.
+    stages = variant.num_stages
+    costs = probes["bubble"]["stage_costs_ms"]
+    assert sorted(costs) == [str(s) for s in range(stages)]
+    assert all("F" in c and ("B" in c or {"BI", "BW"} <= set(c)) for c in costs.values())
+
+
+def test_task_durations_split_overlapped_programs_among_their_tasks():
+    from nnx_mpmd.apps.bench_probes import task_durations
+    from nnx_mpmd.schedules.tasks import Task
+
+    pair = (Task(3, 1, "F", with_next=True), Task(0, 0, "BI", with_next=True), Task(0, 0, "BW"))
+    records = [
+        (0, "F0.0", Task(0, 0, "F"), 0.0, 1.0),
+        (0, "F3.1+BI0.0+BW0.0", pair, 1.0, 4.0),
+        (1, "FB1.0", Task(1, 0, "B"), 0.0, 3.0),
+        (0, "update", None, 4.0, 5.0),
+    ]
+    assert task_durations(records) == {
+        (0, "F"): [1.0],
+        (3, "F"): [1.0],
+        (0, "BI"): [1.0],
+        (0, "BW"): [1.0],
+        (1, "FB"): [3.0],
+    }

@@ -281,3 +281,94 @@ def test_help_has_no_markup_and_says_each_default_once(argv):
         assert len(re.findall(r"\(default", entry)) <= 1, entry
         assert "(default: None)" not in entry and "(default: False)" not in entry, entry
     assert "`" not in text, text
+
+
+# -- 6. schedule makespans in the docs' units --------------------------------------------
+
+
+# docs/concepts.md's table: 4 meshes, 8 microbatches, 8-stage tasks cost half.
+DOCS_MAKESPANS = {"1f1b": "33", "gpipe": "33", "interleaved": "28.5", "looped-bfs": "28.5"}
+DOCS_MAKESPANS |= {"zb-h1": "27", "zb-v": "25.5", "dualpipev": "25.5"}
+
+
+@pytest.mark.parametrize(("name", "makespan"), DOCS_MAKESPANS.items())
+def test_schedule_makespans_compare_across_stage_counts_as_in_the_docs(name, makespan, capsys):
+    assert schedule_cli.main(["--schedule", name, "--meshes", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"makespan {makespan}," in out, out
+    assert "time unit: one forward through one mesh's layers (F=1, B=2)" in out
+    if SCHEDULES[name]().default_num_stages(4) == 8:
+        assert "costs F=0.5 B=1 BI=0.5 BW=0.5 transfer=0" in out
+        assert "each of the 8 stages holds 1/2 of them" in out
+
+
+def test_schedule_costs_given_per_task_are_not_scaled_and_say_so(capsys):
+    argv = ["--schedule", "zb-v", "--meshes", "4", "--microbatches", "8"]
+    assert schedule_cli.main([*argv, "--costs", "F=1,B=2,BI=1,BW=1"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan 51," in out
+    assert "time unit: the task costs given by --costs (per task, not scaled" in out
+    # A transfer delay alone keeps the scaled task costs.
+    assert schedule_cli.main([*argv, "--costs", "transfer=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "costs F=0.5 B=1 BI=0.5 BW=0.5 transfer=0.5" in out
+
+
+# -- 7. nnx-mpmd plan: what applies, progress, where it writes ---------------------------
+
+
+def test_plan_help_lists_only_the_options_that_change_a_plan():
+    from nnx_mpmd.apps import plan as plan_app
+
+    text = plan_app.build_parser().format_help()
+    listed = set(re.findall(r"^  (--[\w-]+)", text, re.MULTILINE))
+    assert not listed & {"--resume", "--sample-tokens", "--ckpt-every", "--run-dir", "--plan"}
+    assert {"--meshes", "--batch-size", "--layers", "--out", "--verify"} <= listed
+    assert "plan.json in the current directory" in text
+
+
+def test_plan_refuses_train_only_options(capsys):
+    from nnx_mpmd.apps import plan as plan_app
+
+    assert plan_app.main(["--resume", "--sample-tokens=0"]) == 2
+    err = capsys.readouterr().err
+    assert "nnx-mpmd plan: error: --resume, --sample-tokens only apply to nnx-mpmd train" in err
+
+
+def test_plan_says_what_it_does_before_it_profiles_and_where_it_writes(
+    tmp_path, monkeypatch, capsys
+):
+    from types import SimpleNamespace
+
+    import nnx_mpmd.planner
+    from nnx_mpmd.apps import plan as plan_app
+
+    said_before = []
+
+    class FakePlan:
+        best = SimpleNamespace(schedule="1f1b", num_stages=2, num_microbatches=4)
+
+        def summary(self):
+            return "| summary |"
+
+        def save(self, path):
+            pathlib.Path(path).write_text("{}")
+
+    def fake_plan(*args, **kwargs):
+        said_before.append(capsys.readouterr().out)
+        return FakePlan()
+
+    monkeypatch.setattr(nnx_mpmd.planner, "plan", fake_plan)
+    monkeypatch.chdir(tmp_path)
+    cfg = plan_app.build_parser().parse_args(["--meshes", "2", "--data", "1"])
+    trainer = SimpleNamespace(
+        batches=iter([{}]), optimizer=SimpleNamespace(tx=None), model=None, mesh=None,
+        num_layers=4,
+    )  # fmt: skip
+    plan_app._plan_and_save(cfg, trainer)
+    out = capsys.readouterr().out
+    where = tmp_path.resolve() / "plan.json"
+    assert f"the plan goes to {where}" in said_before[0]
+    assert "profiling every layer on one submesh" in said_before[0]
+    assert "profiled and searched in" in out and f"wrote {where}: 1f1b" in out
+    assert where.exists()

@@ -9,6 +9,8 @@
 * The schedule table of docs/concepts.md matches the simulator, and every
   schedule picture exists.
 * The results copied into docs/benchmarks.md match BENCHMARKS.md.
+* What the pages say about the schedules (how many, which classes exist)
+  matches the registry, and no page dates the past to the installed version.
 """
 
 from __future__ import annotations
@@ -292,3 +294,124 @@ def test_mkdocs_build_strict(tmp_path):
         timeout=PAGE_TIMEOUT_S,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-8000:]}"
+
+
+# -- what the docs say about the schedules, against the registry ---------------------
+
+_NUMBER_WORDS = {
+    w: n
+    for n, w in enumerate(
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+        ]
+    )
+}
+# A claim of how many schedules there are: "all nine schedules", "**Nine schedules** plus".
+_SCHEDULE_COUNT = re.compile(
+    r"(?:\ball (\w+) (?:registered |built-in )?schedules\b|\*\*(\w+) schedules\*\*)", re.IGNORECASE
+)
+# "`Name` ... has no class here": a JaxPP/Shardy name said to be missing.
+_NO_CLASS = re.compile(r"`(\w+)`[^`\n]*?\bhas no (?:class|counterpart)\b")
+
+
+def _user_pages() -> list[pathlib.Path]:
+    # docs/benchmarks.md copies BENCHMARKS.md: a record of past runs (e.g. "all seven
+    # schedules" of `make bench`'s default list), not a statement about this version.
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [p for p in pages if p.name != "benchmarks.md" and "api" not in p.parts]
+
+
+def schedule_count_claims(text: str) -> list[tuple[int, str]]:
+    """``(line, count word)`` of every statement of how many schedules there are."""
+    claims = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for match in _SCHEDULE_COUNT.finditer(line):
+            claims.append((number, (match[1] or match[2]).lower()))
+    return claims
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("compares all nine schedules.", [(1, "nine")]),
+        ("- **Seven schedules** plus your own", [(1, "seven")]),
+        ("x\nall 9 registered schedules", [(2, "9")]),
+        ("the makespans of two schedules compare", []),
+    ],
+)
+def test_schedule_count_claims(text, expected):
+    assert schedule_count_claims(text) == expected
+
+
+def test_docs_state_the_registered_schedule_count():
+    from nnx_mpmd.schedules import SCHEDULES
+
+    wrong = []
+    for page in _user_pages():
+        for line, word in schedule_count_claims(page.read_text(encoding="utf-8")):
+            count = int(word) if word.isdigit() else _NUMBER_WORDS.get(word)
+            if count != len(SCHEDULES):
+                wrong.append(f"{page.relative_to(ROOT)}:{line} says {word}")
+    assert not wrong, f"the registry has {len(SCHEDULES)} schedules, but: {wrong}"
+
+
+def test_readme_lists_every_registered_schedule_class():
+    from nnx_mpmd.schedules import SCHEDULES
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = next((line for line in text.splitlines() if line.startswith("| `mp.jit`: ")), "")
+    listed = set(re.findall(r"\w+", row))
+    missing = [cls.__name__ for cls in SCHEDULES.values() if cls.__name__ not in listed]
+    assert row and not missing, f"README's `mp.jit` schedule row misses {missing}"
+
+
+def test_docs_name_no_existing_class_as_missing():
+    wrong = []
+    for page in _user_pages():
+        for line, text in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for name in _NO_CLASS.findall(text):
+                if hasattr(nnx_mpmd, name):
+                    wrong.append(f"{page.relative_to(ROOT)}:{line}: `{name}` is mp.{name}")
+    assert not wrong, f"the docs say these have no class, but they do: {wrong}"
+
+
+def test_gen_pictures_draws_every_registered_schedule():
+    from nnx_mpmd.schedules import SCHEDULES
+
+    assert [name for name, _ in _gen_pictures().SCHEDULES] == list(SCHEDULES)
+
+
+def test_docs_do_not_date_the_past_to_the_installed_version():
+    # "In version 0.1.0 these functions lived in ..." read as if 0.1.0 were an old release.
+    past = re.compile(
+        rf"\b[Ii]n version {re.escape(nnx_mpmd.__version__)}\b[^.]*\b(?:lived|was|were|had)\b"
+    )
+    wrong = [
+        f"{page.relative_to(ROOT)}:{line}"
+        for page in _user_pages()
+        for line, text in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if past.search(text)
+    ]
+    assert not wrong, f"{nnx_mpmd.__version__} is the installed version, not an old one: {wrong}"
+
+
+def test_readme_quick_start_says_how_to_use_the_venv_and_the_test_loops():
+    # After `make demo`, a plain `python examples/01_quickstart.py` has no jax and
+    # `nnx-mpmd` is not on PATH: the quick start says how to reach .venv.
+    quick_start = (ROOT / "README.md").read_text(encoding="utf-8").split("## Twenty lines")[0]
+    assert "source .venv/bin/activate" in quick_start
+    assert ".venv/bin/python examples/01_quickstart.py" in quick_start
+    assert re.search(r"make test .*~25 min on 2 cores", quick_start)
+    assert re.search(r"`make test-fast`.*about a minute", quick_start, re.DOTALL)

@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Variant", "block", "measure_bubble", "measure_memory", "measure_overhead", "median"]
+__all__ = [
+    "Variant",
+    "block",
+    "measure_bubble",
+    "measure_memory",
+    "measure_overhead",
+    "median",
+    "task_durations",
+]
 
 
 def median(xs: Sequence[float]) -> float:
@@ -160,8 +168,8 @@ def _with_fns(compiled: Any, fns: dict[int, Callable[..., Any]]) -> Any:
 def measure_memory(variant: Variant) -> dict[str, Any]:
     """Measured peak live bytes per mesh vs the simulator's prediction.
 
-    The prediction is ``simulate(tasks).peak_activations[q]`` times the mean
-    bytes one forward task on mesh ``q`` keeps (its sends and residuals); the
+    The prediction is ``simulate(tasks).peak_activations[q]`` times the median
+    bytes one lone forward task on mesh ``q`` keeps (its sends and residuals); the
     measured activation peak is the peak during the pipelined region minus the
     bytes held just before the region's first stage task.
     """
@@ -179,7 +187,8 @@ def measure_memory(variant: Variant) -> dict[str, Any]:
     region_peak = [max(row[2][q] for row in timeline[first : last + 1]) for q in range(num_meshes)]
     per_mesh: list[list[int]] = [[] for _ in range(num_meshes)]
     for q, label, _, nbytes in mem["task_output_bytes"]:
-        if label.startswith("F") and not label.startswith("FB"):
+        # Lone forwards only: a fused F+B or an overlapped group also outputs gradients.
+        if label.startswith("F") and not label.startswith("FB") and "+" not in label:
             per_mesh[q].append(nbytes)
     peaks = simulate(compiled.tasks).peak_activations
     predicted = [int(p * (median(b) if b else 0)) for p, b in zip(peaks, per_mesh)]
@@ -189,6 +198,44 @@ def measure_memory(variant: Variant) -> dict[str, Any]:
         "predicted_activation_bytes": predicted,
         "peak_activations": list(peaks),
     }
+
+
+def task_durations(records: Sequence[Sequence[Any]]) -> dict[tuple[int, str], list[float]]:
+    """Measured seconds per ``(stage, kind)`` of the stage tasks in a profile.
+
+    A fused forward+backward program keeps the kind ``"FB"``. A program of
+    overlapped tasks (``task`` a tuple of `Task`, as DualPipeV's pairs run) is
+    split among its members in the ratio of their default `Costs`, as
+    `nnx_mpmd.schedules.measured_timeline` draws it. Records without a task
+    (the optimizer update) are left out.
+
+    Args:
+      records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).
+
+    Returns:
+      The durations of each stage's tasks of each kind, in profile order.
+
+    Example:
+      >>> from nnx_mpmd.schedules.tasks import Task
+      >>> pair = (Task(1, 3, "F", with_next=True), Task(0, 1, "B"))
+      >>> task_durations([(0, "F1.3+B0.1", pair, 0.0, 3.0), (0, "opt", None, 3.0, 4.0)])
+      {(1, 'F'): [1.0], (0, 'B'): [2.0]}
+    """
+    from nnx_mpmd.schedules import Costs
+    from nnx_mpmd.schedules.validate import group_intervals
+
+    durations: dict[tuple[int, str], list[float]] = {}
+    for _, label, task, start, end in records:
+        if task is None:
+            continue
+        if isinstance(task, tuple):
+            weights = [Costs().duration(member) for member in task]
+            for member, at, until in group_intervals(task, weights, start, end - start):
+                durations.setdefault((member.stage, member.kind), []).append(until - at)
+            continue
+        kind = "FB" if label.startswith("FB") else task.kind
+        durations.setdefault((task.stage, kind), []).append(end - start)
+    return durations
 
 
 def measure_bubble(variant: Variant) -> dict[str, Any]:
@@ -204,13 +251,7 @@ def measure_bubble(variant: Variant) -> dict[str, Any]:
 
     compiled, _ = _compiled_and_inputs(variant)
     block(variant.step(*variant.args, variant.batches[0], profile="isolated"))
-    durations: dict[tuple[int, str], list[float]] = {}
-    for _, label, task, start, end in variant.step.last_profile:
-        if task is None:
-            continue
-        kind = "FB" if label.startswith("FB") else task.kind
-        durations.setdefault((task.stage, kind), []).append(end - start)
-    med = {key: median(v) for key, v in durations.items()}
+    med = {key: median(v) for key, v in task_durations(variant.step.last_profile).items()}
     ratios = [med[(s, "B")] / med[(s, "F")] for s, k in med if k == "F" and (s, "B") in med]
     b_over_f = median(ratios) if ratios else 2.0
     per_stage: dict[int, dict[str, float]] = {}

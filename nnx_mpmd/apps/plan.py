@@ -12,8 +12,10 @@ first), and writes the plan for ``nnx-mpmd train --plan FILE``.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import tempfile
+import time
 from typing import Any
 
 from nnx_mpmd.apps.train import (
@@ -25,7 +27,15 @@ from nnx_mpmd.apps.train import (
     build_parser as build_train_parser,
 )
 
-__all__ = ["build_parser", "main"]
+__all__ = ["TRAIN_ONLY", "build_parser", "main", "train_only_given"]
+
+#: ``nnx-mpmd train`` options that change nothing the planner measures (the run's
+#: length, its outputs, checkpoints, evaluation): hidden from ``plan --help``, refused.
+TRAIN_ONLY = (
+    *("--steps", "--stop-at", "--lr", "--warmup", "--run-dir", "--ckpt-every", "--keep"),
+    *("--resume", "--allow-changed-settings", "--profile", "--log-every", "--val-batches"),
+    *("--sample-tokens", "--plan"),
+)
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -46,10 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.prog = "nnx-mpmd plan"
     p.description = (
         "Choose the layer split, schedule, microbatches and remat of a model-zoo run by "
-        "measuring its layers on the real devices and simulating every schedule."
+        "measuring its layers on the real devices and simulating every schedule; writes the "
+        "plan (plan.json in the current directory, or --out) for nnx-mpmd train --plan FILE."
     )
+    for action in p._actions:  # argparse has no public way to hide an inherited option
+        if set(action.option_strings) & set(TRAIN_ONLY):
+            action.help = argparse.SUPPRESS
     g = p.add_argument_group("planner")
-    g.add_argument("--out", default="plan.json", help="where to write the plan (JSON)")
+    g.add_argument(
+        "--out",
+        default="plan.json",
+        help="where to write the plan, a JSON file (default: plan.json in the current directory)",
+    )
     g.add_argument("--budget-mib", type=float, default=None, help="memory per device, MiB")
     g.add_argument("--schedules", default=None, help="comma-separated names (default: all)")
     g.add_argument(
@@ -61,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K and compare")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per layer profile")
     return p
+
+
+def train_only_given(argv: list[str]) -> list[str]:
+    """The options of ``argv`` that only ``nnx-mpmd train`` uses (`TRAIN_ONLY`).
+
+    Example:
+      >>> train_only_given(["--meshes", "2", "--resume", "--sample-tokens=0"])
+      ['--resume', '--sample-tokens']
+    """
+    return [arg.split("=")[0] for arg in argv if arg.split("=")[0] in TRAIN_ONLY]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _verification_table(verifications: list[Any]) -> str:
@@ -105,6 +137,18 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
     tx = trainer.optimizer.tx
     counts = _names(cfg.candidate_microbatches)
     budget = None if cfg.budget_mib is None else int(cfg.budget_mib * 2**20)
+    out = pathlib.Path(cfg.out).resolve()
+    _say(
+        f"planning {cfg.model} {cfg.preset} ({trainer.num_layers} layers) for {cfg.meshes} "
+        f"meshes x {cfg.data} data, batch {cfg.batch_size}; the plan goes to {out}"
+    )
+    _say(
+        "profiling every layer on one submesh (compiling and timing its forward and backward"
+        + (", with and without remat" if not cfg.no_remat else "")
+        + f", {cfg.repeats} timed runs each), then simulating every schedule: about a minute "
+        "or two on a 2-core CPU..."
+    )
+    started = time.perf_counter()
     planned = plan(
         trainer.model, lm_loss, batch, trainer.mesh, tx,
         schedules=_names(cfg.schedules),
@@ -112,15 +156,17 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
         memory_budget=budget, remat=not cfg.no_remat, repeats=cfg.repeats,
         donate=not cfg.no_donate,
     )  # fmt: skip
-    print(planned.summary())
+    _say(f"profiled and searched in {time.perf_counter() - started:.0f} s")
+    _say(planned.summary())
     if cfg.verify:
+        _say(f"verifying: compiling and running the top {cfg.verify} configurations...")
         checked = verify(planned, trainer.model, lm_loss, batch, trainer.mesh, tx, top=cfg.verify)
-        print(_verification_table(checked))
+        _say(_verification_table(checked))
         planned = planned.with_measurements(checked)
     planned.save(cfg.out)
     best = planned.best
     print(
-        f"wrote {cfg.out}: {best.schedule}, {best.num_stages} stages, {best.num_microbatches} "
+        f"wrote {out}: {best.schedule}, {best.num_stages} stages, {best.num_microbatches} "
         f"microbatches; train with: nnx-mpmd train --plan {cfg.out} --meshes {cfg.meshes} "
         f"--data {cfg.data} --batch-size {cfg.batch_size}{_model_options(cfg)}"
     )
@@ -166,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    ignored = train_only_given(argv)
+    if ignored:
+        print(
+            f"nnx-mpmd plan: error: {', '.join(ignored)} only apply to nnx-mpmd train (they "
+            "change nothing the planner measures); give them to nnx-mpmd train --plan FILE",
+            file=sys.stderr,
+        )
+        return 2
     if cfg.verify < 0 or cfg.repeats < 1:
         print("nnx-mpmd plan: error: --verify must be >= 0 and --repeats >= 1", file=sys.stderr)
         return 2

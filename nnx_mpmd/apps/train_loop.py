@@ -25,6 +25,14 @@ from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.sampling import generate_text
+from nnx_mpmd.apps.train_display import (
+    CompileCounter,
+    first_step_status,
+    progress_bar,
+    running_venv_hint,
+    schedule_label,
+    step_status,
+)
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
@@ -120,31 +128,6 @@ def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
-
-
-def _progress(total: int, completed: int, shown: bool) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    progress = Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        TimeElapsedColumn(),
-        disable=not shown,
-    )
-    task = progress.add_task("train", total=total, completed=completed, loss="-", tps="-")
-    return progress, task
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:
@@ -369,10 +352,14 @@ class Trainer:
         tl = simulate(self.schedule.tasks(self.num_stages, cfg.meshes, cfg.microbatches))
         processes = jax.process_count()
         across = f", {processes} processes" if processes > 1 else ""
+        preset_layers = int(preset_fields(cfg.model, cfg.preset)["n_layers"])
+        layers = f"{self.num_layers} layers"
+        if self.num_layers != preset_layers:
+            layers += f" (the preset has {preset_layers})"
         return (
-            f"{cfg.model} {cfg.preset}: {count_params(self.model):,} parameters, "
+            f"{cfg.model} {cfg.preset}: {layers}, {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
-            f"({jax.devices()[0].platform}{across}), schedule {self.schedule!r}, "
+            f"({jax.devices()[0].platform}{across}), schedule {schedule_label(self.schedule)}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
             f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
             f"run dir {self.run_dir}; compile cache {_compile_cache_text()}"
@@ -416,7 +403,7 @@ class Trainer:
         report_every = max(cfg.log_every, cfg.steps // 10)
         losses: list[float] = []
         recent: list[float] = []
-        progress, bar = _progress(cfg.steps, self.start_step, shown=self.writes_outputs)
+        progress, bar = progress_bar(cfg.steps, self.start_step, shown=self.writes_outputs)
         say = progress.console.print if self.writes_outputs else _quiet
         say(self._header(), soft_wrap=True)
         for note in self.notes:
@@ -431,7 +418,10 @@ class Trainer:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
-                loss = float(step_fn(batch, profile=step == profile_step))
+                # A process's first step compiles: the bar shows the programs as they finish.
+                counter = self._first_step_counter(progress, bar, step)
+                with counter or contextlib.nullcontext():
+                    loss = float(step_fn(batch, profile=step == profile_step))
                 seconds = time.perf_counter() - t0
                 if step == profile_step:
                     self._draw_profile()
@@ -445,7 +435,7 @@ class Trainer:
                     recent = [*recent, seconds][-20:]
                 tps = tokens_per_step * len(recent) / sum(recent) if recent else 0.0
                 tps = tps or tokens_per_step / seconds
-                progress.update(bar, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}")
+                progress.update(bar, completed=step, status=step_status(loss, tps))
                 if step % cfg.log_every == 0 or step in (self.start_step + 1, end):
                     record = {
                         "step": step,
@@ -459,7 +449,14 @@ class Trainer:
                     if log is not None:
                         log.write(json.dumps(record) + "\n")
                         log.flush()
-                if step % report_every == 0 or step == end:
+                if counter is not None:  # the first step's time is mostly compiling
+                    cache_on = _compile_cache_text() != "off"
+                    say(
+                        f"step {step}/{cfg.steps}  loss {loss:.4f}  (first step {seconds:.1f} s: "
+                        f"{counter.text(cache_on)})",
+                        soft_wrap=True,
+                    )
+                elif step % report_every == 0 or step == end:
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s")
                 if (
                     manager is not None
@@ -477,6 +474,17 @@ class Trainer:
                         },
                     )
         return losses
+
+    def _first_step_counter(self, progress: Any, bar: Any, step: int) -> CompileCounter | None:
+        """A `CompileCounter` that shows its counts on the bar, for this process's first step."""
+        if step != self.start_step + 1:
+            return None
+        cache_on = _compile_cache_text() != "off"
+
+        def show(counter: CompileCounter) -> None:
+            progress.update(bar, status=first_step_status(step, counter, cache_on))
+
+        return CompileCounter(show)
 
     def _metrics_log(self, metrics: list[dict[str, Any]]) -> Any:
         """``metrics.jsonl`` rewritten with ``metrics`` and open for appending, as a context
@@ -521,12 +529,13 @@ class Trainer:
             plot_gantt(
                 tasks,
                 schedule_png,
-                title=f"simulated {self.schedule!r}: {self.num_stages} stages, "
+                title=f"simulated {schedule_label(self.schedule)}: {self.num_stages} stages, "
                 f"{cfg.meshes} meshes, {cfg.microbatches} microbatches",
             )
         loss_png = self._picture("loss.png") if metrics else None
         if loss_png is not None:
-            plot_losses(metrics, loss_png, f"{cfg.model} {cfg.preset}, {self.schedule!r}")
+            title = f"{cfg.model} {cfg.preset}, {schedule_label(self.schedule)}"
+            plot_losses(metrics, loss_png, title)
         gather(self.model)  # collective: every process
         val_loss = self._val_loss(cfg.val_batches) if self.writes_outputs else None
         sample = ""
@@ -544,6 +553,9 @@ class Trainer:
             print(f"validation loss {val_loss:.4f}")
         if sample:
             print(f"sample:\n{sample}")
+        hint = running_venv_hint() if self.writes_outputs else None
+        if hint is not None:
+            print(hint)
         return {
             "run_dir": str(self.run_dir),
             "first_loss": losses[0] if losses else None,

@@ -13,8 +13,10 @@ Bad input prints one clear message and exits with status 2. Imports no JAX.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from fractions import Fraction
 
 from nnx_mpmd.errors import MpmdError, ScheduleError
 from nnx_mpmd.schedules.draw import matplotlib_missing, plot_gantt, time_axis_label, to_ascii
@@ -23,7 +25,7 @@ from nnx_mpmd.schedules.registry import SCHEDULES, get_schedule
 from nnx_mpmd.schedules.simulate import Costs, simulate
 from nnx_mpmd.schedules.tasks import format_tasks
 
-__all__ = ["build_parser", "main", "positive_float", "positive_int"]
+__all__ = ["build_parser", "main", "positive_float", "positive_int", "stage_costs"]
 
 _PROG = "nnx-mpmd schedule"
 
@@ -82,6 +84,60 @@ def positive_float(text: str) -> float:
     return value
 
 
+_KINDS = ("F", "B", "BI", "BW")
+
+
+def stage_costs(text: str, num_stages: int, num_meshes: int) -> tuple[Costs, Fraction | None]:
+    """The task costs to simulate with, in the units docs/concepts.md uses.
+
+    Time is measured in forwards of one mesh's share of the layers: with one
+    stage per mesh a forward costs 1 and a backward 2 (``BI = BW = 1``); with
+    ``k`` stages per mesh each stage holds ``1/k`` of those layers, so every
+    task costs ``1/k`` as much and the makespans of 4- and 8-stage schedules
+    compare. Task costs given in ``text`` are taken as they are (per task).
+
+    Args:
+      text: the ``--costs`` value (``name=value`` pairs, maybe empty).
+      num_stages: the schedule's stages.
+      num_meshes: the meshes.
+
+    Returns:
+      ``(costs, scale)``: ``scale`` is the factor applied to the default task
+      costs, or None where ``text`` sets a task cost or one stage runs per mesh.
+
+    Example:
+      >>> costs, scale = stage_costs("", 8, 4)
+      >>> float(costs.F), float(costs.B), scale
+      (0.5, 1.0, Fraction(1, 2))
+      >>> stage_costs("F=1,B=3", 8, 4)[1] is None
+      True
+    """
+    costs = Costs.parse(text)
+    if _sets_task_costs(text) or num_stages == num_meshes:
+        return costs, None
+    scale = Fraction(num_meshes, num_stages)
+    defaults = Costs()
+    scaled = {kind: float(getattr(defaults, kind) * scale) for kind in _KINDS}
+    return dataclasses.replace(costs, **scaled), scale
+
+
+def _sets_task_costs(text: str) -> bool:
+    return bool({item.partition("=")[0].strip() for item in text.split(",")} & set(_KINDS))
+
+
+def _unit_line(text: str, scale: Fraction | None, stages: int) -> str:
+    """Says what one unit of time is, so that makespans compare across commands."""
+    if _sets_task_costs(text):
+        return "time unit: the task costs given by --costs (per task, not scaled by the stages)"
+    unit = "time unit: one forward through one mesh's layers (F=1, B=2), as in docs/concepts.md"
+    if scale is None:
+        return unit
+    return (
+        f"{unit}; each of the {stages} stages holds {scale} of them, so its tasks cost {scale} "
+        "as much and makespans compare across stage counts"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nnx-mpmd schedule``.
 
@@ -119,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--costs",
         default="",
-        help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0,overlap=0 (the defaults); overlap "
+        help="task costs, e.g. F=1,B=2,BI=1,BW=1,transfer=0,overlap=0 (the defaults, for one "
+        "stage per mesh; with k stages per mesh each task costs 1/k of them unless given); overlap "
         "is the time hidden when tasks run overlapped in one program (dualpipev's pairs); "
         "contention=1/1.8/2.5 slows tasks while 1, 2, 3 meshes run at once (shared compute)",
     )
@@ -181,7 +238,7 @@ def _run(argv: list[str]) -> int:
     if missing is not None:
         raise MpmdError(f"--png/--svg need matplotlib: {missing}.")
     schedule, stages, meshes, microbatches = _resolve(args)
-    costs = Costs.parse(args.costs)
+    costs, scale = stage_costs(args.costs, stages, meshes)
     tasks = schedule.tasks(stages, meshes, microbatches)
     timeline = simulate(tasks, costs)
     print(
@@ -195,6 +252,7 @@ def _run(argv: list[str]) -> int:
         f"makespan {float(timeline.makespan):g}, bubble fraction "
         f"{float(timeline.bubble_fraction):.4f} ({float(timeline.bubble_fraction):.1%})"
     )
+    print(_unit_line(args.costs, scale, stages))
     print("peak activations per mesh: " + " ".join(map(str, timeline.peak_activations)))
     if args.tasks:
         print(format_tasks(tasks), end="")
@@ -206,7 +264,7 @@ def _run(argv: list[str]) -> int:
                 path,
                 title=f"{schedule.name}, p={meshes}, m={microbatches}: makespan "
                 f"{float(timeline.makespan):g}, bubble {float(timeline.bubble_fraction):.1%}",
-                xlabel=time_axis_label(costs),
+                xlabel=time_axis_label(costs if scale is None else Costs()),
             )
         except OSError as e:
             raise MpmdError(
@@ -246,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
       mesh 0 | F0.0 F0.1 .    .    .    B0.0 ---- B0.1 ----
       mesh 1 | .    F1.0 F1.1 B1.0 ---- B1.1 ---- .    .
       makespan 9, bubble fraction 0.3333 (33.3%)
+      time unit: one forward through one mesh's layers (F=1, B=2), as in docs/concepts.md
       peak activations per mesh: 2 2
       0
     """
