@@ -207,7 +207,6 @@ def test_second_signal_stops_at_once(tmp_path):
         _wait_for(_logged_step(run_dir, 5), proc, log, "step 5")
         _signal_train(proc, signal.SIGTERM)
         _wait_for(marker.exists, proc, log, "the stop")  # stalled where it would save
-        saved_before = _saved_steps(run_dir)
         os.kill(int(marker.read_text()), signal.SIGTERM)
         started = time.monotonic()
         code = proc.wait(timeout=30)
@@ -219,7 +218,9 @@ def test_second_signal_stops_at_once(tmp_path):
     output = log.read_text()
     assert code in (-signal.SIGTERM, 143), output[-4000:]
     assert "stopped at step" not in output, output[-4000:]
-    assert 4 in saved_before and _saved_steps(run_dir) == saved_before  # nothing new saved
+    stop_step = max(_losses(run_dir))
+    if stop_step % 4:  # not a periodic save's step: only the stop would have saved it
+        assert stop_step not in _saved_steps(run_dir)
 
 
 # -- nnx-mpmd launch -------------------------------------------------------------------
@@ -317,3 +318,57 @@ def test_launch_hides_gloo_lines_unless_verbose(tmp_path):
         assert ("[Gloo]" in log.read_text()) == shown, log.read_text()
         for i in range(2):
             (tmp_path / f"{i}.pid").unlink()
+
+
+# 4 meshes x 2 data over 2 processes x 4 devices, as tests/test_multiprocess_train.py.
+LAUNCHED_TRAIN = [
+    "--meshes", "4", "--data", "2", "--layers", "4", "--batch-size", "8",
+    "--microbatches", "4", "--seq-len", "32", "--corpus-bytes", "100000",
+    "--log-every", "1", "--ckpt-every", "100", "--warmup", "1", "--steps", "300",
+    "--val-batches", "0", "--sample-tokens", "0",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # two processes compile a 4-stage GPT (about 60-90 s on 2 cores)
+@pytest.mark.multiprocess
+def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    command = [
+        sys.executable, "-m", "nnx_mpmd", "launch", "--processes", "2",
+        "--devices-per-process", "4", "--stop-grace", "60", "--",
+        sys.executable, "-m", "nnx_mpmd", "train", *LAUNCHED_TRAIN, "--run-dir", str(run_dir),
+        "--compile-cache", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    proc = _start(command, log, env_for_launch())
+    try:
+        _wait_for(_logged_step(run_dir, 2), proc, log, "step 2")
+        signalled = time.monotonic()
+        _signal_launcher(proc, signal.SIGTERM)
+        code = proc.wait(timeout=TIMEOUT_S)
+        assert time.monotonic() - signalled < 60  # within --stop-grace
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert code == 143, output[-6000:]
+    assert "stopped by SIGTERM: every process exited" in output, output[-6000:]
+    assert "p0: 143, p1: 143" in output
+    match = STOPPED.search(output)
+    assert match and match[2] == "SIGTERM", output[-6000:]
+    stop_step = int(match[1])
+    assert "[p1] stopped at step" not in output  # process 0 speaks for the run
+    # The only checkpoint is the stop step's, committed with both processes' parts.
+    assert _saved_steps(run_dir) == [stop_step]
+    arrays = run_dir / "checkpoints" / str(stop_step) / "arrays"
+    assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, stop_step + 1))
+    cfg = config_from_args([*LAUNCHED_TRAIN, "--run-dir", str(tmp_path / "reference")])
+    trainer = Trainer(cfg, tmp_path / "reference")
+    step = nnx.jit(train_step)
+    reference = [
+        float(step(trainer.model, trainer.optimizer, next(trainer.batches)))
+        for _ in range(stop_step)
+    ]
+    np.testing.assert_allclose([losses[s] for s in range(1, stop_step + 1)], reference, rtol=1e-5)
