@@ -26,7 +26,6 @@ import pytest
 from flax import nnx
 from mp_launch import env_for_launch, optimization_level_flag
 
-from nnx_mpmd.apps.launch import is_noise, stop_summary
 from nnx_mpmd.apps.stop_signals import exit_status, stopped_message
 from nnx_mpmd.apps.train import config_from_args
 from nnx_mpmd.apps.train_loop import Trainer, train_step
@@ -150,6 +149,8 @@ def _reference_losses(tmp_path: Path, steps: int) -> list[float]:
 
 
 def test_exit_status_and_messages():
+    from nnx_mpmd.apps.launch import stop_summary
+
     assert exit_status(signal.SIGTERM) == 143 and exit_status(signal.SIGINT) == 130
     assert STOPPED.search(stopped_message(3, signal.SIGINT, "r", saved=True))
     assert "without a checkpoint" in stopped_message(3, signal.SIGTERM, "r", saved=False)
@@ -303,6 +304,8 @@ def test_children_die_with_a_killed_launcher(tmp_path):
 
 
 def test_launch_hides_gloo_lines_unless_verbose(tmp_path):
+    from nnx_mpmd.apps.launch import is_noise
+
     assert is_noise("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of ... : 1")
     assert is_noise(
         "W1128 02:05:43.558712    9861 coordination_service.cc:185] [67] Using experimental "
@@ -329,19 +332,19 @@ LAUNCHED_TRAIN = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow  # two processes compile a 4-stage GPT (about 60-90 s on 2 cores)
-@pytest.mark.multiprocess
-def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+def _stop_launched_train(tmp_path: Path, after_step: int, *resume: str) -> tuple[int, str]:
+    """Launches ``train`` on 2 processes, SIGTERMs the launcher once ``after_step`` is
+    logged; returns (the stop step, the output)."""
+    run_dir, log = tmp_path / "run", tmp_path / f"launch{len(resume)}.log"
     command = [
         sys.executable, "-m", "nnx_mpmd", "launch", "--processes", "2",
         "--devices-per-process", "4", "--stop-grace", "60", "--",
         sys.executable, "-m", "nnx_mpmd", "train", *LAUNCHED_TRAIN, "--run-dir", str(run_dir),
-        "--compile-cache", str(tmp_path / "cache"),
+        "--compile-cache", str(tmp_path / "cache"), *resume,
     ]  # fmt: skip
     proc = _start(command, log, env_for_launch())
     try:
-        _wait_for(_logged_step(run_dir, 2), proc, log, "step 2")
+        _wait_for(_logged_step(run_dir, after_step), proc, log, f"step {after_step}")
         signalled = time.monotonic()
         _signal_launcher(proc, signal.SIGTERM)
         code = proc.wait(timeout=TIMEOUT_S)
@@ -356,14 +359,28 @@ def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
     assert "p0: 143, p1: 143" in output
     match = STOPPED.search(output)
     assert match and match[2] == "SIGTERM", output[-6000:]
-    stop_step = int(match[1])
     assert "[p1] stopped at step" not in output  # process 0 speaks for the run
-    # The only checkpoint is the stop step's, committed with both processes' parts.
-    assert _saved_steps(run_dir) == [stop_step]
+    stop_step = int(match[1])
+    assert stop_step > after_step
+    # The stop step's checkpoint is committed, with both processes' parts.
     arrays = run_dir / "checkpoints" / str(stop_step) / "arrays"
     assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()
+    return stop_step, output
+
+
+@pytest.mark.slow  # two launches of two processes, each compiling a 4-stage GPT (2-4 min)
+@pytest.mark.multiprocess
+def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
+    run_dir = tmp_path / "run"
+    stop_step, _ = _stop_launched_train(tmp_path, 2)
+    assert _saved_steps(run_dir) == [stop_step]  # the only checkpoint: the stop's
+    # A resumed run stops the same way (JAX's sync point counts absolute steps).
+    second_stop, output = _stop_launched_train(tmp_path, stop_step + 2, "--resume")
+    assert f"[p0] resumed from step {stop_step}" in output
+    assert _saved_steps(run_dir) == [stop_step, second_stop]
     losses = _losses(run_dir)
-    assert sorted(losses) == list(range(1, stop_step + 1))
+    assert sorted(losses) == list(range(1, second_stop + 1))
+    stop_step = second_stop
     cfg = config_from_args([*LAUNCHED_TRAIN, "--run-dir", str(tmp_path / "reference")])
     trainer = Trainer(cfg, tmp_path / "reference")
     step = nnx.jit(train_step)

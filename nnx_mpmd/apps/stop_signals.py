@@ -83,8 +83,6 @@ def _preemption_service_running() -> bool:
     if jax.process_count() <= 1:
         return False
     try:
-        # Every process starts counting at 0 (steps of this run, not absolute steps,
-        # so that a resumed run does not miss a sync point computed before its first step).
         multihost_utils.reached_preemption_sync_point(0)
     except RuntimeError:  # the service is switched off (jax_enable_preemption_service)
         return False
@@ -94,12 +92,14 @@ def _preemption_service_running() -> bool:
 class StopSignals:
     """Turns SIGTERM and SIGINT into a request to stop after the step in progress.
 
-    Use it around a training loop: `install` it, ask `should_stop` after every
-    step (on every process, with the count of steps run so far), and
-    `uninstall` it at the end. Outside the main thread it does nothing.
+    Use it around a training loop: `install` it, call `begin` with the step the
+    loop starts from, ask `should_stop` after every step (on every process,
+    with the step's number), and `uninstall` it at the end. Outside the main
+    thread it does nothing.
 
     Example:
       >>> stop = StopSignals().install()
+      >>> stop.begin(0)
       >>> stop.should_stop(1)
       False
       >>> signal.raise_signal(signal.SIGTERM)  # doctest: +SKIP
@@ -151,14 +151,30 @@ class StopSignals:
         if self.collective:  # tell JAX's preemption notifier, which informs every process
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def should_stop(self, steps_run: int) -> bool:
-        """Whether the loop should stop now, after its ``steps_run``-th step.
+    def begin(self, step: int) -> None:
+        """Says which step the loop starts after (0, or the restored checkpoint's step).
 
-        In a multi-process run every process must call it after every step with
-        the same count (a collective decision, true at the same step everywhere).
+        JAX's sync point is the step after the highest step any process last
+        reported, so a resumed run reports its restored step before its first
+        step. Orbax's ``CheckpointManager`` reports the steps it saves as well,
+        hence absolute step numbers here.
 
         Args:
-          steps_run: steps run by this process since it started (1 after the first).
+          step: the last step already done.
+        """
+        if self.collective:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.reached_preemption_sync_point(step)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether the loop should stop now, after ``step``.
+
+        In a multi-process run every process must call it after every step (a
+        collective decision, true at the same step everywhere).
+
+        Args:
+          step: the step just finished (its number, the same on every process).
 
         Returns:
           True once a stop was asked for (in a multi-process run: once every
@@ -168,7 +184,7 @@ class StopSignals:
             return self.signum is not None
         from jax.experimental import multihost_utils
 
-        if multihost_utils.reached_preemption_sync_point(steps_run):
+        if multihost_utils.reached_preemption_sync_point(step):
             if self.signum is None:  # another process got the signal: JAX's is SIGTERM
                 self.signum = signal.SIGTERM
             return True

@@ -473,6 +473,8 @@ class Trainer:
         step_fn = nnx.cached_partial(self.step_fn, self.model, self.optimizer)
         started = time.perf_counter()
         saved_at = None
+        if stop is not None:
+            stop.begin(self.start_step)
         with progress, self._metrics_log(metrics) as log:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
@@ -512,7 +514,7 @@ class Trainer:
                     self._save(manager, step)
                     saved_at = step
                 # Every process asks after every step: the stop step is agreed on.
-                if stop is not None and stop.should_stop(step - self.start_step):
+                if stop is not None and stop.should_stop(step):
                     if saves and saved_at != step:
                         self._save(manager, step)
                         saved_at = step
