@@ -35,6 +35,9 @@ optimizer state into the old buffers instead of holding both;
 
 Bad input (an unknown schedule, too few devices, a batch that does not split,
 an incompatible checkpoint...) prints one message on stderr and exits with 2.
+SIGTERM or SIGINT stops the run after the step in progress with a checkpoint of
+that step, a line saying how to continue, and exit status 143 or 130
+(`nnx_mpmd.apps.stop_signals`); a second signal stops it at once.
 
 The job runs as several processes too: ``nnx-mpmd launch --processes 2
 --devices-per-process 4 -- nnx-mpmd train`` (or a cluster launcher that
