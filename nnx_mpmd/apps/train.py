@@ -35,6 +35,9 @@ optimizer state into the old buffers instead of holding both;
 
 Bad input (an unknown schedule, too few devices, a batch that does not split,
 an incompatible checkpoint...) prints one message on stderr and exits with 2.
+SIGTERM or SIGINT stops the run after the step in progress with a checkpoint of
+that step, a line saying how to continue, and exit status 143 or 130
+(`nnx_mpmd.apps.stop_signals`); a second signal stops it at once.
 
 The job runs as several processes too: ``nnx-mpmd launch --processes 2
 --devices-per-process 4 -- nnx-mpmd train`` (or a cluster launcher that
@@ -53,6 +56,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -538,13 +542,16 @@ def main(argv: list[str] | None = None) -> int:
       argv: the arguments after ``train`` (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit status: 0 on success, 2 on bad input.
+      The exit status: 0 on success, 2 on bad input, ``128 + signal`` (143, 130)
+      when SIGTERM or SIGINT stopped the run after saving a checkpoint
+      (`nnx_mpmd.apps.stop_signals`).
 
     Example:
       >>> main(["--steps", "0"])
       2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    from nnx_mpmd.apps.stop_signals import StopSignals, exit_status
     from nnx_mpmd.errors import MpmdError
 
     try:
@@ -552,22 +559,34 @@ def main(argv: list[str] | None = None) -> int:
     except MpmdError as e:
         return _fail(str(e))
     set_cpu_devices(cfg.devices)
+    stop = StopSignals()
     try:
         join_processes()
-        run(cfg)
+        stop.install()  # after joining: in a multi-process run JAX's notifier owns SIGTERM
+        summary = run(cfg, stop=stop)
     except MpmdError as e:
         return _fail(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:  # Ctrl-C before the handlers were installed
+        print("nnx-mpmd train: interrupted (SIGINT) before training started", file=sys.stderr)
+        return exit_status(signal.SIGINT)
+    finally:
+        stop.uninstall()
+    if summary["stop_signal"] is not None:
+        return exit_status(summary["stop_signal"])
     return 0
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
+def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
     """Trains as ``cfg`` says and writes the run directory.
 
     Args:
       cfg: the configuration (see `config_from_args`).
+      stop: installed `nnx_mpmd.apps.stop_signals.StopSignals`, or None (signals keep
+        their default action).
 
     Returns:
-      A summary: ``run_dir``, ``first_loss``, ``last_loss``, ``steps_run`` and ``sample``.
+      A summary: ``run_dir``, ``first_loss``, ``last_loss``, ``steps_run``, ``sample``,
+      ``stopped_at`` and ``stop_signal`` (see `nnx_mpmd.apps.train_loop.Trainer.train`).
 
     Raises:
       MpmdError: bad settings (devices, schedule, model) or an incompatible checkpoint.
@@ -582,7 +601,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 
-    summary = Trainer(cfg, run_dir).train()
+    summary = Trainer(cfg, run_dir).train(stop)
     finish_together()
     return summary
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.sampling import generate_text
+from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
 from nnx_mpmd.apps.train_display import (
     CompileCounter,
     first_step_status,
@@ -228,6 +229,8 @@ class Trainer:
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
         )
         self.start_step = 0
+        #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
+        self.stopped: tuple[int, int, bool] | None = None
 
     def _choose_layers(self) -> tuple[int, list[str]]:
         """The number of blocks: the preset's, or one per stage when it has fewer."""
@@ -373,13 +376,20 @@ class Trainer:
         # A resumed run repeats the steps after its checkpoint: drop their old records.
         return [r for r in records if r["step"] <= self.start_step]
 
-    def train(self) -> dict[str, Any]:
+    def train(self, stop: StopSignals | None = None) -> dict[str, Any]:
         """Runs the steps and writes the outputs.
+
+        Args:
+          stop: installed stop-signal handlers; after a stop signal the loop ends
+            after the step in progress, with a checkpoint of that step (see
+            `nnx_mpmd.apps.stop_signals`).
 
         Returns:
           ``run_dir``, ``first_loss``, ``last_loss`` (of this process's steps),
           ``steps_run``, ``val_loss`` and ``sample`` (None and ``""`` on processes
-          other than 0, which neither score nor sample).
+          other than 0, which neither score nor sample), ``stopped_at`` and
+          ``stop_signal`` (None unless a stop signal ended the run early; such a
+          run skips the validation loss, the sample and the pictures).
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -389,13 +399,48 @@ class Trainer:
         try:
             self.restore_or_start(manager)
             metrics = self._metrics()
-            losses = self._loop(manager, metrics)
+            losses = self._loop(manager, metrics, stop)
         finally:
             if manager is not None:
-                manager.close()
+                manager.close()  # waits until the last save is committed
+        if self.stopped is not None:
+            return self._stopped_summary(losses)
         return self._finish(metrics, losses)
 
-    def _loop(self, manager: CheckpointManager | None, metrics: list[dict[str, Any]]) -> list:
+    def _stopped_summary(self, losses: list[float]) -> dict[str, Any]:
+        """The summary of a run a stop signal ended; process 0 prints how to continue it."""
+        step, signum, saved = self.stopped
+        if self.writes_outputs:
+            print(stopped_message(step, signum, self.run_dir, saved), flush=True)
+        return {
+            "run_dir": str(self.run_dir),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "steps_run": len(losses),
+            "val_loss": None,
+            "sample": "",
+            "stopped_at": step,
+            "stop_signal": signum,
+        }
+
+    def _save(self, manager: CheckpointManager, step: int) -> None:
+        manager.save(
+            step,
+            {"model": self.model, "optimizer": self.optimizer},
+            {
+                "step": step,
+                "data": self.batches.state_dict(),
+                "config": self.settings(),
+                "tokenizer": self.tokenizer.to_dict(),
+            },
+        )
+
+    def _loop(
+        self,
+        manager: CheckpointManager | None,
+        metrics: list[dict[str, Any]],
+        stop: StopSignals | None = None,
+    ) -> list:
         cfg = self.cfg
         end = cfg.stop_at or cfg.steps
         tokens_per_step = cfg.batch_size * self.seq_len
@@ -414,6 +459,9 @@ class Trainer:
         # sets values), so the step needs not walk their graph on every call.
         step_fn = nnx.cached_partial(self.step_fn, self.model, self.optimizer)
         started = time.perf_counter()
+        saved_at = None
+        if stop is not None:
+            stop.begin(self.start_step)
         with progress, self._metrics_log(metrics) as log:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
@@ -458,21 +506,17 @@ class Trainer:
                     )
                 elif step % report_every == 0 or step == end:
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s")
-                if (
-                    manager is not None
-                    and cfg.ckpt_every
-                    and (step % cfg.ckpt_every == 0 or step == cfg.steps)
-                ):
-                    manager.save(
-                        step,
-                        {"model": self.model, "optimizer": self.optimizer},
-                        {
-                            "step": step,
-                            "data": self.batches.state_dict(),
-                            "config": self.settings(),
-                            "tokenizer": self.tokenizer.to_dict(),
-                        },
-                    )
+                saves = manager is not None and bool(cfg.ckpt_every)
+                if saves and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+                    self._save(manager, step)
+                    saved_at = step
+                # Every process asks after every step: the stop step is agreed on.
+                if stop is not None and stop.should_stop(step):
+                    if saves and saved_at != step:
+                        self._save(manager, step)
+                        saved_at = step
+                    self.stopped = (step, int(stop.signum), saved_at == step)
+                    break
         return losses
 
     def _first_step_counter(self, progress: Any, bar: Any, step: int) -> CompileCounter | None:
@@ -563,4 +607,6 @@ class Trainer:
             "steps_run": len(losses),
             "val_loss": val_loss,
             "sample": sample,
+            "stopped_at": None,
+            "stop_signal": None,
         }
