@@ -344,5 +344,5 @@ def test_logical_names_follow_flax_s_global_axis_rules():
         assert placement_of(param, "w", mesh) == ((0,), P(None, "data"))
     finally:
         spmd.set_logical_axis_rules(before)
-    with pytest.raises(mp.PlacementError, match="names axis 'embed'"):
+    with pytest.raises(mp.PlacementError, match=r"names axis .embed.*set_logical_axis_rules"):
         placement_of(param, "w", mesh)  # no rules: a name the mesh lacks is an error

@@ -240,7 +240,9 @@ def _check_spec(
                 raise PlacementError(
                     f"{path}: out_sharding {spec} names axis {name!r}, which the submesh "
                     f"{dict(submesh.shape)} does not have; use one of "
-                    f"{tuple(submesh.axis_names)} or None."
+                    f"{tuple(submesh.axis_names)} or None, or, for a logical name, map it "
+                    "onto the mesh with sharding_rules metadata or "
+                    "flax.core.spmd.set_logical_axis_rules (set when the step first runs)."
                 )
         size = math.prod(submesh.shape[name] for name in names)
         if shape is not None and names and shape[dim] % size:
