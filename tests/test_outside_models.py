@@ -326,3 +326,23 @@ def test_placement_leaves_out_auto_axes_of_size_one(out_sharding, kind, want):
     )
     assert placement_of(param, "w", mesh) == ((1,), want)
     assert leaf_sharding(param, mesh.submesh(1)).spec == want
+
+
+def test_logical_names_follow_flax_s_global_axis_rules():
+    """Rules set with ``flax.core.spmd.set_logical_axis_rules``, not in the metadata, apply too."""
+    from flax.core import spmd
+
+    from nnx_mpmd.placement.partition import placement_of
+
+    mesh = _mesh(2, 2)
+    param = nnx.Param(
+        jnp.zeros((4, 4)), mpmd_stage=0, out_sharding=("embed", "mlp"), eager_sharding=False
+    )
+    before = spmd.get_logical_axis_rules()
+    spmd.set_logical_axis_rules((("embed", None), ("mlp", "data")))
+    try:
+        assert placement_of(param, "w", mesh) == ((0,), P(None, "data"))
+    finally:
+        spmd.set_logical_axis_rules(before)
+    with pytest.raises(mp.PlacementError, match=r"names axis .embed.*set_logical_axis_rules"):
+        placement_of(param, "w", mesh)  # no rules: a name the mesh lacks is an error

@@ -193,10 +193,12 @@ def _spec_from_metadata(metadata: Mapping[str, Any], path: str) -> PartitionSpec
             f"{path}: out_sharding={out!r} is not a tuple of axis names / None or a "
             "PartitionSpec; write e.g. out_sharding=(None, 'data')."
         )
-    rules = metadata.get("sharding_rules")
-    if rules:  # logical axis names -> mesh axis names, as flax does
-        from flax.core import spmd
+    from flax.core import spmd
 
+    rules = metadata.get("sharding_rules")
+    if rules or spmd.get_logical_axis_rules():
+        # Logical axis names -> mesh axis names, as flax does: the Variable's own
+        # rules, then those set with flax.core.spmd.set_logical_axis_rules / logical_axis_rules.
         out = spmd.apply_rules(out, rules)
     return PartitionSpec(*out)
 
@@ -238,7 +240,9 @@ def _check_spec(
                 raise PlacementError(
                     f"{path}: out_sharding {spec} names axis {name!r}, which the submesh "
                     f"{dict(submesh.shape)} does not have; use one of "
-                    f"{tuple(submesh.axis_names)} or None."
+                    f"{tuple(submesh.axis_names)} or None, or, for a logical name, map it "
+                    "onto the mesh with sharding_rules metadata or "
+                    "flax.core.spmd.set_logical_axis_rules (set when the step first runs)."
                 )
         size = math.prod(submesh.shape[name] for name in names)
         if shape is not None and names and shape[dim] % size:
