@@ -77,6 +77,13 @@ class PlacedAval:
 
         Returns:
           A ``jax.ShapeDtypeStruct`` whose sharding names ``abstract_mesh``.
+
+        Example:
+          >>> import jax, numpy as np
+          >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
+          >>> aval = placed_aval(np.zeros((8, 3), np.float32), mesh)
+          >>> aval.traced_on(mesh.submesh(0).abstract_mesh).sharding.spec
+          P()
         """
         spec = PartitionSpec()
         for _, sharding in self.shardings:
