@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
+from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.runtime.multi_process import launch_env
 
 __all__ = ["coordinator_lost_note", "free_port", "launch", "main"]
@@ -128,6 +129,10 @@ def launch(
       0 when every process exits with 0, else the first failing exit status
       (``128 + signal`` for a process killed by a signal).
 
+    Raises:
+      MpmdError: the command cannot be started (no such program); the processes
+        already started are stopped.
+
     Example:
       >>> launch([sys.executable, "-c", "import os; print(os.environ['NNX_MPMD_PROCESS_ID'])"],
       ...        1, out=sys.stdout)
@@ -142,9 +147,15 @@ def launch(
     try:
         for i in range(num_processes):
             env = launch_env(i, num_processes, coordinator, devices_per_process=devices_per_process)
-            proc = subprocess.Popen(
-                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
+            try:
+                proc = subprocess.Popen(
+                    list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+            except OSError as e:  # no such program, or not executable
+                raise MpmdError(
+                    f"cannot start process {i}'s command {command[0]!r} ({e.strerror}); check "
+                    "the program after '--' is installed and on PATH (e.g. -- nnx-mpmd train)."
+                ) from None
             procs.append(proc)
             pump = threading.Thread(target=_pump, args=(proc.stdout, f"[p{i}] ", out, lock))
             pump.daemon = True

@@ -25,6 +25,7 @@ from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.sampling import generate_text
+from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
@@ -354,7 +355,7 @@ class Trainer:
                 f"--resume: no finished checkpoint in {where}; run without --resume to "
                 "start, or point --run-dir at a run that saved one."
             )
-        saved = manager.metadata()
+        saved = checked_metadata(manager.metadata(), where, latest)
         changed = self._check_resumable(saved, where)
         manager.restore({"model": self.model, "optimizer": self.optimizer})
         # Accepted changes (seed, batch size, ...) keep only the saved data position.
