@@ -112,6 +112,7 @@ class TrainConfig(argparse.Namespace):
     compile_cache: str | None
     no_compile_cache: bool
     no_donate: bool
+    check_finite: bool
     plan: str | None
 
 
@@ -238,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the old parameters and optimizer state beside the new ones in the "
         "update, instead of writing the new state into them (mp.jit's donate_argnums)",
+    )
+    p.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="check every stage's outputs and gradients for NaN/inf in each step and stop at "
+        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower; "
+        "one process only)",
     )
     p.add_argument(
         "--plan",

@@ -28,7 +28,14 @@ from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
-from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
+from nnx_mpmd.errors import (
+    CheckpointError,
+    MeshError,
+    MpmdError,
+    NonFiniteError,
+    PartitionError,
+    ScheduleError,
+)
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.losses import value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
@@ -244,6 +251,7 @@ class Trainer:
             schedule=self.schedule,
             num_microbatches=cfg.microbatches,
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
+            check_finite=bool(getattr(cfg, "check_finite", False)),
         )
         self.start_step = 0
 
@@ -432,14 +440,19 @@ class Trainer:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
-                loss = float(step_fn(batch, profile=step == profile_step))
+                try:
+                    loss = float(step_fn(batch, profile=step == profile_step))
+                except NonFiniteError as e:  # --check-finite
+                    raise NonFiniteError(f"step {step}: {e}") from None
                 seconds = time.perf_counter() - t0
                 if step == profile_step:
                     self._draw_profile()
                 losses.append(loss)
                 if not math.isfinite(loss):
                     raise MpmdError(
-                        f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr})."
+                        f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}), or "
+                        "rerun with --check-finite to find the first stage and parameter "
+                        "that went NaN or inf."
                     )
                 # The first step of a process includes compilation: keep it out of tok/s.
                 if step > self.start_step + 1 or end == self.start_step + 1:
