@@ -18,6 +18,7 @@ import types
 
 import jax
 import pytest
+from flax import nnx
 
 from nnx_mpmd.apps import cli, train
 from nnx_mpmd.apps.validate_args import check_output_dir, checked_metadata
@@ -314,3 +315,30 @@ def test_launch_of_a_command_that_does_not_exist_exits_2(capsys):
         "nnx-mpmd launch: error: MpmdError: cannot start process 0's command "
         "'no-such-command-h8' (No such file or directory)" in err
     )
+
+
+# ------------------------------------------------------------------ memory
+
+
+def test_a_run_too_big_for_the_device_exits_2_before_compiling(in_tmp, monkeypatch, capsys):
+    monkeypatch.setenv("NNX_MPMD_DEVICE_MEMORY_BYTES", str(100_000))
+    line = _train_fails([*SMALL, "--run-dir", "run"], capsys)
+    assert re.search(
+        r"PlanError: mesh 0 needs at least [0-9.]+ MiB per device for the parameters, "
+        r"optimizer state, gradients and batch .* but a device has 0\.1 MiB\. Use more "
+        r"--meshes \(now 1\).*--skip-memory-check",
+        line,
+    ), line
+    assert list(in_tmp.iterdir()) == []
+
+
+def test_the_memory_check_is_skipped_when_asked_and_counts_the_state(tmp_path, monkeypatch):
+    from nnx_mpmd.apps.memory_check import predicted_peaks
+    from nnx_mpmd.apps.train_loop import Trainer
+
+    monkeypatch.setenv("NNX_MPMD_DEVICE_MEMORY_BYTES", str(100_000))
+    cfg = train.config_from_args([*SMALL, "--skip-memory-check"])
+    trainer = Trainer(cfg, tmp_path)  # no PlanError
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+    # One mesh, donated state: parameters + Adam's two moments + gradients, at least.
+    assert predicted_peaks(trainer)[0] >= 4 * param_bytes

@@ -113,6 +113,7 @@ class TrainConfig(argparse.Namespace):
     no_compile_cache: bool
     no_donate: bool
     check_finite: bool
+    skip_memory_check: bool
     plan: str | None
 
 
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the old parameters and optimizer state beside the new ones in the "
         "update, instead of writing the new state into them (mp.jit's donate_argnums)",
+    )
+    p.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even if the parameters, optimizer state and gradients are predicted not "
+        "to fit a device ($NNX_MPMD_DEVICE_MEMORY_BYTES, else the device's limit)",
     )
     p.add_argument(
         "--check-finite",

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
@@ -254,6 +255,8 @@ class Trainer:
             check_finite=bool(getattr(cfg, "check_finite", False)),
         )
         self.start_step = 0
+        if not getattr(cfg, "skip_memory_check", False):
+            check_memory(self)  # before anything compiles or is written
 
     def _choose_layers(self) -> tuple[int, list[str]]:
         """The number of blocks: the preset's, or one per stage when it has fewer."""
