@@ -20,6 +20,7 @@ from nnx_mpmd.errors import CompileError as CompileError
 from nnx_mpmd.errors import DistributedError as DistributedError
 from nnx_mpmd.errors import MeshError as MeshError
 from nnx_mpmd.errors import MpmdError as MpmdError
+from nnx_mpmd.errors import NonFiniteError as NonFiniteError
 from nnx_mpmd.errors import PartitionError as PartitionError
 from nnx_mpmd.errors import PlacementError as PlacementError
 from nnx_mpmd.errors import PlanError as PlanError
@@ -78,6 +79,7 @@ __all__ = [
     "MpmdError",
     "MpmdMesh",
     "MpmdTransferWarning",
+    "NonFiniteError",
     "OneFOneB",
     "PartitionError",
     "PipelinedFunction",

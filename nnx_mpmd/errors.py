@@ -20,6 +20,7 @@ __all__ = [
     "DistributedError",
     "MeshError",
     "MpmdError",
+    "NonFiniteError",
     "PartitionError",
     "PlacementError",
     "PlanError",
@@ -61,3 +62,7 @@ class DistributedError(MpmdError):
 
 class PlanError(MpmdError):
     """The planner found no configuration: nothing fits the memory budget, or nothing runs."""
+
+
+class NonFiniteError(MpmdError):
+    """A step checked with ``mp.jit(..., check_finite=True)`` made a NaN or inf."""

@@ -47,7 +47,8 @@ if not os.path.isdir(_run_dir):
 # a compilation in nnx_mpmd.compiler.stats, so recompilation tests stay exact.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = os.path.join(_run_dir, "jax-cache")
-    os.makedirs(_cache_dir, exist_ok=True)
+    # Private, as nnx_mpmd makes its own (stored steps load only from such a cache).
+    os.makedirs(_cache_dir, mode=0o700, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

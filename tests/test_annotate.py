@@ -2,6 +2,8 @@
 
 import itertools
 import random
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -408,6 +410,69 @@ def test_balanced_partition_is_optimal_against_brute_force(seed):
     assert all(b - a in (0, 1) for a, b in itertools.pairwise(result))
     heaviest = max(sum(w for w, s in zip(weights, result) if s == k) for k in range(stages))
     assert heaviest == brute_force_best(weights, stages)
+
+
+def quadratic_partition(weights, stages):
+    """The O(stages * layers^2) programme balanced_partition replaced: the reference."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    result, i = [0] * n, n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        result[j:i] = [k - 1] * (i - j)
+        i = j
+    return result
+
+
+def test_balanced_partition_equals_the_quadratic_programme():
+    # Same split, ties included (zero weights, equal weights, rounding-prone magnitudes).
+    rng = random.Random(47)
+    choices = ([0, 1, 2], [1.0], [0.0, 0.1, 0.2, 0.3, 1e-17, 1e17])
+    for _ in range(3000):
+        n = rng.randint(1, 13)
+        stages = rng.randint(1, n)
+        pick = rng.randrange(4)
+        if pick < 3:
+            weights = [rng.choice(choices[pick]) for _ in range(n)]
+        else:
+            weights = [rng.random() for _ in range(n)]
+        assert balanced_partition(weights, stages) == quadratic_partition(weights, stages), (
+            weights,
+            stages,
+        )
+
+
+def test_block_stages_of_100000_layers_finish():
+    # The quadratic programme took over 20 minutes here; the bound only keeps CI from hanging.
+    code = (
+        "from nnx_mpmd.models.blocks import assign_block_stages\n"
+        "s = assign_block_stages(100_000, 4, block_cost=1.0, embed_cost=3.0, head_cost=5.0)\n"
+        "print(len(s), s[0], s[-1], s.count(0), s.count(3))"
+    )
+    done = subprocess.run(
+        ["timeout", "-k", "5", "120", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["100000", "0", "3", "24999", "24997"]
+
+
+def test_balanced_partition_refuses_negative_weights():
+    with pytest.raises(PartitionError, match=r"layer 1 has weight -2.*>= 0"):
+        balanced_partition([1, -2, 3], 2)
 
 
 def test_auto_stage_balances_parameter_bytes():

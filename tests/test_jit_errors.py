@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,6 +272,27 @@ def test_an_optimizer_made_before_assign_stages_is_named():
         mp.CompileError, match=r"created before mp.assign_stages.*create the optimizer after"
     ):
         step(model, optimizer, make_batch("regression", 4))
+
+
+def test_parameters_changed_after_the_optimizer_are_not_called_a_stale_optimizer():
+    """A layer replaced between steps (its bias gone) is a different tree, not an
+    optimizer created before assign_stages: the error names the differing key."""
+    model, optimizer, loss_fn, _ = build("mlp", "adamw", 2)
+    step = mp.jit(
+        train_step_fn(loss_fn), mesh=make_mesh(2, 1), schedule=mp.GPipe(), num_microbatches=2
+    )
+    step(model, optimizer, make_batch("regression", 4))
+    model.layers[1] = mp.Stage(nnx.Linear(16, 16, use_bias=False, rngs=nnx.Rngs(1)), stage=1)
+    with pytest.raises(mp.CompileError) as raised:
+        step(model, optimizer, make_batch("regression", 4))
+    message = str(raised.value)
+    assert "before mp.assign_stages" not in message
+    assert re.search(
+        r"two trees of the step differ at tree_map tree\['layers'\]\[1\]\['module'\]: "
+        r"\['bias'\] is in one and not the other\. .*parameters changed .* create a new "
+        r"optimizer for the model as it is now",
+        message,
+    ), message
 
 
 def mlp_loss_of(out, batch):

@@ -46,6 +46,7 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.runtime.multi_process import launch_env
 
 __all__ = ["coordinator_lost_note", "free_port", "is_noise", "launch", "main", "stop_summary"]
@@ -286,6 +287,10 @@ def launch(
       SIGINT stopped the launcher; else the first failing exit status
       (``128 + signal`` for a process killed by a signal).
 
+    Raises:
+      MpmdError: the command cannot be started (no such program); the processes
+        already started are stopped.
+
     Example:
       >>> launch([sys.executable, "-c", "import os; print(os.environ['NNX_MPMD_PROCESS_ID'])"],
       ...        1, out=sys.stdout)
@@ -303,15 +308,21 @@ def launch(
         die_with_launcher = _die_with_launcher_hook()
         for i in range(num_processes):
             env = launch_env(i, num_processes, coordinator, devices_per_process=devices_per_process)
-            proc = subprocess.Popen(
-                list(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # signals reach them through the launcher only
-                preexec_fn=die_with_launcher,
-            )
+            try:
+                proc = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # signals reach them through the launcher only
+                    preexec_fn=die_with_launcher,
+                )
+            except OSError as e:  # no such program, or not executable
+                raise MpmdError(
+                    f"cannot start process {i}'s command {command[0]!r} ({e.strerror}); check "
+                    "the program after '--' is installed and on PATH (e.g. -- nnx-mpmd train)."
+                ) from None
             procs.append(proc)
         # The pumps start after the last fork: no other thread runs while one forks.
         for i, proc in enumerate(procs):

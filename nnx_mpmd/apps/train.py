@@ -116,6 +116,8 @@ class TrainConfig(argparse.Namespace):
     compile_cache: str | None
     no_compile_cache: bool
     no_donate: bool
+    check_finite: bool
+    skip_memory_check: bool
     plan: str | None
 
 
@@ -244,6 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
         "update, instead of writing the new state into them (mp.jit's donate_argnums)",
     )
     p.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even if the parameters, optimizer state and gradients are predicted not "
+        "to fit a device ($NNX_MPMD_DEVICE_MEMORY_BYTES, else the device's limit)",
+    )
+    p.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="check every stage's outputs and gradients for NaN/inf in each step and stop at "
+        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower; "
+        "one process only)",
+    )
+    p.add_argument(
         "--plan",
         default=None,
         metavar="FILE",
@@ -259,30 +274,22 @@ def apply_plan_file(cfg: TrainConfig) -> None:
     The layer split and remat are applied to the model later, by the trainer.
 
     Raises:
-      MpmdError: the file cannot be read, or was planned for other meshes or batch size.
+      MpmdError: the file cannot be read or holds no plan (`PlanError`), or was planned
+        for other meshes or batch size.
     """
-    import json
-
+    from nnx_mpmd.apps.validate_args import read_plan_settings
     from nnx_mpmd.errors import MpmdError
 
-    try:
-        with open(cfg.plan, encoding="utf-8") as f:
-            data = json.load(f)
-        best = data["best"]
-        planned = (int(data["num_meshes"]), int(data["batch_size"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MpmdError(
-            f"--plan {cfg.plan}: cannot read a plan ({e}); write one with "
-            "`nnx-mpmd plan --out FILE`."
-        ) from None
+    data = read_plan_settings(cfg.plan)
+    planned = (data["num_meshes"], data["batch_size"])
     if planned != (cfg.meshes, cfg.batch_size):
         raise MpmdError(
             f"--plan {cfg.plan} was made for --meshes {planned[0]} --batch-size {planned[1]}, "
             f"not --meshes {cfg.meshes} --batch-size {cfg.batch_size}; pass those, or plan again."
         )
-    cfg.schedule = best["schedule"]
-    cfg.stages = int(best["num_stages"])
-    cfg.microbatches = int(best["num_microbatches"])
+    cfg.schedule = data["schedule"]
+    cfg.stages = data["num_stages"]
+    cfg.microbatches = data["num_microbatches"]
     if data.get("donate") and cfg.no_donate:
         print(
             f"nnx-mpmd train: warning: --plan {cfg.plan} predicted its peaks for a step that "
@@ -308,6 +315,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
       >>> config_from_args(["--batch-size", "16", "--microbatches", "4"]).batch_size
       16
     """
+    from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
 
     cfg = build_parser().parse_args(argv, namespace=TrainConfig())
@@ -346,6 +354,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
         raise MpmdError(f"--stages={cfg.stages} must be >= 1.")
     if cfg.corpus_bytes < 1:
         raise MpmdError(f"--corpus-bytes={cfg.corpus_bytes} must be >= 1.")
+    check_seed(cfg.seed)
     if cfg.allow_changed_settings and not cfg.resume:
         raise MpmdError("--allow-changed-settings only applies with --resume; add --resume.")
     if cfg.no_compile_cache and cfg.compile_cache is not None:
@@ -597,7 +606,10 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
       ...
       nnx_mpmd.errors.ScheduleError: unknown schedule 'zigzag'; ...
     """
+    from nnx_mpmd.apps.validate_args import check_output_dir
+
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
+    check_output_dir(run_dir, "--run-dir")
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 

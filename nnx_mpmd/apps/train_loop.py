@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
 from nnx_mpmd.apps.train_display import (
@@ -34,9 +35,17 @@ from nnx_mpmd.apps.train_display import (
     schedule_label,
     step_status,
 )
+from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
-from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
+from nnx_mpmd.errors import (
+    CheckpointError,
+    MeshError,
+    MpmdError,
+    NonFiniteError,
+    PartitionError,
+    ScheduleError,
+)
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.losses import value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
@@ -227,10 +236,13 @@ class Trainer:
             schedule=self.schedule,
             num_microbatches=cfg.microbatches,
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
+            check_finite=bool(getattr(cfg, "check_finite", False)),
         )
         self.start_step = 0
         #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
         self.stopped: tuple[int, int, bool] | None = None
+        if not getattr(cfg, "skip_memory_check", False):
+            check_memory(self)  # before anything compiles or is written
 
     def _choose_layers(self) -> tuple[int, list[str]]:
         """The number of blocks: the preset's, or one per stage when it has fewer."""
@@ -340,7 +352,7 @@ class Trainer:
                 f"--resume: no finished checkpoint in {where}; run without --resume to "
                 "start, or point --run-dir at a run that saved one."
             )
-        saved = manager.metadata()
+        saved = checked_metadata(manager.metadata(), where, latest)
         changed = self._check_resumable(saved, where)
         manager.restore({"model": self.model, "optimizer": self.optimizer})
         # Accepted changes (seed, batch size, ...) keep only the saved data position.
@@ -468,15 +480,20 @@ class Trainer:
                 t0 = time.perf_counter()
                 # A process's first step compiles: the bar shows the programs as they finish.
                 counter = self._first_step_counter(progress, bar, step)
-                with counter or contextlib.nullcontext():
-                    loss = float(step_fn(batch, profile=step == profile_step))
+                try:
+                    with counter or contextlib.nullcontext():
+                        loss = float(step_fn(batch, profile=step == profile_step))
+                except NonFiniteError as e:  # --check-finite
+                    raise NonFiniteError(f"step {step}: {e}") from None
                 seconds = time.perf_counter() - t0
                 if step == profile_step:
                     self._draw_profile()
                 losses.append(loss)
                 if not math.isfinite(loss):
                     raise MpmdError(
-                        f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr})."
+                        f"the loss became {loss} at step {step}; lower --lr (now {cfg.lr}), or "
+                        "rerun with --check-finite to find the first stage and parameter "
+                        "that went NaN or inf."
                     )
                 # The first step of a process includes compilation: keep it out of tok/s.
                 if step > self.start_step + 1 or end == self.start_step + 1:

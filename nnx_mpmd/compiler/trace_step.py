@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -294,17 +295,43 @@ def _assemble(flat: FlatArgs, nodes: Sequence[Any], other_leaves: Sequence[Any])
 
 
 def _raise_if_stale_optimizer(error: ValueError) -> None:
-    """A `CompileError` for the pytree mismatch of an optimizer made before the model's
-    `Stage` wrappers (whose ``module`` attribute is in the parameters' paths)."""
+    """A `CompileError` for a pytree mismatch between the gradients and an optimizer's state.
+
+    Two causes are told apart by the keys JAX reports as differing: ``module``
+    (a `Stage` wrapper's attribute) means the optimizer was created before the
+    model was annotated; other keys mean the parameters changed (a layer added,
+    removed or replaced) after the optimizer was created.
+    """
     text = str(error)
-    if "pytree structure error" in text and "module" in text:
+    if "pytree structure error" not in text:
+        return
+    differ = _differing_keys(text)
+    said = text.strip().splitlines()[0]
+    if "module" in differ or (not differ and "module" in text):
         raise CompileError(
             "the optimizer's state and the gradients have different trees: one has a Stage "
             "wrapper ('module' in the path) where the other has none. An nnx.Optimizer keeps "
             "the tree of the parameters it was created for, so this happens when it is created "
             "before mp.assign_stages (or before modules are wrapped in mp.Stage); create the "
-            "optimizer after annotating the model. JAX said: " + text.strip().splitlines()[0]
+            "optimizer after annotating the model. JAX said: " + said
         ) from error
+    if differ:
+        found = re.search(r"at key path\s*\n\s*(.+)", text)
+        where = f" at {found.group(1).strip()}" if found else ""
+        raise CompileError(
+            f"two trees of the step differ{where}: {sorted(differ)} is in one and not the "
+            "other. If these are the gradients and an optimizer's state, the model's "
+            "parameters changed (a layer added, removed or replaced) after the nnx.Optimizer "
+            "was created, and it keeps the tree of the parameters it was created for: create "
+            "a new optimizer for the model as it is now (or keep the model's structure fixed "
+            "between steps). JAX said: " + said
+        ) from error
+
+
+def _differing_keys(text: str) -> set[str]:
+    """The keys after "symmetric difference on key sets is" in JAX's pytree error, if any."""
+    found = re.search(r"symmetric difference on key sets is\s*\n\s*(.+)", text)
+    return set(found.group(1).split()) if found else set()
 
 
 def _training_function(fn: Callable[..., Any], flat: FlatArgs, out_tree: list[Any]) -> Any:

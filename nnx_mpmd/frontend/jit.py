@@ -34,6 +34,7 @@ from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.place import place
 from nnx_mpmd.runtime import step_store
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
+from nnx_mpmd.runtime.finite_check import FiniteCheck
 from nnx_mpmd.runtime.interpreter import forget_prepared
 from nnx_mpmd.runtime.precompile import AwaitedProgram, route_calls, start_precompile
 from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
@@ -205,6 +206,7 @@ class PipelinedFunction:
         donate_argnames: str | Sequence[str] = (),
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
+        check_finite: bool = False,
     ) -> None:
         if not isinstance(mesh, MpmdMesh):
             raise MeshError(
@@ -228,6 +230,7 @@ class PipelinedFunction:
             )
         self.transfer_warning_bytes = transfer_warning_bytes
         self.compile_threads = compile_threads
+        self.check_finite = _check_finite_option(check_finite, mesh)
         self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
         self.static_argnums = argument_positions(fn, static_argnums, static_argnames, "static")
         check_disjoint(self.static_argnums, self.donate_argnums)
@@ -493,6 +496,7 @@ class PipelinedFunction:
         elif profile == "isolated":
             profiler = records
         recorder = None
+        check = [FiniteCheck(compiled)] if self.check_finite else []
         if self.mesh.is_multi_process:
             from nnx_mpmd.runtime.multi_process import execute_multi_process
 
@@ -500,7 +504,9 @@ class PipelinedFunction:
         else:
             submeshes = list(self.mesh.submeshes)
             recorder = MemoryRecorder(submeshes) if memory else None
-            outputs = execute(compiled, inputs, submeshes, self._shardings, profiler, recorder)
+            outputs = execute(
+                compiled, inputs, submeshes, self._shardings, profiler, recorder, check
+            )
         if profile is not None:
             timed = isinstance(profiler, TimelineProfiler)
             self.last_profile = Profile(
@@ -514,6 +520,8 @@ class PipelinedFunction:
             self.last_memory = recorder.summary()
         user = outputs[: compiled.num_user_outputs]
         _write_back(flat, outputs[compiled.num_user_outputs :])
+        for finite_check in check:
+            finite_check.raise_if_found()  # after the write-back: the donated state is whole
         return jax.tree.unflatten(compiled.out_tree, user)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -566,6 +574,7 @@ def jit(
     donate_argnames: str | Sequence[str] = (),
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    check_finite: bool = False,
 ) -> Any:
     """Compiles an NNX train step into per-mesh programs driven by a schedule.
 
@@ -604,6 +613,11 @@ def jit(
         each distinct value compiles a step of its own. Values must be hashable
         and hold no NNX objects or arrays.
       static_argnames: the same by parameter name.
+      check_finite: check every stage task's outputs, input cotangents and
+        parameter gradients for NaN and inf, and raise `NonFiniteError` after
+        the step naming the first (stage, task, parameter path). Off, the step
+        passes NaN and inf through as JAX does, at no cost; on, each task is
+        waited for. Single-process meshes only.
 
     Returns:
       A `PipelinedFunction`.
@@ -645,6 +659,7 @@ def jit(
             donate_argnames=donate_argnames,
             static_argnums=static_argnums,
             static_argnames=static_argnames,
+            check_finite=check_finite,
         )
     return PipelinedFunction(
         fn,
@@ -658,4 +673,18 @@ def jit(
         donate_argnames=donate_argnames,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
+        check_finite=check_finite,
     )
+
+
+def _check_finite_option(check_finite: Any, mesh: MpmdMesh) -> bool:
+    """``mp.jit(check_finite=...)``, checked: a bool, and a single-process mesh."""
+    if not isinstance(check_finite, bool):
+        raise CompileError(f"check_finite must be True or False, got {check_finite!r}.")
+    if check_finite and mesh.is_multi_process:
+        raise CompileError(
+            "check_finite=True checks stage values in this process, but the mesh spans "
+            "several processes; run the check on one host (e.g. a smaller run of the same "
+            "model), or leave it off."
+        )
+    return check_finite

@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ class Plan:
       donate: whether the predicted peaks assume a step that donates the
         model's and optimizer's state (``mp.jit(donate_argnums=(0, 1))``, as
         ``nnx-mpmd train`` does); `verify` runs the step so.
+      model: the class name of the model it was planned for (`Plan.apply`
+        refuses another); None in plans written before it was recorded.
 
     Example:
       >>> best = Candidate("1f1b", 2, 4, (0, 1), (False, False), 0.5, (10, 10))
@@ -76,6 +79,7 @@ class Plan:
     measured: tuple[tuple[Candidate, float], ...] = ()
     calibration: float = 1.0
     donate: bool = False
+    model: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -107,9 +111,11 @@ class Plan:
           ``model``, changed in place.
 
         Raises:
-          PlanError: a planned unit path is not a `Stage` of ``model`` (nor a
-            layer of one of its `ScanStack`s).
+          PlanError: the plan was made for another model class, or a planned
+            unit path is not a `Stage` of ``model`` (nor a layer of one of its
+            `ScanStack`s).
         """
+        self.check_model(model)
         chosen = candidate or self.best
         stages = {
             ".".join(map(str, p)): n for p, n in nnx.iter_graph(model) if isinstance(n, Stage)
@@ -137,6 +143,39 @@ class Plan:
             i += stack.num_layers
         restage(units, unit_stages, chosen.remat)
         return model
+
+    def check_model(self, model: Any) -> None:
+        """Refuses ``model`` when the plan was made for another model class.
+
+        A plan without a recorded model (written before it was recorded) is
+        accepted with a warning.
+
+        Args:
+          model: the model the plan is about to be applied to.
+
+        Raises:
+          PlanError: ``model`` is not of the class the plan was made for.
+
+        Example:
+          >>> best = Candidate("1f1b", 1, 1, (0,), (False,), 0.5, (10,))
+          >>> Plan(best, (), ("a",), 1, 8, model="GPT").check_model(object())
+          Traceback (most recent call last):
+          ...
+          nnx_mpmd.errors.PlanError: the plan was made for a GPT model, not for object; ...
+        """
+        name = type(model).__name__
+        if self.model is None:
+            warnings.warn(
+                f"the plan does not say which model it was made for (written by an older "
+                f"nnx-mpmd); applying it to {name} unchecked. Plan again to record the model.",
+                stacklevel=3,
+            )
+        elif self.model != name:
+            raise PlanError(
+                f"the plan was made for a {self.model} model, not for {name}; its split and "
+                f"costs do not carry over. Plan the {name} model (`nnx-mpmd plan` with its "
+                "--model), or apply the plan to the model it was made for."
+            )
 
     def _stack_of(
         self, path: str, stacks: dict[str, ScanStack], stages: dict[str, Stage], model: Any
@@ -221,6 +260,7 @@ class Plan:
             "measured": [[c.to_dict(), seconds] for c, seconds in self.measured],
             "calibration": self.calibration,
             "donate": self.donate,
+            "model": self.model,
         }
         return json.dumps(data, indent=1)
 
@@ -233,9 +273,9 @@ class Plan:
         """
         try:
             data = json.loads(text)
-            if data.get("format") != _FORMAT:
-                raise ValueError(f"format {data.get('format')!r}")
-            return cls(
+            if not isinstance(data, dict) or data.get("format") != _FORMAT:
+                raise ValueError(f"not a JSON object with format {_FORMAT!r}")
+            plan = cls(
                 best=Candidate.from_dict(data["best"]),
                 runners_up=tuple(Candidate.from_dict(c) for c in data["runners_up"]),
                 unit_paths=tuple(data["unit_paths"]),
@@ -248,12 +288,32 @@ class Plan:
                 ),
                 calibration=float(data.get("calibration", 1.0)),
                 donate=bool(data.get("donate", False)),  # plans written before it: no
+                model=data.get("model"),  # plans written before it: None
             )
+            plan.check_types()
+            return plan
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlanError(
                 f"cannot read a plan ({_FORMAT}) from this text: {e}; write it with "
                 "Plan.save / `nnx-mpmd plan --out FILE`."
             ) from None
+
+    def check_types(self) -> None:
+        """Checks what a hand-edited JSON file could get wrong; raises ValueError.
+
+        Example:
+          >>> best = Candidate("1f1b", 1, 1, ("0",), (False,), 0.5, (10,))
+          >>> Plan(best, (), ("a",), 1, 8).check_types()
+          Traceback (most recent call last):
+          ...
+          ValueError: best.unit_stages must hold one stage in [0, 1) per unit path ...
+        """
+        if not all(isinstance(p, str) for p in self.unit_paths):
+            raise ValueError("unit_paths must be a list of strings")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a class name, not {self.model!r}")
+        for name, c in [("best", self.best)] + [("runners_up", c) for c in self.runners_up]:
+            _check_candidate(c, len(self.unit_paths), name)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes `to_json` to ``path``."""
@@ -262,9 +322,53 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Reads a plan written by `save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        """Reads a plan written by `save`.
+
+        Raises:
+          PlanError: the file cannot be read or does not hold a plan.
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(
+                f"cannot read the plan {path} ({getattr(e, 'strerror', None) or e}); write "
+                "one with `nnx-mpmd plan --out FILE`."
+            ) from None
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+
+
+def _check_candidate(c: Candidate, num_units: int, where: str) -> None:
+    """Raises ValueError when a configuration read from JSON has fields of the wrong type."""
+    counts = (c.num_stages, c.num_microbatches)
+    if not isinstance(c.schedule, str) or not all(_is_int(n) and n >= 1 for n in counts):
+        raise ValueError(
+            f"{where}: schedule must be a name and num_stages, num_microbatches integers >= 1"
+        )
+    stages = c.unit_stages
+    if (
+        not isinstance(stages, tuple)
+        or len(stages) != num_units
+        or not all(_is_int(s) and 0 <= s < c.num_stages for s in stages)
+    ):
+        raise ValueError(
+            f"{where}.unit_stages must hold one stage in [0, {c.num_stages}) per unit path "
+            f"({num_units}), not {stages!r}"
+        )
+    remat = c.remat
+    if (
+        not isinstance(remat, tuple)
+        or len(remat) != c.num_stages
+        or not all(isinstance(r, bool) for r in remat)
+    ):
+        raise ValueError(f"{where}.remat must be {c.num_stages} true/false values, not {remat!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _default_microbatches(batch_size: int, num_meshes: int, data: int) -> list[int]:
@@ -356,6 +460,7 @@ def plan(
         memory_budget=memory_budget,
         costs=tuple(costs),
         donate=donate,
+        model=type(model).__name__,
     )
 
 

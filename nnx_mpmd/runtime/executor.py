@@ -300,6 +300,7 @@ def execute(
     shardings: Shardings | None = None,
     profile: list[Any] | Observer | None = None,
     memory: MemoryRecorder | None = None,
+    watch: Sequence[Observer] = (),
 ) -> list[Any]:
     """Runs ``step`` on ``inputs`` (consts, state leaves, other leaves).
 
@@ -313,6 +314,8 @@ def execute(
         (`nnx_mpmd.runtime.timeline_profiler.TimelineProfiler`).
       memory: if given, live bytes per mesh are recorded after every
         instruction (each instruction is waited for).
+      watch: more observers of the run (``check_finite``'s
+        `nnx_mpmd.runtime.finite_check.FiniteCheck`).
 
     Returns:
       One value per output (user outputs, then new state leaves): a jax.Array
@@ -339,6 +342,7 @@ def execute(
         observers.append(profile if isinstance(profile, Observer) else Profiler(profile))
     if memory is not None:
         observers.append(memory)
+    observers.extend(watch)
     interpreter.run(prepared, store, observers)
     return outputs_of(step, store)
 

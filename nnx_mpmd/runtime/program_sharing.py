@@ -58,6 +58,7 @@ from nnx_mpmd._jax_compat import (
     kept_arguments,
 )
 from nnx_mpmd.errors import CompileError
+from nnx_mpmd.runtime.compile_cache import safe_to_load
 
 __all__ = [
     "SHARED_PLATFORMS",
@@ -372,7 +373,7 @@ def remember(key: Any, executable: Serialized) -> None:
     path = _stored_path(key)
     if path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_whole(path, pickle.dumps((_full_key(key), executable)))
         except Exception:  # an optimisation only: this process has it in memory
             pass
@@ -450,7 +451,7 @@ def recall(key: Any) -> Serialized | None:
     if found is not None:
         return found
     path = _stored_path(key)
-    if path is None or not path.is_file():
+    if path is None or not path.is_file() or not safe_to_load(path):
         return None
     try:
         stored_key, executable = pickle.loads(path.read_bytes())

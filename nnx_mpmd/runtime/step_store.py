@@ -56,6 +56,7 @@ from nnx_mpmd.compiler.fingerprint import jaxpr_fingerprint, value_fingerprint
 from nnx_mpmd.compiler.instructions import format_instructions
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.runtime import program_sharing
+from nnx_mpmd.runtime.compile_cache import safe_to_load
 
 __all__ = [
     "ENABLED",
@@ -226,7 +227,7 @@ def load_step(key: str, submeshes: Sequence[Any]) -> dict[str, list[Any]] | None
     """
     directory = _directory()
     path = directory / f"{key}.pkl" if directory is not None else None
-    if path is None or not path.is_file():
+    if path is None or not path.is_file() or not safe_to_load(path):
         return None
     try:
         os.utime(path)  # recently used: evicted last
@@ -286,7 +287,7 @@ def store_step(
                 if executable is None:
                     return
                 entries.append((name, executable, target_ids))
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = directory / f"{key}.pkl"
             program_sharing.write_whole(path, pickle.dumps((_FORMAT, key, entries)))
             _evict(directory, MAX_STORED_BYTES)
