@@ -354,13 +354,30 @@ class Trainer:
                 f"--resume: no finished checkpoint in {where}; run without --resume to "
                 "start, or point --run-dir at a run that saved one."
             )
-        saved = manager.metadata()
-        changed = self._check_resumable(saved, where)
-        manager.restore({"model": self.model, "optimizer": self.optimizer})
+        changed: list[bool] = []
+        restored = manager.restore_newest_intact(
+            {"model": self.model, "optimizer": self.optimizer},
+            before=getattr(self.cfg, "resume_step", None),
+            check=lambda saved: changed.append(self._check_resumable(saved, where)),
+        )
+        self._set_aside_later_steps(manager, restored)
+        saved = restored.metadata
         # Accepted changes (seed, batch size, ...) keep only the saved data position.
-        data = {"position": saved["data"]["position"]} if changed else saved["data"]
+        data = {"position": saved["data"]["position"]} if changed[-1] else saved["data"]
         self.batches.load_state_dict(data)
         self.start_step = int(saved["step"])
+
+    def _set_aside_later_steps(self, manager: CheckpointManager, restored: Any) -> None:
+        """Warns about skipped steps and renames every step after the resumed one, so the
+        resumed run saves those step numbers afresh (the old files stay for inspection)."""
+        self.notes.extend(f"warning: {line}" for line in restored.skipped)
+        later = [s for s in manager.all_steps() if s > restored.step]
+        if later:
+            moved = manager.set_aside(later)
+            self.notes.append(
+                f"resuming from step {restored.step}: set aside later steps {later} as "
+                f"{', '.join(p.name for p in moved)}"
+            )
 
     # -- the loop ---------------------------------------------------------------------
 

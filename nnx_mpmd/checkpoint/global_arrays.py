@@ -63,7 +63,7 @@ from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s
 from nnx_mpmd.runtime.cross_process import put_between_meshes
 
-__all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding"]
+__all__ = ["all_agree", "fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding"]
 
 
 def multi_process() -> bool:
@@ -411,3 +411,19 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
         size = int(np.prod(rows[i].shape))
         out[i] = [int(v) for v in gathered[holders[0], k, :size]]
     return out
+
+
+def all_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (one tiny allgather; no collective alone).
+
+    A collective in a multi-process run: every process calls it, so that all of
+    them take the same branch after a step that may fail on some of them only.
+
+    Example:
+      >>> all_agree(True)
+      True
+    """
+    if not multi_process():
+        return ok
+    flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
+    return bool(np.asarray(flags).all())
