@@ -332,7 +332,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
         )
     if manifest["version"] >= 2 and manifest.get("seal") != _seal(manifest):
         raise CheckpointDamagedError(
-            f"{where}/manifest was changed after it was saved (its SHA-256 seal does not match "
+            f"checkpoint {where}/manifest was changed after it was saved (its SHA-256 seal does not match "
             "its contents); restore an earlier checkpoint (CheckpointManager.all_steps() lists "
             "them) or re-save."
         )
@@ -365,13 +365,13 @@ def check_commit(
         return
     if step is not None and manifest.get("step") != step:
         raise CheckpointDamagedError(
-            f"{where}/manifest belongs to step {manifest.get('step')!r}, not to step {step}: "
+            f"checkpoint {where}/manifest belongs to step {manifest.get('step')!r}, not to step {step}: "
             "files of another step were copied into this step directory; restore an earlier "
             "step or delete this one."
         )
     if metadata is not None and manifest.get("metadata_sha256") != json_digest(metadata):
         raise CheckpointDamagedError(
-            f"{where}/metadata does not match the SHA-256 recorded in {where}/manifest when the "
+            f"checkpoint {where}/metadata does not match the SHA-256 recorded in {where}/manifest when the "
             "step was saved: it was edited, or copied from another step; restore an earlier step "
             "or delete this one."
         )
