@@ -467,13 +467,16 @@ def save_failure(error: BaseException, directory: Path, step: int | None) -> Che
       >>> "the disk is full" in str(save_failure(error, Path(tempfile.mkdtemp()), 4))
       True
     """
-    unfinished = sorted(p.name for p in directory.glob("*.orbax-checkpoint-tmp*"))
-    if step is not None:
-        where = str(directory / str(step))
-    elif unfinished:
-        where = str(directory / unfinished[-1])
+    # The save that failed left its temporary directory; orbax may report it only at the
+    # next save, so that directory names the step better than ``step``.
+    unfinished = sorted(
+        directory.glob("*.orbax-checkpoint-tmp*"),
+        key=lambda p: int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1,
+    )
+    if unfinished:
+        where = str(unfinished[-1])
     else:
-        where = str(directory)
+        where = str(directory if step is None else directory / str(step))
     try:
         free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free"
     except OSError:
