@@ -359,3 +359,65 @@ def test_resume_step_needs_resume(tmp_path):
     from nnx_mpmd.apps.train import main
 
     assert main(["--resume-step", "3", "--run-dir", str(tmp_path / "r")]) == 2
+
+
+def _as_version_1(path: Path) -> None:
+    """Rewrites ``path``'s manifest as nnx_mpmd wrote it before checksums and seals."""
+    from nnx_mpmd.checkpoint.manifest import fingerprint
+
+    file = path / "manifest" / "metadata"
+    manifest = json.loads(file.read_text())
+    for key in ("seal", "step", "metadata_sha256"):
+        manifest.pop(key)
+    manifest["version"] = 1
+    manifest["entries"]["w"].pop("checksum")
+    manifest["entries"]["w"]["fingerprint"] = [int(v) for v in fingerprint(W)]
+    file.write_text(json.dumps(manifest))
+
+
+def test_version_1_checkpoints_are_still_read_and_verified(tmp_path):
+    save(tmp_path / "old", {"w": W, "step": 3})
+    _as_version_1(tmp_path / "old")
+    np.testing.assert_array_equal(restore(tmp_path / "old", target())["w"], W)
+    save(tmp_path / "other", {"w": W + 1, "step": 3})
+    shutil.rmtree(tmp_path / "old" / "arrays")
+    shutil.copytree(tmp_path / "other" / "arrays", tmp_path / "old" / "arrays")
+    with pytest.raises(
+        CheckpointDamagedError, match=r"old/arrays is corrupted at 'w'.*fingerprint"
+    ):
+        restore(tmp_path / "old", target())
+
+
+LAUNCHED = [
+    "--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "8",
+    "--microbatches", "2", "--seq-len", "32", "--corpus-bytes", "100000",
+    "--log-every", "1", "--ckpt-every", "2", "--keep", "3", "--warmup", "1",
+    "--steps", "6", "--sample-tokens", "0", "--val-batches", "0",
+]  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two launches of two processes
+def test_launched_resume_falls_back_together(tmp_path):
+    from mp_launch import check, launch
+
+    run_dir = tmp_path / "run"
+    common = [*LAUNCHED, "--run-dir", str(run_dir), "--compile-cache", str(tmp_path / "cache")]
+    command = [sys.executable, "-m", "nnx_mpmd", "train"]
+    first, _ = launch(command, *common, "--stop-at", "4", devices_per_process=1, timeout=300,
+                      fresh=[(run_dir, False)])  # fmt: skip
+    check(first)
+    straight = _losses(run_dir)
+    checkpoints = run_dir / "checkpoints"
+    shutil.rmtree(checkpoints / "4" / "arrays")  # step 2's arrays (both processes' parts)
+    shutil.copytree(checkpoints / "2" / "arrays", checkpoints / "4" / "arrays")
+    (checkpoints / "5").mkdir()
+    resumed, _ = launch(command, *common, "--resume", devices_per_process=1, timeout=300)
+    check(resumed)
+    out = resumed.stdout
+    assert "warning: skipped step 5" in out and "warning: skipped step 4" in out, out[-3000:]
+    assert "4/arrays is corrupted" in out and "resumed from step 2" in out, out[-3000:]
+    losses = _losses(run_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4):
+        assert losses[step] == pytest.approx(straight[step], rel=1e-6), step
