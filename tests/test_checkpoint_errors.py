@@ -217,11 +217,15 @@ def test_manager_restore_errors(tmp_path):
     manifest = tmp_path / "m" / "1" / "manifest" / "metadata"
     intact = manifest.read_text()
     manifest.write_text("[")
-    with CheckpointManager(tmp_path / "m", async_save=False) as mgr:
-        with pytest.raises(CheckpointError, match="unreadable manifest"):
-            mgr.restore({"w": jnp.zeros(2)})
+    with (
+        CheckpointManager(tmp_path / "m", async_save=False) as mgr,
+        pytest.raises(CheckpointError, match="unreadable manifest"),
+    ):
+        mgr.restore({"w": jnp.zeros(2)})
     manifest.write_text(intact)
     (tmp_path / "m" / "1" / "metadata" / "metadata").write_text("[")
-    with CheckpointManager(tmp_path / "m", async_save=False) as mgr:
-        with pytest.raises(CheckpointError, match="unreadable metadata"):
-            mgr.metadata(1)
+    with (
+        CheckpointManager(tmp_path / "m", async_save=False) as mgr,
+        pytest.raises(CheckpointError, match="unreadable metadata"),
+    ):
+        mgr.metadata(1)

@@ -339,7 +339,9 @@ class Trainer:
         return bool(arithmetic)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
-        """Resumes from the latest checkpoint (``--resume``) or checks the run dir is fresh."""
+        """Resumes from the newest intact checkpoint (``--resume``, at or before
+        ``--resume-step``) or checks the run dir is fresh; damaged newer steps are skipped
+        with a warning."""
         where = self.run_dir / "checkpoints"
         latest = manager.latest_step() if manager is not None else None
         if not self.cfg.resume:
@@ -355,10 +357,16 @@ class Trainer:
                 "start, or point --run-dir at a run that saved one."
             )
         changed: list[bool] = []
+        notes_before = len(self.notes)
+
+        def check(saved: dict[str, Any]) -> None:
+            del self.notes[notes_before:]  # keep the notes of the step restored only
+            changed.append(self._check_resumable(saved, where))
+
         restored = manager.restore_newest_intact(
             {"model": self.model, "optimizer": self.optimizer},
             before=getattr(self.cfg, "resume_step", None),
-            check=lambda saved: changed.append(self._check_resumable(saved, where)),
+            check=check,
         )
         self._set_aside_later_steps(manager, restored)
         saved = restored.metadata

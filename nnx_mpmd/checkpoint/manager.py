@@ -340,6 +340,7 @@ class CheckpointManager:
           (1, 'skipped step 2')
         """
         self.wait_until_finished()
+        self._manager.reload()  # the directory as it is now (stray steps included)
         steps = [s for s in self.all_steps() if before is None or s <= before]
         if not steps:
             raise CheckpointError(

@@ -70,21 +70,29 @@ READABLE_VERSIONS = (1, 2)
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-@partial(jax.jit)
-def _device_fingerprint(x: jax.Array) -> jax.Array:
-    bits = _words(x)
+def _positions(bits: jax.Array) -> jax.Array:
+    """Each word's row-major index (mod 2**32): the same whatever the sharding."""
     position = jnp.zeros((), jnp.uint32)
     stride = 1
     for axis in reversed(range(bits.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
         position = position + iota * jnp.uint32(stride % 2**32)
         stride *= bits.shape[axis]
+    return position
+
+
+@partial(jax.jit)
+def _device_fingerprint(x: jax.Array) -> jax.Array:
+    bits = _words(x)
+    position = _positions(bits)
     weight = position * jnp.uint32(2654435761) + jnp.uint32(1)
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
 
 
 def fingerprint(array: Any) -> jax.Array | list[int]:
-    """A sharding-independent fingerprint of an array's contents.
+    """The contents check of version-1 manifests: two wrapping sums (plain and
+    position-weighted) of an array's bits. Kept to verify old checkpoints; new ones
+    use `checksum` (the sums miss, e.g., two negated elements of equal parity).
 
     Returns a device array for jax arrays (fetch it with ``jax.device_get``) and
     a list for numpy arrays.
@@ -93,7 +101,7 @@ def fingerprint(array: Any) -> jax.Array | list[int]:
       array: a jax.Array (any sharding) or a numpy array.
 
     Returns:
-      Two uint32 numbers that change when any element changes.
+      Two uint32 numbers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -123,12 +131,7 @@ _LANE_SEEDS = (0x9E3779B9, 0x7F4A7C15)
 @partial(jax.jit)
 def _device_checksum(x: jax.Array) -> jax.Array:
     bits = _words(x)
-    position = jnp.zeros((), jnp.uint32)
-    stride = 1
-    for axis in reversed(range(bits.ndim)):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
-        position = position + iota * jnp.uint32(stride % 2**32)
-        stride *= bits.shape[axis]
+    position = _positions(bits)
     lanes = []
     for seed in _LANE_SEEDS:
         key = _fmix32(position * jnp.uint32(0x27D4EB2D) + jnp.uint32(seed))
