@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_mpmd.checkpoint.global_arrays import all_agree, fingerprints
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, worst_of
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -165,30 +165,34 @@ def _read_arrays(
     sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
     item = _nest(read, lambda e: _restore_arg(e, sharding, copy)[0])
     restore_args = _nest(read, lambda e: _restore_arg(e, sharding, copy)[1])
-    failure: Exception | None = None
+    error: CheckpointError | None = None
     try:
         arrays = reader(item, restore_args, partial or len(read) < len(entries))
-    except Exception as error:  # orbax/tensorstore raise many types for damaged files
-        failure = error
-    # Every process learns whether all reads succeeded, so all of them go on (or
-    # fall back to another step) together.
-    if not all_agree(failure is None):
-        if failure is None:
-            raise CheckpointDamagedError(
-                f"checkpoint {where}/arrays cannot be read by another process (see its "
-                "message); restore an earlier checkpoint or re-save."
-            )
+    except Exception as failure:  # orbax/tensorstore raise many types for damaged files
         # Searching reads entries one by one, a collective that processes whose reads
         # succeeded do not join: only on one process.
         first_bad = None if jax.process_count() > 1 else _first_unreadable(reader, entries)
         at = f" at {first_bad!r}" if first_bad else ""
-        raise read_failure(
+        error = read_failure(
             failure,
             f"{where}/arrays",
             f"cannot be read{at} (truncated or corrupted files: "
             f"{type(failure).__name__}: {str(failure)[:300]}); restore an earlier checkpoint "
             "(CheckpointManager.all_steps() lists them) or re-save.",
-        ) from failure
+        )
+        error.__cause__ = failure
+    # Every process learns the worst outcome (0 read, 1 damaged, 2 another failure), so
+    # all of them go on, fall back to another step, or stop together.
+    outcome = 0 if error is None else 1 if isinstance(error, CheckpointDamagedError) else 2
+    worst = worst_of(outcome)
+    if error is not None and outcome == worst:
+        raise error
+    if worst:
+        kind = CheckpointDamagedError if worst == 1 else CheckpointError
+        raise kind(
+            f"checkpoint {where}/arrays cannot be read by another process (its message says "
+            "why); restore an earlier checkpoint or fix what it names."
+        ) from error
     if not here:
         arrays = {}
     for entry in elsewhere:
