@@ -15,6 +15,7 @@ from nnx_mpmd import schedules as schedules
 from nnx_mpmd.compiler.mesh_inference import MpmdTransferWarning as MpmdTransferWarning
 from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning as ReplicatedBatchWarning
 from nnx_mpmd.distributed import gather as gather
+from nnx_mpmd.errors import CheckpointDamagedError as CheckpointDamagedError
 from nnx_mpmd.errors import CheckpointError as CheckpointError
 from nnx_mpmd.errors import CompileError as CompileError
 from nnx_mpmd.errors import DistributedError as DistributedError
@@ -61,6 +62,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree without ins
     __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointError",
     "CompileError",
     "Compiled",

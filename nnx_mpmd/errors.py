@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointError",
     "CompileError",
     "DistributedError",
@@ -54,6 +55,15 @@ class CompileError(MpmdError):
 
 class CheckpointError(MpmdError):
     """A checkpoint cannot be saved, or does not match the restore target."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint's files are incomplete, changed or mixed from other steps.
+
+    Unlike other `CheckpointError`s (a target that does not match, a permission
+    problem) another, older checkpoint may be intact: `CheckpointManager.restore`
+    falls back to it when asked.
+    """
 
 
 class DistributedError(MpmdError):

@@ -13,8 +13,9 @@ import pytest
 from checkpoint_helpers import Net, make_optimizer
 from flax import nnx
 
-from nnx_mpmd import CheckpointError
+from nnx_mpmd import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
+from nnx_mpmd.checkpoint.manifest import json_digest
 
 STAGES = (0, 0, 1, 1)
 
@@ -137,11 +138,21 @@ def test_damaged_array_files(saved, damage):
         restore(saved, target())
 
 
-def test_corrupted_contents_fail_the_fingerprint(saved):
-    edit_manifest(saved, lambda m: m["entries"]["w"]["fingerprint"].__setitem__(0, 1))
-    with pytest.raises(CheckpointError, match=r"corrupted at 'w'.*fingerprint"):
+def test_corrupted_contents_fail_the_checksum(saved):
+    def wrong_checksum(manifest):
+        manifest["entries"]["w"]["checksum"][0] ^= 1
+        manifest["seal"] = json_digest({k: v for k, v in manifest.items() if k != "seal"})
+
+    edit_manifest(saved, wrong_checksum)  # a consistent manifest, other contents
+    with pytest.raises(CheckpointDamagedError, match=r"arrays is corrupted at 'w'.*checksum"):
         restore(saved, target())
     assert restore(saved, target(), verify=False)["w"][5] == 5.0
+
+
+def test_edited_manifest_breaks_its_seal(saved):
+    edit_manifest(saved, lambda m: m["entries"]["step"].__setitem__("value", 4))
+    with pytest.raises(CheckpointDamagedError, match=r"c/manifest was changed after it was saved"):
+        restore(saved, target())
 
 
 @pytest.mark.parametrize(
@@ -203,10 +214,18 @@ def test_manager_restore_errors(tmp_path):
             mgr.restore({"w": jnp.zeros(2)}, step=2)
         with pytest.raises(CheckpointError, match=r"shape mismatch at 'w'"):
             mgr.restore({"w": jnp.zeros(3)})
-    (tmp_path / "m" / "1" / "manifest" / "metadata").write_text("[")
+    manifest = tmp_path / "m" / "1" / "manifest" / "metadata"
+    intact = manifest.read_text()
+    manifest.write_text("[")
+    with (
+        CheckpointManager(tmp_path / "m", async_save=False) as mgr,
+        pytest.raises(CheckpointError, match="unreadable manifest"),
+    ):
+        mgr.restore({"w": jnp.zeros(2)})
+    manifest.write_text(intact)
     (tmp_path / "m" / "1" / "metadata" / "metadata").write_text("[")
-    with CheckpointManager(tmp_path / "m", async_save=False) as mgr:
-        with pytest.raises(CheckpointError, match="unreadable manifest"):
-            mgr.restore({"w": jnp.zeros(2)})
-        with pytest.raises(CheckpointError, match="unreadable metadata"):
-            mgr.metadata(1)
+    with (
+        CheckpointManager(tmp_path / "m", async_save=False) as mgr,
+        pytest.raises(CheckpointError, match="unreadable metadata"),
+    ):
+        mgr.metadata(1)

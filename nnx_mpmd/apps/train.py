@@ -108,6 +108,7 @@ class TrainConfig(argparse.Namespace):
     ckpt_every: int
     keep: int
     resume: bool
+    resume_step: int | None
     allow_changed_settings: bool
     profile: bool
     log_every: int
@@ -213,7 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint in --run-dir (default: the newest run)",
+        help="continue from the latest checkpoint in --run-dir (default: the newest run); "
+        "a damaged or unfinished latest step is skipped with a warning",
+    )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --resume: continue from step N (or the newest intact step before it); "
+        "later steps are set aside as checkpoints/<step>.set-aside",
     )
     p.add_argument(
         "--allow-changed-settings",
@@ -357,6 +367,10 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     check_seed(cfg.seed)
     if cfg.allow_changed_settings and not cfg.resume:
         raise MpmdError("--allow-changed-settings only applies with --resume; add --resume.")
+    if cfg.resume_step is not None and not cfg.resume:
+        raise MpmdError("--resume-step only applies with --resume; add --resume.")
+    if cfg.resume_step is not None and cfg.resume_step < 1:
+        raise MpmdError(f"--resume-step={cfg.resume_step} must be >= 1 (a saved step).")
     if cfg.no_compile_cache and cfg.compile_cache is not None:
         raise MpmdError(
             f"--compile-cache={cfg.compile_cache} and --no-compile-cache contradict each "

@@ -337,7 +337,9 @@ class Trainer:
         return bool(arithmetic)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
-        """Resumes from the latest checkpoint (``--resume``) or checks the run dir is fresh."""
+        """Resumes from the newest intact checkpoint (``--resume``, at or before
+        ``--resume-step``) or checks the run dir is fresh; damaged newer steps are skipped
+        with a warning."""
         where = self.run_dir / "checkpoints"
         latest = manager.latest_step() if manager is not None else None
         if not self.cfg.resume:
@@ -352,13 +354,36 @@ class Trainer:
                 f"--resume: no finished checkpoint in {where}; run without --resume to "
                 "start, or point --run-dir at a run that saved one."
             )
-        saved = checked_metadata(manager.metadata(), where, latest)
-        changed = self._check_resumable(saved, where)
-        manager.restore({"model": self.model, "optimizer": self.optimizer})
+        changed: list[bool] = []
+        notes_before = len(self.notes)
+
+        def check(saved: dict[str, Any]) -> None:
+            del self.notes[notes_before:]  # keep the notes of the step restored only
+            changed.append(self._check_resumable(checked_metadata(saved, where, None), where))
+
+        restored = manager.restore_newest_intact(
+            {"model": self.model, "optimizer": self.optimizer},
+            before=getattr(self.cfg, "resume_step", None),
+            check=check,
+        )
+        self._set_aside_later_steps(manager, restored)
+        saved = restored.metadata
         # Accepted changes (seed, batch size, ...) keep only the saved data position.
-        data = {"position": saved["data"]["position"]} if changed else saved["data"]
+        data = {"position": saved["data"]["position"]} if changed[-1] else saved["data"]
         self.batches.load_state_dict(data)
         self.start_step = int(saved["step"])
+
+    def _set_aside_later_steps(self, manager: CheckpointManager, restored: Any) -> None:
+        """Warns about skipped steps and renames every step after the resumed one, so the
+        resumed run saves those step numbers afresh (the old files stay for inspection)."""
+        self.notes.extend(f"warning: {line}" for line in restored.skipped)
+        later = [s for s in manager.all_steps() if s > restored.step]
+        if later:
+            moved = manager.set_aside(later)
+            self.notes.append(
+                f"resuming from step {restored.step}: set aside later steps {later} as "
+                f"{', '.join(p.name for p in moved)}"
+            )
 
     # -- the loop ---------------------------------------------------------------------
 

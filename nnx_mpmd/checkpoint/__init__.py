@@ -18,6 +18,6 @@ Example:
 """
 
 from nnx_mpmd.checkpoint.core import restore, save
-from nnx_mpmd.checkpoint.manager import CheckpointManager
+from nnx_mpmd.checkpoint.manager import CheckpointManager, Restored
 
-__all__ = ["CheckpointManager", "restore", "save"]
+__all__ = ["CheckpointManager", "Restored", "restore", "save"]

@@ -8,12 +8,15 @@ renames it when complete, so an interrupted save never looks like a checkpoint.
 Restore reads the manifest, checks the target against it, reads every array
 directly onto the sharding of the target leaf's current placement (the lowest
 mesh's copy for an `MpmdArray`, then copied to the other meshes), verifies the
-fingerprints, and only then writes into the target, so a failed restore leaves
-the target untouched.
+checksums, and only then writes into the target, so a failed restore leaves
+the target untouched. Files that cannot be read, or whose contents do not match
+the manifest, raise `CheckpointDamagedError` naming the path; a file the process
+may not read raises `CheckpointError` saying so (`read_failure`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_mpmd.checkpoint.global_arrays import fingerprints
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, worst_of
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -38,25 +41,28 @@ from nnx_mpmd.checkpoint.manifest import (
     build_manifest,
     check_manifest,
     check_target,
-    fingerprint,
+    content_key,
     key_impl_name,
 )
 from nnx_mpmd.checkpoint.recut import recut_stacks
-from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 
-__all__ = ["ArrayReader", "restore", "restore_layout", "save", "save_args"]
+__all__ = ["ArrayReader", "read_failure", "restore", "restore_layout", "save", "save_args"]
 
 # Reads arrays: (item, restore_args, partial) -> nested dict of restored arrays.
 ArrayReader = Callable[[dict[str, Any], dict[str, Any], bool], dict[str, Any]]
 
 
-def save_args(tree: Any, metadata: dict[str, Any] | None = None) -> ocp.args.Composite:
+def save_args(
+    tree: Any, metadata: dict[str, Any] | None = None, step: int | None = None
+) -> ocp.args.Composite:
     """The orbax ``Composite`` args that save ``tree`` (and optional JSON ``metadata``).
 
     Args:
       tree: a pytree of NNX objects, States and plain leaves.
       metadata: optional JSON-able dict stored as the ``metadata`` item.
+      step: the `CheckpointManager` step, recorded in the manifest.
 
     Returns:
       ``ocp.args.Composite`` with items ``arrays`` (absent when there are none),
@@ -67,7 +73,7 @@ def save_args(tree: Any, metadata: dict[str, Any] | None = None) -> ocp.args.Com
       >>> sorted(args.keys())
       ['manifest']
     """
-    manifest, arrays = build_manifest(collect(tree))
+    manifest, arrays = build_manifest(collect(tree), step=step, metadata=metadata)
     items: dict[str, Any] = {"manifest": ocp.args.JsonSave(manifest)}
     if arrays:
         items["arrays"] = ocp.args.PyTreeSave(arrays)
@@ -159,17 +165,33 @@ def _read_arrays(
     sharding = None if local is None else jax.sharding.SingleDeviceSharding(local)
     item = _nest(read, lambda e: _restore_arg(e, sharding, copy)[0])
     restore_args = _nest(read, lambda e: _restore_arg(e, sharding, copy)[1])
+    error: CheckpointError | None = None
     try:
         arrays = reader(item, restore_args, partial or len(read) < len(entries))
-    except Exception as error:  # orbax/tensorstore raise many types for damaged files
+    except Exception as failure:  # orbax/tensorstore raise many types for damaged files
         # Searching reads entries one by one, a collective that processes whose reads
         # succeeded do not join: only on one process.
         first_bad = None if jax.process_count() > 1 else _first_unreadable(reader, entries)
         at = f" at {first_bad!r}" if first_bad else ""
-        raise CheckpointError(
-            f"checkpoint {where} cannot be read{at} (truncated or corrupted files: "
-            f"{type(error).__name__}: {str(error)[:300]}); restore an earlier checkpoint "
-            "(CheckpointManager.all_steps() lists them) or re-save."
+        error = read_failure(
+            failure,
+            f"{where}/arrays",
+            f"cannot be read{at} (truncated or corrupted files: "
+            f"{type(failure).__name__}: {str(failure)[:300]}); restore an earlier checkpoint "
+            "(CheckpointManager.all_steps() lists them) or re-save.",
+        )
+        error.__cause__ = failure
+    # Every process learns the worst outcome (0 read, 1 damaged, 2 another failure), so
+    # all of them go on, fall back to another step, or stop together.
+    outcome = 0 if error is None else 1 if isinstance(error, CheckpointDamagedError) else 2
+    worst = worst_of(outcome)
+    if error is not None and outcome == worst:
+        raise error
+    if worst:
+        kind = CheckpointDamagedError if worst == 1 else CheckpointError
+        raise kind(
+            f"checkpoint {where}/arrays cannot be read by another process (its message says "
+            "why); restore an earlier checkpoint or fix what it names."
         ) from error
     if not here:
         arrays = {}
@@ -218,14 +240,47 @@ def _first_unreadable(reader: ArrayReader, entries: list[Entry]) -> str | None:
     return None
 
 
-def _verify(records: dict[str, Any], entries: list[Entry], arrays: dict, where: str) -> None:
-    rows = fingerprints([fingerprint(_lookup(arrays, entry.path)) for entry in entries])
-    for entry, fp in zip(entries, rows):
-        expected = records[entry.name].get("fingerprint")
-        if fp != expected:
-            raise CheckpointError(
-                f"checkpoint {where} is corrupted at {entry.name!r}: its contents do not match "
-                "the fingerprint recorded when it was saved; restore an earlier checkpoint "
+def read_failure(error: BaseException, path: str, damaged: str) -> CheckpointError:
+    """The error to raise when reading ``path`` failed with ``error``.
+
+    A permission problem (``EACCES``/``EPERM`` anywhere in the exception chain,
+    or tensorstore's "Permission denied") is a `CheckpointError` saying so; any
+    other failure means damaged files: `CheckpointDamagedError` with ``damaged``.
+
+    Example:
+      >>> type(read_failure(PermissionError(13, "Permission denied", "/c/1"), "/c/1", "x"))
+      <class 'nnx_mpmd.errors.CheckpointError'>
+    """
+    seen: BaseException | None = error
+    while seen is not None:
+        denied = isinstance(seen, PermissionError) or "permission denied" in str(seen).lower()
+        if denied:
+            file = getattr(seen, "filename", None) or path
+            return CheckpointError(
+                f"permission denied reading checkpoint {path} ({file}): this process (user id "
+                f"{_user()}) may not read it; fix the owner or mode (chown/chmod -R u+rX) or "
+                "run as the user who wrote it. The checkpoint itself may be intact."
+            )
+        seen = seen.__cause__ or seen.__context__
+    return CheckpointDamagedError(f"checkpoint {path} {damaged}")
+
+
+def _user() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else "?"
+
+
+def _verify(
+    records: dict[str, Any], entries: list[Entry], arrays: dict, where: str, version: Any
+) -> None:
+    field, compute = content_key(version)
+    rows = fingerprints([compute(_lookup(arrays, entry.path)) for entry in entries])
+    for entry, sums in zip(entries, rows):
+        expected = records[entry.name].get(field)
+        if sums != expected:
+            raise CheckpointDamagedError(
+                f"checkpoint {where}/arrays is corrupted at {entry.name!r}: its contents do not "
+                f"match the {field} recorded in the manifest when it was saved (changed files, "
+                "or arrays copied from another step); restore an earlier checkpoint "
                 "(CheckpointManager.all_steps() lists them) or re-save."
             )
 
@@ -266,7 +321,7 @@ def restore_layout(
       reader: reads arrays from the checkpoint with orbax.
       where: the checkpoint's location, for messages.
       partial: allow checkpoint entries that the target lacks.
-      verify: recompute fingerprints and fail on corrupted data.
+      verify: recompute checksums and fail on corrupted data.
 
     Returns:
       The target tree with plain leaves replaced; NNX objects updated in place.
@@ -285,7 +340,7 @@ def restore_layout(
     saved_arrays = [r for r in records.values() if r.get("kind") in (ARRAY, KEY, NUMPY)]
     arrays = _read_arrays(reader, stored, len(stored) < len(saved_arrays), where)
     if verify:
-        _verify(records, stored, arrays, where)
+        _verify(records, stored, arrays, where, manifest.get("version"))
     copies = _read_other_copies(reader, stored, where)
     new_leaves: dict[int, Any] = {}
     for recut in recuts:
@@ -374,7 +429,7 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
       target: a tree with the same logical structure as the saved one.
       partial: allow checkpoint entries that ``target`` does not have (for example
         restore only the model from a model-and-optimizer checkpoint).
-      verify: recompute fingerprints and fail on corrupted data.
+      verify: recompute checksums and fail on corrupted data.
 
     Returns:
       ``target`` with non-NNX leaves replaced by the restored values.
@@ -400,9 +455,12 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
                 path, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
             )["manifest"]
         except Exception as error:
-            raise CheckpointError(
-                f"checkpoint {path} has an unreadable manifest ({type(error).__name__}); it is "
-                "truncated or corrupted: restore an earlier checkpoint or re-save."
+            raise read_failure(
+                error,
+                str(path),
+                f"has an unreadable manifest ({path}/manifest: {type(error).__name__}); it is "
+                "truncated or corrupted: restore "
+                "an earlier checkpoint or re-save.",
             ) from error
 
         def reader(item: dict, restore_args: dict, partial_read: bool) -> dict:

@@ -63,7 +63,7 @@ from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s
 from nnx_mpmd.runtime.cross_process import put_between_meshes
 
-__all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding"]
+__all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding", "worst_of"]
 
 
 def multi_process() -> bool:
@@ -411,3 +411,19 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
         size = int(np.prod(rows[i].shape))
         out[i] = [int(v) for v in gathered[holders[0], k, :size]]
     return out
+
+
+def worst_of(outcome: int) -> int:
+    """The largest ``outcome`` of all processes (one tiny allgather).
+
+    A collective in a multi-process run: every process calls it, so that all of
+    them take the same branch after a step that may fail on some of them only.
+
+    Example:
+      >>> worst_of(0)
+      0
+    """
+    if not multi_process():
+        return outcome
+    outcomes = multihost_utils.process_allgather(np.array([outcome], np.int32))
+    return int(np.asarray(outcomes).max())

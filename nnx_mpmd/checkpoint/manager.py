@@ -11,22 +11,73 @@ With ``async_save=True`` (the default) `CheckpointManager.save` returns once the
 arrays are copied off the devices; the files are written in the background
 while training continues. Call `CheckpointManager.wait_until_finished` (or
 `CheckpointManager.close`, or leave the ``with`` block) before the process exits.
+
+Each step is sealed: its manifest records the step and the SHA-256 of its
+metadata, and a checksum of every array (see `nnx_mpmd.checkpoint.manifest`). A
+step directory without orbax's commit marker, with files of another step, or
+with changed files raises `CheckpointDamagedError` naming the path;
+`CheckpointManager.restore_newest_intact` then falls back to the newest intact
+step, and `CheckpointManager.set_aside` moves the skipped steps out of the way.
+
+A save that fails (a full disk) raises one `CheckpointError` naming the step
+directory and the free space, at the next `save`, `wait_until_finished` or
+`close`; the steps written before are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from nnx_mpmd.checkpoint.core import restore_layout, save_args
+from nnx_mpmd.checkpoint.core import read_failure, restore_layout, save_args
 from nnx_mpmd.checkpoint.layout import collect
-from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.checkpoint.manifest import check_commit, check_manifest
+from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "Restored"]
+
+#: The file orbax writes into a step directory once every item is committed.
+COMMIT_MARKER = "commit_success.txt"
+
+
+class _DropRethrownSaveErrors(logging.Filter):
+    """Drops orbax's log records of exceptions in its background save threads: orbax
+    re-raises each in the caller's thread, where `CheckpointManager` turns it into one
+    `CheckpointError` (otherwise a full disk prints a dozen tracebacks)."""
+
+    PATTERNS = ("raised an exception", "background save thread", "thread (save_finalize)")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        message = record.getMessage()
+        return not any(pattern in message for pattern in self.PATTERNS)
+
+
+_SAVE_ERROR_FILTER = _DropRethrownSaveErrors()
+
+
+class Restored(NamedTuple):
+    """What `CheckpointManager.restore_newest_intact` restored."""
+
+    step: int
+    """The step restored."""
+    metadata: dict[str, Any]
+    """Its JSON metadata."""
+    skipped: list[str]
+    """One line per newer step that was skipped, naming it and why."""
 
 
 class CheckpointManager:
@@ -68,6 +119,7 @@ class CheckpointManager:
                 "must be >= 1."
             )
         self._directory = Path(directory).absolute()
+        logging.getLogger("absl").addFilter(_SAVE_ERROR_FILTER)  # once: filters are a set
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -128,7 +180,9 @@ class CheckpointManager:
             )
         if not self._manager.should_save(step):
             return False
-        return bool(self._manager.save(step, args=save_args(tree, metadata)))
+        args = save_args(tree, metadata, step)
+        with self._save_failures(step):
+            return bool(self._manager.save(step, args=args))
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -162,21 +216,16 @@ class CheckpointManager:
           ``target`` with non-NNX leaves replaced; NNX objects updated in place.
 
         Raises:
-          CheckpointError: no such step, a mismatching target, or damaged data.
+          CheckpointDamagedError: the step is incomplete, damaged, or mixed with
+            another step's files (the message names the path).
+          CheckpointError: no such step, a mismatching target, or files this
+            process may not read.
         """
         self.wait_until_finished()
         step = self._resolve(step)
         where = str(self._directory / str(step))
         layout = collect(target, where="target")
-        try:
-            manifest = self._manager.restore(
-                step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-            )["manifest"]
-        except Exception as error:
-            raise CheckpointError(
-                f"checkpoint {where} has an unreadable manifest ({type(error).__name__}); it is "
-                "truncated or corrupted: restore an earlier step or re-save."
-            ) from error
+        manifest = self._manifest(step)
 
         def reader(item: dict, restore_args: dict, partial_read: bool) -> dict:
             args = ocp.args.PyTreeRestore(
@@ -195,31 +244,181 @@ class CheckpointManager:
         return sorted(self._manager.all_steps())
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The JSON metadata saved with ``step`` (the latest by default)."""
+        """The JSON metadata saved with ``step`` (the latest by default).
+
+        Raises:
+          CheckpointDamagedError: the step is incomplete, or its metadata was
+            changed or copied from another step.
+        """
         self.wait_until_finished()
         step = self._resolve(step)
+        where = self._directory / str(step)
+        manifest = self._manifest(step)
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
             )
-            return dict(restored["metadata"] or {})
+            metadata = dict(restored["metadata"] or {})
         except Exception as error:
-            raise CheckpointError(
-                f"checkpoint {self._directory / str(step)} has unreadable metadata "
-                f"({type(error).__name__}); it is damaged: restore an earlier step."
+            raise read_failure(
+                error,
+                str(where),
+                f"has unreadable metadata ({where}/metadata: {type(error).__name__}); it is "
+                "damaged: restore an earlier "
+                "step.",
             ) from error
+        check_commit(manifest, str(where), step=step, metadata=metadata)
+        return metadata
+
+    def _manifest(self, step: int) -> dict[str, Any]:
+        """The checked manifest of a committed ``step``."""
+        where = self._directory / str(step)
+        self._check_committed(where)
+        try:
+            manifest = self._manager.restore(
+                step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
+            )["manifest"]
+        except Exception as error:
+            raise read_failure(
+                error,
+                str(where),
+                f"has an unreadable manifest ({where}/manifest: {type(error).__name__}); it is "
+                "truncated or corrupted: "
+                "restore an earlier step or re-save.",
+            ) from error
+        check_manifest(manifest, str(where))
+        check_commit(manifest, str(where), step=step)
+        return manifest
+
+    @staticmethod
+    def _check_committed(where: Path) -> None:
+        if where.is_dir() and not os.access(where, os.R_OK | os.X_OK):
+            raise read_failure(PermissionError(errno.EACCES, "Permission denied"), str(where), "")
+        missing = [name for name in (COMMIT_MARKER, "manifest") if not (where / name).exists()]
+        if missing:
+            raise CheckpointDamagedError(
+                f"checkpoint {where} is incomplete: it has no {' and no '.join(missing)} "
+                "(orbax writes the commit marker last), so its save did not finish or the "
+                "directory was copied only in part; restore an earlier step or delete this one."
+            )
+
+    def restore_newest_intact(
+        self,
+        target: Any,
+        *,
+        before: int | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+        partial: bool = False,
+    ) -> Restored:
+        """Restores the newest step that is complete and verifies, skipping damaged ones.
+
+        A step that raises `CheckpointDamagedError` (incomplete, changed files,
+        files of another step) is skipped with a line in ``Restored.skipped``;
+        every other error (a mismatching target, a permission problem) is
+        raised. A collective in a multi-process run: every process decides alike.
+
+        Args:
+          target: as for `restore`.
+          before: consider only steps up to this one (None: all).
+          check: called with a step's metadata before its arrays are read (for
+            example to refuse changed settings); what it raises is raised.
+          partial: as for `restore`.
+
+        Returns:
+          `Restored` ``(step, metadata, skipped)``.
+
+        Raises:
+          CheckpointError: no step, or none intact (listing why each was skipped).
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> mgr = CheckpointManager(tempfile.mkdtemp(), async_save=False)
+          >>> _ = mgr.save(1, {"w": jnp.ones(2)}, {"step": 1})
+          >>> (mgr.directory / "2").mkdir()  # a stray, empty step
+          >>> restored = mgr.restore_newest_intact({"w": jnp.zeros(2)})
+          >>> restored.step, restored.skipped[0].split(":")[0]
+          (1, 'skipped step 2')
+        """
+        self.wait_until_finished()
+        self._manager.reload()  # the directory as it is now (stray steps included)
+        steps = [s for s in self.all_steps() if before is None or s <= before]
+        if not steps:
+            raise CheckpointError(
+                f"no checkpoint in {self._directory}"
+                + (f" at or before step {before}" if before is not None else "")
+                + f" (steps: {self.all_steps()}); check the directory and the step."
+            )
+        skipped: list[str] = []
+        for step in reversed(steps):
+            try:
+                metadata = self.metadata(step)
+                if check is not None:
+                    check(metadata)
+                self.restore(target, step, partial=partial)
+            except CheckpointDamagedError as error:
+                skipped.append(f"skipped step {step}: {error}")
+                continue
+            return Restored(step, metadata, skipped)
+        raise CheckpointDamagedError(
+            f"no intact checkpoint in {self._directory}: " + " ".join(skipped)
+        )
+
+    def set_aside(self, steps: list[int]) -> list[Path]:
+        """Renames step directories to ``<step>.set-aside`` so that new saves can reuse the
+        step numbers; the files are kept for inspection. A collective (process 0 renames).
+
+        Returns:
+          The new paths.
+        """
+        self.wait_until_finished()
+        moved = []
+        for step in steps:
+            source, target = self._directory / str(step), self._directory / f"{step}.set-aside"
+            n = 1
+            while target.exists():
+                n += 1
+                target = self._directory / f"{step}.set-aside-{n}"
+            if jax.process_index() == 0:
+                shutil.move(source, target)
+            moved.append(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"nnx_mpmd set_aside {steps}")
+        self._manager.reload()
+        return moved
+
+    @contextlib.contextmanager
+    def _save_failures(self, step: int | None) -> Iterator[None]:
+        """Turns a failed (background) save into one `CheckpointError` naming the step
+        directory and the free space."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise save_failure(error, self._directory, step) from None
 
     def is_saving_in_progress(self) -> bool:
         """Whether a background save is still being written."""
         return bool(self._manager.is_saving_in_progress())
 
     def wait_until_finished(self) -> None:
-        """Blocks until every background save has been written."""
-        self._manager.wait_until_finished()
+        """Blocks until every background save has been written.
+
+        Raises:
+          CheckpointError: a background save failed (a full disk), naming the
+            step directory and the free space; earlier steps are intact.
+        """
+        with self._save_failures(None):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for background saves and releases orbax's resources."""
-        self._manager.close()
+        """Waits for background saves and releases orbax's resources.
+
+        Raises:
+          CheckpointError: as `wait_until_finished`.
+        """
+        with self._save_failures(None):
+            self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -234,3 +433,64 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._directory)!r}, steps={self.all_steps()})"
+
+
+_DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+_DISK_FULL[errno.EFBIG] = "a file reached the size limit (ulimit -f)"
+_DISK_FULL_TEXT = {
+    "no space left on device": errno.ENOSPC,
+    "disk quota exceeded": errno.EDQUOT,
+    "file too large": errno.EFBIG,
+}
+
+
+def _disk_full_reason(error: BaseException) -> str | None:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return _DISK_FULL[seen.errno]
+        text = str(seen).lower()
+        for phrase, code in _DISK_FULL_TEXT.items():
+            if phrase in text:
+                return _DISK_FULL[code]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def save_failure(error: BaseException, directory: Path, step: int | None) -> CheckpointError:
+    """The one error for a save of ``step`` (None: the one in flight) into ``directory`` that
+    failed with ``error``: it names the step directory, the free space and what is intact.
+
+    Example:
+      >>> import errno, tempfile
+      >>> from pathlib import Path
+      >>> error = OSError(errno.ENOSPC, "No space left on device")
+      >>> "the disk is full" in str(save_failure(error, Path(tempfile.mkdtemp()), 4))
+      True
+    """
+    # The save that failed left its temporary directory; orbax may report it only at the
+    # next save, so that directory names the step better than ``step``.
+    unfinished = sorted(
+        directory.glob("*.orbax-checkpoint-tmp*"),
+        key=lambda p: int(p.name.split(".")[0]) if p.name.split(".")[0].isdigit() else -1,
+    )
+    if unfinished:
+        where = str(unfinished[-1])
+    else:
+        where = str(directory if step is None else directory / str(step))
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    kept = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    intact = f"steps {kept} are untouched" if kept else "no earlier step was saved"
+    reason = _disk_full_reason(error)
+    why = (
+        reason
+        or f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+    )
+    return CheckpointError(
+        f"saving checkpoint {where} failed: {why} ({free} on {directory}); {intact} and the "
+        "unfinished step is never restored. Free space (or raise the limit), then continue "
+        "with --resume / CheckpointManager.restore."
+    )

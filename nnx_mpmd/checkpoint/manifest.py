@@ -2,21 +2,32 @@
 
 The manifest lists every entry of a checkpoint by logical path: its kind, shape,
 dtype, PRNG implementation (for keys), the layout it was saved from (meshes and
-PartitionSpec, for information only), a fingerprint of its contents, and the
+PartitionSpec, for information only), a checksum of its contents, and the
 value itself for JSON scalars. Restore compares the target's layout with the
 manifest before reading any array, so a mismatch names the first differing path.
 
-The fingerprint is two wrapping uint32 sums over the array's raw bits (plain and
-position-weighted). It is computed on the devices that hold the array, so it
-works for sharded and multi-process global arrays, and it is independent of the
-sharding; restore recomputes it to detect corrupted files. In a multi-process
-run the fingerprints are brought to every process
+The checksum (`checksum`) is a 64-bit hash of the array's stored bits: every
+32-bit word is mixed with its position (the murmur3 finalizer, a bijection) and
+the mixed words are summed in two independently seeded lanes. Each device sums
+the words of the shard it holds, so it works for sharded and multi-process global
+arrays and does not depend on the sharding (a checkpoint restores onto another
+layout); restore recomputes it to detect changed files. Any change of the stored
+bits changes it except with probability about 2**-64. In a multi-process run the
+checksums are brought to every process
 (`nnx_mpmd.checkpoint.global_arrays.fingerprints`), so every process builds the
 same manifest.
+
+Version 2 manifests also seal the step directory: they record the step, the
+SHA-256 of the step's JSON metadata and a SHA-256 ``seal`` over the manifest
+itself, so an edited manifest or metadata, or a manifest copied from another
+step, is refused (`check_manifest`, `check_commit`). Version 1 manifests (plain
+wrapping sums, no seal) are still read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import zlib
 from functools import partial
@@ -35,45 +46,53 @@ from nnx_mpmd.checkpoint.layout import (
     Layout,
     primary_copy,
 )
-from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
 
 __all__ = [
     "FORMAT",
     "STACKED_LEAF",
     "build_manifest",
+    "check_commit",
     "check_manifest",
     "check_target",
+    "checksum",
+    "content_key",
     "fingerprint",
+    "json_digest",
     "key_impl_name",
     "stored_array",
 ]
 
 FORMAT = "nnx_mpmd.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-@partial(jax.jit)
-def _device_fingerprint(x: jax.Array) -> jax.Array:
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)  # trailing axis of 2 words
-    else:
-        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+def _positions(bits: jax.Array) -> jax.Array:
+    """Each word's row-major index (mod 2**32): the same whatever the sharding."""
     position = jnp.zeros((), jnp.uint32)
     stride = 1
     for axis in reversed(range(bits.ndim)):
         iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
         position = position + iota * jnp.uint32(stride % 2**32)
         stride *= bits.shape[axis]
+    return position
+
+
+@partial(jax.jit)
+def _device_fingerprint(x: jax.Array) -> jax.Array:
+    bits = _words(x)
+    position = _positions(bits)
     weight = position * jnp.uint32(2654435761) + jnp.uint32(1)
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32)])
 
 
 def fingerprint(array: Any) -> jax.Array | list[int]:
-    """A sharding-independent fingerprint of an array's contents.
+    """The contents check of version-1 manifests: two wrapping sums (plain and
+    position-weighted) of an array's bits. Kept to verify old checkpoints; new ones
+    use `checksum` (the sums miss, e.g., two negated elements of equal parity).
 
     Returns a device array for jax arrays (fetch it with ``jax.device_get``) and
     a list for numpy arrays.
@@ -82,7 +101,7 @@ def fingerprint(array: Any) -> jax.Array | list[int]:
       array: a jax.Array (any sharding) or a numpy array.
 
     Returns:
-      Two uint32 numbers that change when any element changes.
+      Two uint32 numbers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -95,6 +114,92 @@ def fingerprint(array: Any) -> jax.Array | list[int]:
         data = np.ascontiguousarray(array).tobytes()
         return [zlib.crc32(data), zlib.adler32(data)]
     return _device_fingerprint(array)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """The murmur3 finalizer: a bijection of uint32 that mixes every bit into every other."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+_LANE_SEEDS = (0x9E3779B9, 0x7F4A7C15)
+
+
+@partial(jax.jit)
+def _device_checksum(x: jax.Array) -> jax.Array:
+    bits = _words(x)
+    position = _positions(bits)
+    lanes = []
+    for seed in _LANE_SEEDS:
+        key = _fmix32(position * jnp.uint32(0x27D4EB2D) + jnp.uint32(seed))
+        lanes.append(jnp.sum(_fmix32(bits ^ key) + key, dtype=jnp.uint32))
+    return jnp.stack(lanes)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The stored bits of ``x`` as uint32 words (one per element, two for 8-byte types)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if x.dtype.itemsize == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # trailing axis of 2 words
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+def checksum(array: Any) -> jax.Array | list[int]:
+    """A sharding-independent 64-bit checksum of an array's stored bits (two uint32).
+
+    Unlike `fingerprint` (two wrapping sums, kept to read version-1 checkpoints),
+    any change of the bits (two negated elements, swapped elements, another
+    step's values) changes it except with probability about 2**-64. Returns a
+    device array for jax arrays (each device hashes its own shard; fetch it with
+    ``jax.device_get``) and a list (CRC-32 and Adler-32 of the bytes) for numpy
+    arrays.
+
+    Args:
+      array: a jax.Array (any sharding) or a numpy array.
+
+    Returns:
+      Two uint32 numbers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.arange(1.0, 5.0)
+      >>> flipped = x.at[0].set(-1.0).at[2].set(-3.0)  # equal parity: sums would collide
+      >>> [int(v) for v in checksum(x)] == [int(v) for v in checksum(flipped)]
+      False
+    """
+    if isinstance(array, np.ndarray | np.generic):
+        data = np.ascontiguousarray(array).tobytes()
+        return [zlib.crc32(data), zlib.adler32(data)]
+    return _device_checksum(array)
+
+
+def content_key(version: Any) -> tuple[str, Any]:
+    """(manifest field, function) holding each array's contents check in ``version``.
+
+    Example:
+      >>> content_key(2)[0], content_key(1)[0]
+      ('checksum', 'fingerprint')
+    """
+    return ("fingerprint", fingerprint) if version == 1 else ("checksum", checksum)
+
+
+def json_digest(value: Any) -> str:
+    """The SHA-256 of ``value`` as canonical JSON (sorted keys, no spaces).
+
+    Example:
+      >>> json_digest({"b": 1, "a": [2]}) == json_digest({"a": [2], "b": 1})
+      True
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _seal(manifest: dict[str, Any]) -> str:
+    return json_digest({k: v for k, v in manifest.items() if k != "seal"})
 
 
 def key_impl_name(key: Any) -> str:
@@ -134,11 +239,15 @@ def _describe_layout(value: Any) -> dict[str, Any]:
     }
 
 
-def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest of ``layout`` and the nested dict of arrays to write.
+def build_manifest(
+    layout: Layout, *, step: int | None = None, metadata: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sealed manifest of ``layout`` and the nested dict of arrays to write.
 
     Args:
       layout: the collected tree.
+      step: the step number of a `CheckpointManager` step (None for `save`).
+      metadata: the JSON metadata saved beside it, recorded by its SHA-256.
 
     Returns:
       ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
@@ -169,16 +278,23 @@ def build_manifest(layout: Layout) -> tuple[dict[str, Any], dict[str, Any]]:
                 record["impl"] = key_impl_name(primary_copy(entry.value))
             if entry.kind in (ARRAY, KEY):
                 record["layout"] = _describe_layout(entry.value)
-            pending.append((record, fingerprint(stored)))
+            pending.append((record, checksum(stored)))
             node = arrays
             for key in entry.path[:-1]:
                 node = node.setdefault(key, {})
             node[entry.path[-1]] = savable(stored, turn=len(pending), kept=moved)
         records[entry.name] = record
     settle_moves(moved)
-    for (record, _), fp in zip(pending, fingerprints([fp for _, fp in pending])):
-        record["fingerprint"] = fp
-    manifest = {"format": FORMAT, "version": VERSION, "entries": records}
+    for (record, _), sums in zip(pending, fingerprints([sums for _, sums in pending])):
+        record["checksum"] = sums
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "metadata_sha256": None if metadata is None else json_digest(metadata),
+        "entries": records,
+    }
+    manifest["seal"] = _seal(manifest)
     return manifest, arrays
 
 
@@ -207,17 +323,61 @@ def check_manifest(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
         or manifest.get("format") != FORMAT
         or not isinstance(manifest.get("entries"), dict)
     ):
-        raise CheckpointError(
+        raise CheckpointDamagedError(
             f"{where} has no valid nnx_mpmd manifest (the 'manifest' item is missing or "
             "corrupted); it was not written by nnx_mpmd.checkpoint or is damaged. Restore an "
             "earlier checkpoint or re-save it."
         )
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{where} has manifest version {manifest.get('version')!r}, this nnx_mpmd reads "
-            f"version {VERSION}; use the nnx_mpmd version that wrote it."
+            f"versions {list(READABLE_VERSIONS)}; use the nnx_mpmd version that wrote it."
+        )
+    if manifest["version"] >= 2 and manifest.get("seal") != _seal(manifest):
+        raise CheckpointDamagedError(
+            f"checkpoint {where}/manifest was changed after it was saved (its SHA-256 seal does not match "
+            "its contents); restore an earlier checkpoint (CheckpointManager.all_steps() lists "
+            "them) or re-save."
         )
     return manifest["entries"]
+
+
+def check_commit(
+    manifest: dict[str, Any], where: str, *, step: int | None, metadata: Any = None
+) -> None:
+    """Refuses a step directory whose manifest, step and metadata do not belong together.
+
+    Call after `check_manifest`. Version-1 manifests record neither, and pass.
+
+    Args:
+      manifest: the checked manifest.
+      where: the step directory, for messages.
+      step: the step the directory is named for.
+      metadata: the step's JSON metadata as read, or None to skip that check.
+
+    Raises:
+      CheckpointDamagedError: the manifest was written for another step, or the
+        metadata was changed or copied from another step.
+
+    Example:
+      >>> from nnx_mpmd.checkpoint.layout import collect
+      >>> manifest, _ = build_manifest(collect({}), step=3, metadata={"lr": 0.1})
+      >>> check_commit(manifest, "ckpt/3", step=3, metadata={"lr": 0.1})
+    """
+    if manifest.get("version") == 1:
+        return
+    if step is not None and manifest.get("step") != step:
+        raise CheckpointDamagedError(
+            f"checkpoint {where}/manifest belongs to step {manifest.get('step')!r}, not to step {step}: "
+            "files of another step were copied into this step directory; restore an earlier "
+            "step or delete this one."
+        )
+    if metadata is not None and manifest.get("metadata_sha256") != json_digest(metadata):
+        raise CheckpointDamagedError(
+            f"checkpoint {where}/metadata does not match the SHA-256 recorded in {where}/manifest when the "
+            "step was saved: it was edited, or copied from another step; restore an earlier step "
+            "or delete this one."
+        )
 
 
 STACKED_LEAF = re.compile(r"^(?P<head>.+)\.chunks\.(?P<index>\d+)\.(?P<tail>layers\..+)$")
