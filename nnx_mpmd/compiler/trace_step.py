@@ -389,7 +389,13 @@ def _forward_only_function(fn: Callable[..., Any], flat: FlatArgs, out_tree: lis
 def _trace_once(
     pure: Any, avals: Any, mesh: MpmdMesh, num_microbatches: int, batch_axis: str | None
 ) -> tuple[Any, list[RegionInfo], list[str]]:
-    """One trace: the closed jaxpr, the regions and the stage calls outside them."""
+    """One trace: the closed jaxpr, the regions and the stage calls outside them.
+
+    A sharding rejection after a stage was called outside any region gives no
+    jaxpr (None): the step is forward-only and is traced again per microbatch,
+    so code that only this whole-batch trace runs (a KV cache seen as one block)
+    must not fail it.
+    """
     region_context = region_tracing(num_microbatches, mesh.submesh(0), batch_axis)
     with (
         submesh_tracing(mesh),
@@ -397,7 +403,11 @@ def _trace_once(
         region_context as regions,
         markers.outer_tracing() as outside,
     ):
-        closed = jax.make_jaxpr(pure)(*avals)
+        closed, rejection = explicit_sharding_rejection(jax.make_jaxpr(pure), *avals)
+        if rejection is not None:
+            if outside and not regions:
+                return None, regions, outside
+            raise rejection
     with submesh_tracing(mesh):  # outside the markers' tracing: they differentiate here
         for info in regions:
             _trace_gradient_on_sharded_batch(info, mesh.submesh(0).abstract_mesh)
