@@ -357,9 +357,9 @@ class Trainer:
         changed: list[bool] = []
         notes_before = len(self.notes)
 
-        def check(saved: dict[str, Any]) -> None:
+        def check(step: int, saved: dict[str, Any]) -> None:
             del self.notes[notes_before:]  # keep the notes of the step restored only
-            changed.append(self._check_resumable(checked_metadata(saved, where, None), where))
+            changed.append(self._check_resumable(checked_metadata(saved, where, step), where))
 
         restored = manager.restore_newest_intact(
             {"model": self.model, "optimizer": self.optimizer},

@@ -307,7 +307,7 @@ class CheckpointManager:
         target: Any,
         *,
         before: int | None = None,
-        check: Callable[[dict[str, Any]], None] | None = None,
+        check: Callable[[int, dict[str, Any]], None] | None = None,
         partial: bool = False,
     ) -> Restored:
         """Restores the newest step that is complete and verifies, skipping damaged ones.
@@ -320,8 +320,8 @@ class CheckpointManager:
         Args:
           target: as for `restore`.
           before: consider only steps up to this one (None: all).
-          check: called with a step's metadata before its arrays are read (for
-            example to refuse changed settings); what it raises is raised.
+          check: called with a step's number and metadata before its arrays are
+            read (for example to refuse changed settings); what it raises is raised.
           partial: as for `restore`.
 
         Returns:
@@ -353,7 +353,7 @@ class CheckpointManager:
             try:
                 metadata = self.metadata(step)
                 if check is not None:
-                    check(metadata)
+                    check(step, metadata)
                 self.restore(target, step, partial=partial)
             except CheckpointDamagedError as error:
                 skipped.append(f"skipped step {step}: {error}")
