@@ -504,10 +504,11 @@ def finish_together() -> None:
 
     Only process 0 computes the validation loss and the sample, which can take
     longer than the bounded barrier every process meets at exit. The others wait
-    for its word here, as long as it lives (at most `FINISH_WAIT_S`).
+    for its word here, as long as it lives (at most `FINISH_WAIT_S`); then every
+    process meets at a barrier, so that a process that died at the end is named.
 
     Raises:
-      DistributedError: process 0 died, or did not finish within `FINISH_WAIT_S`.
+      DistributedError: a process died, or process 0 did not finish within `FINISH_WAIT_S`.
 
     Example:
       >>> finish_together()  # one process: nothing to wait for
@@ -521,9 +522,34 @@ def finish_together() -> None:
     coordination = get_coordination()
     if jax.process_index() == 0:
         coordination.publish(FINISHED_KEY, True)
+    else:
+        where = "finishing the run (waiting for process 0's validation loss and sample)"
+        coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
+    # A process that died at the very end is named here, not lost in the exit hook.
+    coordination.barrier("train/finished", "finishing the run (every process done)")
+
+
+def leave_after_dead_peer(status: int) -> None:
+    """Ends a multi-process run's process with ``status`` now, once a peer died.
+
+    Its other threads may still wait for the dead peer (orbax's background
+    save, a barrier): a normal exit would join them, print their errors and
+    run the exit barrier, all for a run that cannot continue. The error was
+    printed already; on one process this returns.
+
+    Args:
+      status: the exit status.
+
+    Example:
+      >>> leave_after_dead_peer(2)  # one process: returns
+    """
+    import jax
+
+    if jax.process_count() == 1:
         return
-    where = "waiting for process 0's validation loss and sample"
-    coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _fail(message: str) -> int:
@@ -538,14 +564,16 @@ def main(argv: list[str] | None = None) -> int:
       argv: the arguments after ``train`` (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit status: 0 on success, 2 on bad input.
+      The exit status: 0 on success, 2 on bad input. After a `DistributedError`
+      of a multi-process run (a peer died) the process exits with 2 at once
+      (`leave_after_dead_peer`).
 
     Example:
       >>> main(["--steps", "0"])
       2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    from nnx_mpmd.errors import MpmdError
+    from nnx_mpmd.errors import DistributedError, MpmdError
 
     try:
         cfg = config_from_args(argv)
@@ -555,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         join_processes()
         run(cfg)
+    except DistributedError as e:
+        leave_after_dead_peer(_fail(f"{type(e).__name__}: {e}"))
+        return 2
     except MpmdError as e:
         return _fail(f"{type(e).__name__}: {e}")
     return 0

@@ -27,7 +27,14 @@ from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, trai
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
-from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError, ScheduleError
+from nnx_mpmd.errors import (
+    CheckpointError,
+    DistributedError,
+    MeshError,
+    MpmdError,
+    PartitionError,
+    ScheduleError,
+)
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.losses import value_and_grad
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
@@ -403,9 +410,13 @@ class Trainer:
             self.restore_or_start(manager)
             metrics = self._metrics()
             losses = self._loop(manager, metrics)
-        finally:
-            if manager is not None:
-                manager.close()
+        except BaseException:
+            if manager is not None:  # a dead peer is already named by the error in flight
+                with contextlib.suppress(DistributedError):
+                    manager.close()
+            raise
+        if manager is not None:
+            manager.close()  # waits for the saves in flight to commit
         return self._finish(metrics, losses)
 
     def _loop(self, manager: CheckpointManager | None, metrics: list[dict[str, Any]]) -> list:

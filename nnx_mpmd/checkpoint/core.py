@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_mpmd.checkpoint.global_arrays import fingerprints
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, use_coordination_barriers
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -44,6 +44,7 @@ from nnx_mpmd.checkpoint.manifest import (
 from nnx_mpmd.checkpoint.recut import recut_stacks
 from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.runtime.coordination import bounded_by_peers
 
 __all__ = ["ArrayReader", "restore", "restore_layout", "save", "save_args"]
 
@@ -303,6 +304,7 @@ def restore_layout(
 
 
 def _checkpointer() -> ocp.Checkpointer:
+    use_coordination_barriers()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
@@ -335,6 +337,10 @@ def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
             f"cannot save to {path}: it already exists; pass overwrite=True, choose a new "
             "path, or use CheckpointManager for numbered steps."
         )
+    bounded_by_peers(f"saving checkpoint {path}", _save_to, path, tree, overwrite)
+
+
+def _save_to(path: Path, tree: Any, overwrite: bool) -> None:
     args = save_args(tree)
     checkpointer = _checkpointer()
     try:
@@ -392,6 +398,12 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
     """
     path = Path(path).absolute()
     _check_restorable(path)
+    return bounded_by_peers(
+        f"restoring checkpoint {path}", _restore_from, path, target, partial, verify
+    )
+
+
+def _restore_from(path: Path, target: Any, partial: bool, verify: bool) -> Any:
     layout = collect(target, where="target")
     checkpointer = _checkpointer()
     try:

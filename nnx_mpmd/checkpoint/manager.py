@@ -11,6 +11,11 @@ With ``async_save=True`` (the default) `CheckpointManager.save` returns once the
 arrays are copied off the devices; the files are written in the background
 while training continues. Call `CheckpointManager.wait_until_finished` (or
 `CheckpointManager.close`, or leave the ``with`` block) before the process exits.
+
+In a multi-process run every call waits for the other processes (orbax's
+barriers, the fingerprint collective) only while they live: a process that dies
+meanwhile is named in a `DistributedError` within the heartbeat timeout
+(`nnx_mpmd.runtime.coordination.bounded_by_peers`) instead of orbax's 300 s.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from nnx_mpmd.checkpoint.core import restore_layout, save_args
+from nnx_mpmd.checkpoint.global_arrays import use_coordination_barriers
 from nnx_mpmd.checkpoint.layout import collect
-from nnx_mpmd.errors import CheckpointError
+from nnx_mpmd.errors import CheckpointError, DistributedError
+from nnx_mpmd.runtime.coordination import bounded_by_peers
 
 __all__ = ["CheckpointManager"]
 
@@ -74,14 +81,15 @@ class CheckpointManager:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(
-            self._directory,
-            options=options,
-            item_handlers={
-                "arrays": ocp.PyTreeCheckpointHandler(),
-                "manifest": ocp.JsonCheckpointHandler(),
-                "metadata": ocp.JsonCheckpointHandler(),
-            },
+        use_coordination_barriers()
+        handlers = {
+            "arrays": ocp.PyTreeCheckpointHandler(),
+            "manifest": ocp.JsonCheckpointHandler(),
+            "metadata": ocp.JsonCheckpointHandler(),
+        }
+        self._manager = bounded_by_peers(
+            f"opening the checkpoint directory {self._directory}",
+            lambda: ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers),
         )
 
     @property
@@ -103,6 +111,7 @@ class CheckpointManager:
         Raises:
           CheckpointError: a bad step number, metadata that is not JSON, or a
             leaf that cannot be saved.
+          DistributedError: another process died during the save (multi-process runs).
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(
@@ -128,7 +137,12 @@ class CheckpointManager:
             )
         if not self._manager.should_save(step):
             return False
-        return bool(self._manager.save(step, args=save_args(tree, metadata)))
+        return bool(
+            bounded_by_peers(
+                f"saving checkpoint step {step} to {self._directory}",
+                lambda: self._manager.save(step, args=save_args(tree, metadata)),
+            )
+        )
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -163,9 +177,20 @@ class CheckpointManager:
 
         Raises:
           CheckpointError: no such step, a mismatching target, or damaged data.
+          DistributedError: another process died during the restore (multi-process runs).
         """
         self.wait_until_finished()
         step = self._resolve(step)
+        return bounded_by_peers(
+            f"restoring checkpoint step {step} from {self._directory}",
+            self._restore,
+            target,
+            step,
+            partial,
+            verify,
+        )
+
+    def _restore(self, target: Any, step: int, partial: bool, verify: bool) -> Any:
         where = str(self._directory / str(step))
         layout = collect(target, where="target")
         try:
@@ -199,10 +224,15 @@ class CheckpointManager:
         self.wait_until_finished()
         step = self._resolve(step)
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            restored = bounded_by_peers(
+                f"reading the metadata of checkpoint step {step} in {self._directory}",
+                lambda: self._manager.restore(
+                    step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+                ),
             )
             return dict(restored["metadata"] or {})
+        except DistributedError:
+            raise
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {self._directory / str(step)} has unreadable metadata "
@@ -215,11 +245,17 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until every background save has been written."""
-        self._manager.wait_until_finished()
+        bounded_by_peers(
+            f"waiting for the checkpoint saves in flight to {self._directory} to commit",
+            self._manager.wait_until_finished,
+        )
 
     def close(self) -> None:
         """Waits for background saves and releases orbax's resources."""
-        self._manager.close()
+        bounded_by_peers(
+            f"closing the checkpoint manager of {self._directory} (saves in flight commit)",
+            self._manager.close,
+        )
 
     def __enter__(self) -> CheckpointManager:
         return self
