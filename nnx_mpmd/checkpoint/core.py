@@ -322,6 +322,7 @@ def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
 
     Raises:
       CheckpointError: ``path`` exists, or a leaf cannot be saved.
+      DistributedError: another process died during the save (multi-process runs).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -388,6 +389,7 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
     Raises:
       CheckpointError: no checkpoint at ``path``, a mismatching structure, shape,
         dtype or key implementation (naming the first such path), or damaged data.
+      DistributedError: another process died during the restore (multi-process runs).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
