@@ -257,6 +257,16 @@ def coordinator_lost_note(status: int) -> str:
     )
 
 
+def _failed_first(index: int, status: int) -> str:
+    """The launcher's line naming process ``index`` (not 0) as the first to fail."""
+    how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
+    return (
+        f"nnx-mpmd launch: process {index} failed first ({how}); the others stop because of "
+        f"it (a DistributedError naming process {index}): the cause is in its output "
+        f"([p{index}] lines)."
+    )
+
+
 def launch(
     command: Sequence[str],
     num_processes: int,
@@ -348,9 +358,10 @@ def launch(
                 if code not in (None, 0) and status == 0:
                     status = 128 - code if code < 0 else code
                     failed_at = time.monotonic()
-                    if i == 0 and num_processes > 1:
+                    if num_processes > 1:
+                        note = coordinator_lost_note(status) if i == 0 else _failed_first(i, status)
                         with lock:
-                            out.write(coordinator_lost_note(status) + "\n")
+                            out.write(note + "\n")
                             out.flush()
             if all(code is not None for code in codes):
                 break

@@ -531,10 +531,11 @@ def finish_together() -> None:
 
     Only process 0 computes the validation loss and the sample, which can take
     longer than the bounded barrier every process meets at exit. The others wait
-    for its word here, as long as it lives (at most `FINISH_WAIT_S`).
+    for its word here, as long as it lives (at most `FINISH_WAIT_S`); then every
+    process meets at a barrier, so that a process that died at the end is named.
 
     Raises:
-      DistributedError: process 0 died, or did not finish within `FINISH_WAIT_S`.
+      DistributedError: a process died, or process 0 did not finish within `FINISH_WAIT_S`.
 
     Example:
       >>> finish_together()  # one process: nothing to wait for
@@ -548,9 +549,34 @@ def finish_together() -> None:
     coordination = get_coordination()
     if jax.process_index() == 0:
         coordination.publish(FINISHED_KEY, True)
+    else:
+        where = "finishing the run (waiting for process 0's validation loss and sample)"
+        coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
+    # A process that died at the very end is named here, not lost in the exit hook.
+    coordination.barrier("train/finished", "finishing the run (every process done)")
+
+
+def leave_after_dead_peer(status: int) -> None:
+    """Ends a multi-process run's process with ``status`` now, once a peer died.
+
+    Its other threads may still wait for the dead peer (orbax's background
+    save, a barrier): a normal exit would join them, print their errors and
+    run the exit barrier, all for a run that cannot continue. The error was
+    printed already; on one process this returns.
+
+    Args:
+      status: the exit status.
+
+    Example:
+      >>> leave_after_dead_peer(2)  # one process: returns
+    """
+    import jax
+
+    if jax.process_count() == 1:
         return
-    where = "waiting for process 0's validation loss and sample"
-    coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _fail(message: str) -> int:
@@ -567,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
       The exit status: 0 on success, 2 on bad input, ``128 + signal`` (143, 130)
       when SIGTERM or SIGINT stopped the run after saving a checkpoint
-      (`nnx_mpmd.apps.stop_signals`).
+      (`nnx_mpmd.apps.stop_signals`). After a `DistributedError` of a
+      multi-process run (a peer died) the process exits with 2 at once
+      (`leave_after_dead_peer`).
 
     Example:
       >>> main(["--steps", "0"])
@@ -575,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     from nnx_mpmd.apps.stop_signals import StopSignals, exit_status
-    from nnx_mpmd.errors import MpmdError
+    from nnx_mpmd.errors import DistributedError, MpmdError
 
     try:
         cfg = config_from_args(argv)
@@ -587,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         join_processes()
         stop.install()  # after joining: in a multi-process run JAX's notifier owns SIGTERM
         summary = run(cfg, stop=stop)
+    except DistributedError as e:
+        leave_after_dead_peer(_fail(f"{type(e).__name__}: {e}"))
+        return 2
     except MpmdError as e:
         return _fail(f"{type(e).__name__}: {e}")
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed

@@ -40,6 +40,7 @@ from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import (
     CheckpointError,
+    DistributedError,
     MeshError,
     MpmdError,
     NonFiniteError,
@@ -437,9 +438,13 @@ class Trainer:
             self.restore_or_start(manager)
             metrics = self._metrics()
             losses = self._loop(manager, metrics, stop)
-        finally:
-            if manager is not None:
-                manager.close()  # waits until the last save is committed
+        except BaseException:
+            if manager is not None:  # a dead peer is already named by the error in flight
+                with contextlib.suppress(DistributedError):
+                    manager.close()
+            raise
+        if manager is not None:
+            manager.close()  # waits until the last save is committed
         if self.stopped is not None:
             return self._stopped_summary(losses)
         return self._finish(metrics, losses)

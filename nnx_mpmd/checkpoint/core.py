@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nnx_mpmd.checkpoint.global_arrays import fingerprints, worst_of
+from nnx_mpmd.checkpoint.global_arrays import fingerprints, use_coordination_barriers, worst_of
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
     KEY,
@@ -47,6 +47,7 @@ from nnx_mpmd.checkpoint.manifest import (
 from nnx_mpmd.checkpoint.recut import recut_stacks
 from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.runtime.coordination import bounded_by_peers
 
 __all__ = ["ArrayReader", "read_failure", "restore", "restore_layout", "save", "save_args"]
 
@@ -358,6 +359,7 @@ def restore_layout(
 
 
 def _checkpointer() -> ocp.Checkpointer:
+    use_coordination_barriers()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
@@ -375,6 +377,7 @@ def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
 
     Raises:
       CheckpointError: ``path`` exists, or a leaf cannot be saved.
+      DistributedError: another process died during the save (multi-process runs).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -390,6 +393,10 @@ def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
             f"cannot save to {path}: it already exists; pass overwrite=True, choose a new "
             "path, or use CheckpointManager for numbered steps."
         )
+    bounded_by_peers(f"saving checkpoint {path}", _save_to, path, tree, overwrite)
+
+
+def _save_to(path: Path, tree: Any, overwrite: bool) -> None:
     args = save_args(tree)
     checkpointer = _checkpointer()
     try:
@@ -437,6 +444,7 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
     Raises:
       CheckpointError: no checkpoint at ``path``, a mismatching structure, shape,
         dtype or key implementation (naming the first such path), or damaged data.
+      DistributedError: another process died during the restore (multi-process runs).
 
     Example:
       >>> import tempfile, jax.numpy as jnp
@@ -447,6 +455,12 @@ def restore(path: str | Path, target: Any, *, partial: bool = False, verify: boo
     """
     path = Path(path).absolute()
     _check_restorable(path)
+    return bounded_by_peers(
+        f"restoring checkpoint {path}", _restore_from, path, target, partial, verify
+    )
+
+
+def _restore_from(path: Path, target: Any, partial: bool, verify: bool) -> Any:
     layout = collect(target, where="target")
     checkpointer = _checkpointer()
     try:

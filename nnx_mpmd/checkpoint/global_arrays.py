@@ -63,12 +63,47 @@ from nnx_mpmd.errors import CheckpointError
 from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s
 from nnx_mpmd.runtime.cross_process import put_between_meshes
 
-__all__ = ["fingerprints", "move_to", "savable", "settle_moves", "spanning_sharding", "worst_of"]
+__all__ = [
+    "fingerprints",
+    "move_to",
+    "savable",
+    "settle_moves",
+    "spanning_sharding",
+    "use_coordination_barriers",
+    "worst_of",
+]
 
 
 def multi_process() -> bool:
     """Whether this is a multi-process run (``jax.process_count() > 1``)."""
     return jax.process_count() > 1
+
+
+_ORBAX_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
+
+
+def use_coordination_barriers() -> None:
+    """Makes orbax's barriers wait in the coordination service, not in a device collective.
+
+    Orbax 0.12 syncs the processes with ``multihost_utils.sync_global_devices``
+    by default: a collective over every device, in which a peer that dies
+    aborts the others on CPU (gloo: "terminate called ...", beyond any Python
+    handler) or hangs them on GPU. Its flag
+    ``--experimental_orbax_use_distributed_barrier`` makes it use the
+    coordination service's ``wait_at_barrier`` instead, which fails with an
+    error when a peer is gone; set here unless the command line set it.
+
+    Example:
+      >>> use_coordination_barriers()  # one process: nothing to change
+    """
+    from absl import flags
+
+    if not multi_process() or _ORBAX_BARRIER_FLAG not in flags.FLAGS:
+        return
+    flag = flags.FLAGS[_ORBAX_BARRIER_FLAG]
+    if not flag.present:
+        flag.value = True
+        flag.present = 1  # readable before absl parsed a command line
 
 
 def _process_of(device: Any) -> int:

@@ -22,6 +22,11 @@ step, and `CheckpointManager.set_aside` moves the skipped steps out of the way.
 A save that fails (a full disk) raises one `CheckpointError` naming the step
 directory and the free space, at the next `save`, `wait_until_finished` or
 `close`; the steps written before are untouched.
+
+In a multi-process run every call waits for the other processes (orbax's
+barriers, the fingerprint collective) only while they live: a process that dies
+meanwhile is named in a `DistributedError` within the heartbeat timeout
+(`nnx_mpmd.runtime.coordination.bounded_by_peers`) instead of orbax's 300 s.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from nnx_mpmd.checkpoint.core import read_failure, restore_layout, save_args
+from nnx_mpmd.checkpoint.global_arrays import use_coordination_barriers
 from nnx_mpmd.checkpoint.layout import collect
 from nnx_mpmd.checkpoint.manifest import check_commit, check_manifest
-from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
+from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError, DistributedError
+from nnx_mpmd.runtime.coordination import bounded_by_peers
 
 __all__ = ["CheckpointManager", "Restored"]
 
@@ -126,14 +133,15 @@ class CheckpointManager:
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self._manager = ocp.CheckpointManager(
-            self._directory,
-            options=options,
-            item_handlers={
-                "arrays": ocp.PyTreeCheckpointHandler(),
-                "manifest": ocp.JsonCheckpointHandler(),
-                "metadata": ocp.JsonCheckpointHandler(),
-            },
+        use_coordination_barriers()
+        handlers = {
+            "arrays": ocp.PyTreeCheckpointHandler(),
+            "manifest": ocp.JsonCheckpointHandler(),
+            "metadata": ocp.JsonCheckpointHandler(),
+        }
+        self._manager = bounded_by_peers(
+            f"opening the checkpoint directory {self._directory}",
+            lambda: ocp.CheckpointManager(self._directory, options=options, item_handlers=handlers),
         )
 
     @property
@@ -155,6 +163,7 @@ class CheckpointManager:
         Raises:
           CheckpointError: a bad step number, metadata that is not JSON, or a
             leaf that cannot be saved.
+          DistributedError: another process died during the save (multi-process runs).
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(
@@ -180,9 +189,13 @@ class CheckpointManager:
             )
         if not self._manager.should_save(step):
             return False
-        args = save_args(tree, metadata, step)
         with self._save_failures(step):
-            return bool(self._manager.save(step, args=args))
+            return bool(
+                bounded_by_peers(
+                    f"saving checkpoint step {step} to {self._directory}",
+                    lambda: self._manager.save(step, args=save_args(tree, metadata, step)),
+                )
+            )
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -220,9 +233,20 @@ class CheckpointManager:
             another step's files (the message names the path).
           CheckpointError: no such step, a mismatching target, or files this
             process may not read.
+          DistributedError: another process died during the restore (multi-process runs).
         """
         self.wait_until_finished()
         step = self._resolve(step)
+        return bounded_by_peers(
+            f"restoring checkpoint step {step} from {self._directory}",
+            self._restore,
+            target,
+            step,
+            partial,
+            verify,
+        )
+
+    def _restore(self, target: Any, step: int, partial: bool, verify: bool) -> Any:
         where = str(self._directory / str(step))
         layout = collect(target, where="target")
         manifest = self._manifest(step)
@@ -255,10 +279,15 @@ class CheckpointManager:
         where = self._directory / str(step)
         manifest = self._manifest(step)
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+            restored = bounded_by_peers(
+                f"reading the metadata of checkpoint step {step} in {self._directory}",
+                lambda: self._manager.restore(
+                    step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
+                ),
             )
             metadata = dict(restored["metadata"] or {})
+        except DistributedError:
+            raise
         except Exception as error:
             raise read_failure(
                 error,
@@ -275,9 +304,14 @@ class CheckpointManager:
         where = self._directory / str(step)
         self._check_committed(where)
         try:
-            manifest = self._manager.restore(
-                step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-            )["manifest"]
+            manifest = bounded_by_peers(
+                f"reading the manifest of checkpoint step {step} in {self._directory}",
+                lambda: self._manager.restore(
+                    step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
+                )["manifest"],
+            )
+        except DistributedError:
+            raise
         except Exception as error:
             raise read_failure(
                 error,
@@ -392,7 +426,7 @@ class CheckpointManager:
         directory and the free space."""
         try:
             yield
-        except CheckpointError:
+        except (CheckpointError, DistributedError):
             raise
         except Exception as error:
             raise save_failure(error, self._directory, step) from None
@@ -407,18 +441,25 @@ class CheckpointManager:
         Raises:
           CheckpointError: a background save failed (a full disk), naming the
             step directory and the free space; earlier steps are intact.
+          DistributedError: another process died meanwhile (multi-process runs).
         """
         with self._save_failures(None):
-            self._manager.wait_until_finished()
+            bounded_by_peers(
+                f"waiting for the checkpoint saves in flight to {self._directory} to commit",
+                self._manager.wait_until_finished,
+            )
 
     def close(self) -> None:
         """Waits for background saves and releases orbax's resources.
 
         Raises:
-          CheckpointError: as `wait_until_finished`.
+          CheckpointError, DistributedError: as `wait_until_finished`.
         """
         with self._save_failures(None):
-            self._manager.close()
+            bounded_by_peers(
+                f"closing the checkpoint manager of {self._directory} (saves in flight commit)",
+                self._manager.close,
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -9,7 +9,9 @@ starts on process 0:
   naming it (every wait of the runtime polls it, so nothing hangs);
 * `Coordination.barrier`, `publish_array` / `fetch_array` (the collective
   ``gather`` of small state) and `delete`;
-* an exit hook that makes the processes leave in order (see `Coordination`).
+* an exit hook that makes the processes leave in order (see `Coordination`);
+* `bounded_by_peers`, for waits that cannot poll the peers themselves (orbax's
+  barriers during a checkpoint save or restore, device collectives).
 
 Example:
     >>> peer_timeout_s() > 0
@@ -25,16 +27,18 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from nnx_mpmd._jax_compat import coordination_state
-from nnx_mpmd.errors import DistributedError
+from nnx_mpmd.errors import DistributedError, MpmdError
 
 __all__ = [
     "Coordination",
+    "bounded_by_peers",
     "distributed_client",
     "get_coordination",
     "peer_timeout_s",
@@ -257,11 +261,55 @@ class Coordination:
         self._last_liveness = now
         dead = self.dead_peers()
         if dead:
+            who = f"process {dead[0]}" if len(dead) == 1 else f"processes {dead}"
             raise DistributedError(
-                f"process(es) {dead} died while process {self.process_id} was {where}; the run "
-                "cannot continue. Check the dead process's log, then restart every process "
-                "(resume from the last checkpoint)."
+                f"{who} died while process {self.process_id} was {where}; the run cannot "
+                "continue. Check the dead process's log, then restart every process (resume "
+                "from the last checkpoint)."
             )
+
+    def call_watching_peers(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, given up with a `DistributedError` as soon as a peer dies.
+
+        For waits that cannot poll the peers themselves (orbax's barriers, device
+        collectives, ``wait_at_barrier``): ``fn`` runs in a daemon thread while this
+        thread checks the heartbeats. A dead peer is named within ``heartbeat_s``
+        plus a second; the abandoned thread stays blocked until the process exits.
+
+        Args:
+          where: what this process is doing, for the message.
+          fn: the blocking call.
+          *args: its arguments.
+
+        Returns:
+          What ``fn`` returns (what it raises is raised here).
+
+        Raises:
+          DistributedError: a peer died (or the coordination service went away)
+            before ``fn`` returned, or ``fn`` failed (not with an `MpmdError`)
+            and a peer turns out dead within ``heartbeat_s``.
+        """
+        outcome: dict[str, Any] = {}
+        finished = threading.Event()
+
+        def call() -> None:
+            try:
+                outcome["value"] = fn(*args)
+            except BaseException as error:  # handed to the waiting thread as is
+                outcome["error"] = error
+            finally:
+                finished.set()
+
+        threading.Thread(target=call, name=f"nnx_mpmd: {where}", daemon=True).start()
+        while not finished.wait(_LIVENESS_EVERY_S / 2):
+            self.check_peers(where)
+        error = outcome.get("error")
+        if error is None:
+            return outcome["value"]
+        if not isinstance(error, (MpmdError, KeyboardInterrupt)):
+            # A barrier or transfer that failed (cancelled, reset) because a peer died.
+            self.blame_peers(where)
+        raise error
 
     def blame_peers(self, where: str) -> None:
         """After a failure that a dying peer may explain: raises naming it if one died.
@@ -341,8 +389,11 @@ class Coordination:
           DistributedError: a peer died or did not arrive in time.
         """
         timeout = peer_timeout_s() if timeout_s is None else timeout_s
+        wait = self.client.wait_at_barrier
         try:
-            self.client.wait_at_barrier(f"{_KEY_PREFIX}/{name}", int(timeout * 1000))
+            self.call_watching_peers(where, wait, f"{_KEY_PREFIX}/{name}", int(timeout * 1000))
+        except DistributedError:
+            raise
         except Exception as e:
             self.check_peers(where, force=True)
             raise DistributedError(
@@ -395,3 +446,31 @@ def get_coordination() -> Coordination:
             client, jax.process_index(), jax.process_count(), coordinator_address
         )
     return _COORDINATION
+
+
+def bounded_by_peers(where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; in a multi-process run, a `DistributedError` as soon as a peer dies.
+
+    Orbax's multi-process barriers and JAX's device collectives wait for every
+    process (orbax for 300 s) without asking whether the others still live; run
+    them through this so that a dead peer is named within the heartbeat timeout
+    (see `Coordination.call_watching_peers`). On one process it is ``fn(*args)``.
+
+    Args:
+      where: what this process is doing ("saving checkpoint step 4"), for the message.
+      fn: the call that may wait for the other processes.
+      *args: its arguments.
+
+    Returns:
+      What ``fn`` returns.
+
+    Raises:
+      DistributedError: a peer died before ``fn`` returned.
+
+    Example:
+      >>> bounded_by_peers("adding", lambda a, b: a + b, 1, 2)
+      3
+    """
+    if jax.process_count() == 1:
+        return fn(*args)
+    return get_coordination().call_watching_peers(where, fn, *args)
