@@ -11,6 +11,7 @@ rules map onto the mesh. Each step must equal the same model under
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -270,6 +271,10 @@ ANNOTATIONS = [
     ),
     ("logical-to-data", (2, None), ("embed", "mlp"), (("embed", None), ("mlp", "data")), (AUTO,)),
     ("data-of-two", (2, None), ("data", None), None, (AUTO,)),
+    # Names the mesh lacks (annotations written for another mesh): replicated, as
+    # nnx.jit ignores them.
+    ("absent-names", (2, None), ("fsdp", "tp"), None, (AUTO, EXPLICIT)),
+    ("absent-logical-names", (1, None), ("embed", "mlp"), None, (AUTO, EXPLICIT)),
 ]
 # Known: on Auto axes, XLA lays out the cotangent of a stage whose kernel is sharded
 # over the batch axis otherwise than the ahead-of-time guess (`precompile._Guess`),
@@ -326,6 +331,21 @@ def test_placement_leaves_out_auto_axes_of_size_one(out_sharding, kind, want):
     )
     assert placement_of(param, "w", mesh) == ((1,), want)
     assert leaf_sharding(param, mesh.submesh(1)).spec == want
+
+
+def test_axis_names_the_mesh_lacks_are_replicated_with_one_warning(monkeypatch):
+    from nnx_mpmd.placement import partition
+
+    monkeypatch.setattr(partition, "_WARNED_ABSENT", set())
+    mesh = _mesh(2, 2)
+    param = nnx.Param(
+        jnp.zeros((4, 4)), mpmd_stage=1, out_sharding=("tp", "data"), eager_sharding=False
+    )
+    with pytest.warns(UserWarning, match=r"w: out_sharding .* names \['tp'\], which the submesh"):
+        assert partition.placement_of(param, "w", mesh) == ((1,), P(None, "data"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per name
+        assert partition.leaf_sharding(param, mesh.submesh(1)).spec == P(None, "data")
 
 
 def test_logical_names_follow_flax_s_global_axis_rules():

@@ -320,9 +320,9 @@ def test_factored_optimizer_state_is_replicated_inside_its_mesh():
     factored = OptVariable(jnp.zeros((3,)), **param.get_metadata())
     assert placement_of(factored, ("opt", "w"), mesh) == ((1,), P())
     bad_axis = OptVariable(
-        jnp.zeros((3,)), mpmd_stage=1, out_sharding=("model",), eager_sharding=False
+        jnp.zeros((3,)), mpmd_stage=1, out_sharding=("stage",), eager_sharding=False
     )
-    with pytest.raises(PlacementError, match="names axis 'model'"):
+    with pytest.raises(PlacementError, match="names the mpmd axis 'stage'"):
         placement_of(bad_axis, ("opt", "w"), mesh)
 
 
@@ -396,7 +396,6 @@ def test_place_lists_every_param_without_stage():
 @pytest.mark.parametrize(
     ("out_sharding", "shape", "message"),
     [
-        (("model", None), (4, 6), r"names axis 'model', which the submesh .* does not have"),
         (("stage", None), (4, 6), r"names the mpmd axis 'stage'"),
         ((None, "data"), (4, 5), r"dimension 1 of shape \(4, 5\) is not divisible by 2"),
         ((None, None, "data"), (4, 6), r"has 3 entries but the value has shape \(4, 6\)"),

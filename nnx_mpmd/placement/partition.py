@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -253,6 +254,49 @@ def _check_spec(
             )
 
 
+_WARNED_ABSENT: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _without_absent_axes(
+    spec: PartitionSpec, submesh: Mesh, path: str, mpmd_axis: str | None
+) -> PartitionSpec:
+    """``spec`` without the axis names the submesh lacks, each warned about once.
+
+    Published models annotate parameters for the meshes they were written for
+    (``'fsdp'``, ``'tp'``, logical names such as ``'embed'``); ``nnx.jit`` ignores
+    metadata a mesh cannot honour, so such a model runs unchanged here too, with
+    those dimensions replicated. The pipeline axis stays an error (`_check_spec`).
+    """
+    absent = {
+        name
+        for entry in spec
+        if isinstance(entry, str | tuple)
+        for name in ((entry,) if isinstance(entry, str) else entry)
+        if isinstance(name, str) and name not in submesh.axis_names and name != mpmd_axis
+    }
+    if not absent:
+        return spec
+    key = (",".join(sorted(absent)), tuple(submesh.axis_names))
+    if key not in _WARNED_ABSENT:
+        _WARNED_ABSENT.add(key)
+        warnings.warn(
+            f"{path}: out_sharding {spec} names {sorted(absent)}, which the submesh "
+            f"{dict(submesh.shape)} does not have; those dimensions are replicated (as "
+            "nnx.jit ignores them). Map the names onto the mesh with sharding_rules metadata "
+            "or flax.core.spmd.set_logical_axis_rules to shard them. (Warned once per name.)",
+            UserWarning,
+            stacklevel=2,
+        )
+    entries = []
+    for entry in spec:
+        if isinstance(entry, str | tuple):
+            names = (entry,) if isinstance(entry, str) else entry
+            kept = tuple(n for n in names if n not in absent)
+            entry = kept[0] if len(kept) == 1 else (kept or None)
+        entries.append(entry)
+    return PartitionSpec(*entries)
+
+
 def _round_trip_spec(spec: PartitionSpec, submesh: Mesh) -> PartitionSpec:
     """``spec`` without its Auto axes of size 1: the spec a step's update gives back.
 
@@ -324,7 +368,7 @@ def leaf_sharding(
     else:
         metadata = variable_or_metadata
     where = path or "<variable>"
-    spec = _spec_from_metadata(metadata, where)
+    spec = _without_absent_axes(_spec_from_metadata(metadata, where), submesh, where, mpmd_axis)
     _check_spec(spec, submesh, shape, where, mpmd_axis)
     return NamedSharding(submesh, _round_trip_spec(spec, submesh))
 
@@ -428,7 +472,9 @@ def placement_of(
         mesh_ids = (_stage_to_mesh(stage, where, mesh, schedule, num_stages),)
         metadata = owner.get_metadata()
     submesh = mesh.submesh(mesh_ids[0])
-    spec = _spec_from_metadata(metadata, where)
+    spec = _without_absent_axes(
+        _spec_from_metadata(metadata, where), submesh, where, mesh.mpmd_axis
+    )
     try:
         _check_spec(spec, submesh, shape, where, mesh.mpmd_axis)
     except PlacementError:
