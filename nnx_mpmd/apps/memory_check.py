@@ -50,7 +50,10 @@ def device_memory_limit(device: Any) -> int | None:
     named = os.environ.get(MEMORY_ENV_VAR, "").strip()
     if named:
         return int(float(named))
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    try:  # only this process's devices report; CPU reports nothing
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    except Exception:
+        stats = None
     limit = (stats or {}).get("bytes_limit")
     return int(limit) if limit else None
 
@@ -109,7 +112,7 @@ def check_memory(trainer: Any) -> None:
       PlanError: a mesh's predicted peak (a lower bound) is above the device limit;
         the message gives both and what to change.
     """
-    limit = device_memory_limit(jax.devices()[0])
+    limit = device_memory_limit(jax.local_devices()[0])
     if limit is None:
         return
     peaks = predicted_peaks(trainer)
