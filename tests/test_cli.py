@@ -332,7 +332,7 @@ def test_plan_refuses_train_only_options(capsys):
 
     assert plan_app.main(["--resume", "--sample-tokens=0"]) == 2
     err = capsys.readouterr().err
-    assert "nnx-mpmd plan: error: --resume, --sample-tokens only apply to nnx-mpmd train" in err
+    assert "nnx-mpmd plan: error: --resume, --sample-tokens belong(s) to nnx-mpmd train only" in err
 
 
 def test_plan_says_what_it_does_before_it_profiles_and_where_it_writes(

@@ -215,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ignored = train_only_given(argv)
     if ignored:
         print(
-            f"nnx-mpmd plan: error: {', '.join(ignored)} only apply to nnx-mpmd train (they "
-            "change nothing the planner measures); give them to nnx-mpmd train --plan FILE",
+            f"nnx-mpmd plan: error: {', '.join(ignored)} belong(s) to nnx-mpmd train only "
+            "(nothing the planner measures depends on them); give them to "
+            "nnx-mpmd train --plan FILE",
             file=sys.stderr,
         )
         return 2
