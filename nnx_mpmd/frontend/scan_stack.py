@@ -67,9 +67,32 @@ class ScannedLayers(nnx.Module):
             transform_metadata=_LAYER_AXIS,
         )
         def run(carry: Any, layer: nnx.Module, extra: Any) -> Any:
-            return layer(carry, *extra[0], **extra[1])
+            return _typed_like(carry, layer(carry, *extra[0], **extra[1]))
 
         return run(x, self.layers, (args, kwargs))
+
+
+def _typed_like(carry: Any, out: Any) -> Any:
+    """``out`` with each leaf resharded to its ``carry`` leaf's Explicit sharding.
+
+    A scan needs its carry to keep its type, and on Explicit axes the sharding is
+    part of it: a layer with sharded weights (``out_sharding=(None, 'data')``) gives
+    a sharded result for a replicated input. Resharding changes no value.
+    """
+    if jax.tree.structure(carry) != jax.tree.structure(out):
+        return out  # nnx.scan says what differs
+
+    def like(before: Any, after: Any) -> Any:
+        want = getattr(jax.typeof(before), "sharding", None)
+        have = getattr(jax.typeof(after), "sharding", None)
+        mesh = getattr(want, "mesh", None)
+        if want is None or have is None or mesh is None or not mesh.axis_names:
+            return after
+        if not mesh.are_all_axes_explicit or want.spec == have.spec:
+            return after
+        return jax.sharding.reshard(after, want.spec)
+
+    return jax.tree.map(like, carry, out)
 
 
 class ScanStack(nnx.Module):
