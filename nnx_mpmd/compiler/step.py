@@ -342,6 +342,18 @@ def _outer_pass(
 _USER_FRAME = 7
 
 
+def _traced_avals(
+    mesh: MpmdMesh, state_avals: list[PlacedAval], other_avals: list[PlacedAval]
+) -> tuple[list[Any], list[Any]]:
+    """The avals the step is traced with: each with its run-time sharding on the submesh
+    (as under ``nnx.jit`` inside ``jax.set_mesh``), so Explicit axes type as they will run."""
+    typed_on = mesh.submesh(0).abstract_mesh
+    return (
+        [a.traced_on(typed_on) for a in state_avals],
+        [a.traced_on(typed_on) for a in other_avals],
+    )
+
+
 def compile_step(
     fn: Callable[..., Any],
     flat: FlatArgs,
@@ -381,11 +393,7 @@ def compile_step(
     def record(name: str, render: Callable[[], str]) -> None:
         passes.append(PassRecord(name, render))
 
-    typed_on = mesh.submesh(0).abstract_mesh
-    avals = (
-        [a.traced_on(typed_on) for a in state_avals],
-        [a.traced_on(typed_on) for a in other_avals],
-    )
+    avals = _traced_avals(mesh, state_avals, other_avals)
     traced = trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
     record("trace", lambda: str(traced.jaxpr))
     region = _region_passes(traced, schedule, mesh, num_microbatches, record)
