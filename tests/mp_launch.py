@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
 
@@ -123,3 +125,27 @@ def check(done: subprocess.CompletedProcess) -> None:
 def read_json(directory: Path, name: str) -> dict:
     """One JSON result file a script wrote."""
     return json.loads((directory / name).read_text())
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of an ``nnx-mpmd train`` run a test starts: 2 CPU devices,
+    none of this process's ``NNX_MPMD_*`` settings, and the test run's compilation
+    cache (the runs of one test compile alike); ``extra`` last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
+    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=cache,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
+    env.update(extra)
+    return env
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss from a run directory's ``metrics.jsonl``."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from mp_launch import optimization_level_flag
+from mp_launch import logged_losses, train_env
 
 from nnx_mpmd import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
@@ -234,27 +234,12 @@ def test_chmod_000_step_is_a_permission_problem(tmp_path):
 # -- a full disk ----------------------------------------------------------------------
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    cache = jax.config.jax_compilation_cache_dir
-    if cache:  # the runs compile the same step: share the test run's cache
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=cache,
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        )
-    env.update(extra)
-    return env
-
-
 def test_file_size_limit_during_async_save_is_one_error(tmp_path):
     directory = tmp_path / "ckpt"
     done = subprocess.run(
         ["timeout", "-k", "5", str(TIMEOUT_S), sys.executable, str(SCRIPTS / "fsize_limit_save.py"),
          str(directory)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True,
+        cwd=ROOT, env=train_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -287,13 +272,8 @@ def _train(run_dir: Path, *args: str, script: str | None = None, **env: str):
         sys.executable, "-m", "nnx_mpmd", "train"]  # fmt: skip
     return subprocess.run(
         ["timeout", "-k", "5", str(TIMEOUT_S), *command, *TRAIN, "--run-dir", str(run_dir), *args],
-        cwd=ROOT, env=_env(**env), capture_output=True, text=True,
+        cwd=ROOT, env=train_env(**env), capture_output=True, text=True,
     )  # fmt: skip
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
 @pytest.fixture(scope="module")
@@ -301,11 +281,11 @@ def straight_losses(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     done = _train(run_dir)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return _losses(run_dir)
+    return logged_losses(run_dir)
 
 
 def _assert_continues(run_dir: Path, straight: dict[int, float], steps) -> None:
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step in steps:  # the same program and data: equal to float rounding
         assert losses[step] == pytest.approx(straight[step], rel=1e-6), step
@@ -407,7 +387,7 @@ def test_launched_resume_falls_back_together(tmp_path):
     first, _ = launch(command, *common, "--stop-at", "4", devices_per_process=1, timeout=300,
                       fresh=[(run_dir, False)])  # fmt: skip
     check(first)
-    straight = _losses(run_dir)
+    straight = logged_losses(run_dir)
     checkpoints = run_dir / "checkpoints"
     shutil.rmtree(checkpoints / "4" / "arrays")  # step 2's arrays (both processes' parts)
     shutil.copytree(checkpoints / "2" / "arrays", checkpoints / "4" / "arrays")
@@ -417,7 +397,7 @@ def test_launched_resume_falls_back_together(tmp_path):
     out = resumed.stdout
     assert "warning: skipped step 5" in out and "warning: skipped step 4" in out, out[-3000:]
     assert "4/arrays is corrupted" in out and "resumed from step 2" in out, out[-3000:]
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step in (3, 4):
         assert losses[step] == pytest.approx(straight[step], rel=1e-6), step

@@ -14,7 +14,6 @@ write a marker file; the test kills the process as soon as the marker appears.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import pytest
-from mp_launch import optimization_level_flag
+from mp_launch import logged_losses, train_env
 
 from nnx_mpmd.checkpoint import CheckpointManager
 
@@ -42,27 +40,6 @@ STALLED_STEP = 4
 TIMEOUT_S = 120
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    # The resumed run compiles what the killed run compiled: share the test run's cache.
-    cache = jax.config.jax_compilation_cache_dir
-    if cache:
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=cache,
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        )
-    env.update(extra)
-    return env
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
-
-
 def _kill_during_save(run_dir: Path, marker: Path) -> list[str]:
     """Starts the stalling run, SIGKILLs it mid-save; returns the checkpoint dir's entries."""
     log = run_dir.parent / "killed.log"
@@ -70,7 +47,7 @@ def _kill_during_save(run_dir: Path, marker: Path) -> list[str]:
         "timeout", "-k", "5", str(TIMEOUT_S), sys.executable, str(SCRIPTS / "stalled_save_train.py"),
         *TRAIN, "--run-dir", str(run_dir),
     ]  # fmt: skip
-    env = _env(
+    env = train_env(
         NNX_MPMD_TEST_STALL_SAVE_STEP=str(STALLED_STEP), NNX_MPMD_TEST_STALL_MARKER=str(marker)
     )
     with log.open("w") as out:
@@ -103,7 +80,7 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path):
     # The kill landed mid-save: step 4 exists only as orbax's temporary directory.
     assert "2" in entries and str(STALLED_STEP) not in entries, entries
     assert any(name.startswith(f"{STALLED_STEP}.orbax-checkpoint-tmp") for name in entries)
-    killed_losses = _losses(run_dir)
+    killed_losses = logged_losses(run_dir)
 
     manager = CheckpointManager(run_dir / "checkpoints", async_save=False)
     try:
@@ -116,11 +93,11 @@ def test_kill_during_save_resumes_from_last_complete_checkpoint(tmp_path):
     resumed = subprocess.run(
         ["timeout", "-k", "5", str(TIMEOUT_S), sys.executable, "-m", "nnx_mpmd", "train",
          *TRAIN, "--run-dir", str(run_dir), "--resume"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True,
+        cwd=ROOT, env=train_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert "resumed from step 2" in resumed.stdout
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     # Continuing from step 2 repeats the killed run's steps 3 and 4 exactly.
     for step in (3, 4):

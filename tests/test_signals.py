@@ -11,7 +11,6 @@ SIGTERM) and started in its own session, so nothing can hang or leak.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -20,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
-from mp_launch import env_for_launch, optimization_level_flag
+from mp_launch import env_for_launch, logged_losses, train_env
 
 from nnx_mpmd.apps.stop_signals import exit_status, stopped_message
 from nnx_mpmd.apps.train import config_from_args
@@ -46,26 +44,6 @@ TRAIN = [
 STOPPED = re.compile(
     r"stopped at step (\d+) \((SIG\w+)\); continue with: nnx-mpmd train --resume --run-dir (\S+)"
 )
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
-    cache = jax.config.jax_compilation_cache_dir  # the runs compile alike: share the cache
-    if cache:
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=cache,
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        )
-    env.update(extra)
-    return env
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
 def _wait_for(condition, proc: subprocess.Popen, log: Path, what: str) -> None:
@@ -117,7 +95,7 @@ def _stop_train(tmp_path: Path, signum: int, after_step: int) -> tuple[Path, int
     (run dir, exit status, output, stop step)."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     command = [sys.executable, "-m", "nnx_mpmd", "train", *TRAIN, "--run-dir", str(run_dir)]
-    proc = _start(command, log, _env())
+    proc = _start(command, log, train_env())
     try:
         _wait_for(_logged_step(run_dir, after_step), proc, log, f"step {after_step}")
         _signal_train(proc, signum)
@@ -168,18 +146,18 @@ def test_sigterm_saves_the_step_and_resume_matches_a_straight_run(tmp_path):
     assert stop_step in _saved_steps(run_dir)  # a checkpoint of the stop step, committed
     with CheckpointManager(run_dir / "checkpoints", async_save=False) as manager:
         assert manager.metadata()["step"] == stop_step
-    first = _losses(run_dir)
+    first = logged_losses(run_dir)
     assert max(first) == stop_step
 
     end = stop_step + 3
     resumed = subprocess.run(
         ["timeout", "-k", "5", str(TIMEOUT_S), sys.executable, "-m", "nnx_mpmd", "train",
          *TRAIN, "--run-dir", str(run_dir), "--resume", "--stop-at", str(end)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True,
+        cwd=ROOT, env=train_env(), capture_output=True, text=True,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert f"resumed from step {stop_step}" in resumed.stdout
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, end + 1))
     reference = _reference_losses(tmp_path, end)
     np.testing.assert_allclose([losses[s] for s in range(1, end + 1)], reference, rtol=1e-5)
@@ -203,7 +181,7 @@ def test_second_signal_stops_at_once(tmp_path):
         "--run-dir",
         str(run_dir),
     ]
-    proc = _start(command, log, _env(NNX_MPMD_TEST_STOP_MARKER=str(marker)))
+    proc = _start(command, log, train_env(NNX_MPMD_TEST_STOP_MARKER=str(marker)))
     try:
         _wait_for(_logged_step(run_dir, 5), proc, log, "step 5")
         _signal_train(proc, signal.SIGTERM)
@@ -219,7 +197,7 @@ def test_second_signal_stops_at_once(tmp_path):
     output = log.read_text()
     assert code in (-signal.SIGTERM, 143), output[-4000:]
     assert "stopped at step" not in output, output[-4000:]
-    stop_step = max(_losses(run_dir))
+    stop_step = max(logged_losses(run_dir))
     if stop_step % 4:  # not a periodic save's step: only the stop would have saved it
         assert stop_step not in _saved_steps(run_dir)
 
@@ -378,7 +356,7 @@ def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
     second_stop, output = _stop_launched_train(tmp_path, stop_step + 2, "--resume")
     assert f"[p0] resumed from step {stop_step}" in output
     assert _saved_steps(run_dir) == [stop_step, second_stop]
-    losses = _losses(run_dir)
+    losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, second_stop + 1))
     stop_step = second_stop
     cfg = config_from_args([*LAUNCHED_TRAIN, "--run-dir", str(tmp_path / "reference")])
