@@ -348,11 +348,14 @@ def test_axis_names_the_mesh_lacks_are_replicated_with_one_warning(monkeypatch):
         assert partition.leaf_sharding(param, mesh.submesh(1)).spec == P(None, "data")
 
 
-def test_logical_names_follow_flax_s_global_axis_rules():
+def test_logical_names_follow_flax_s_global_axis_rules(monkeypatch):
     """Rules set with ``flax.core.spmd.set_logical_axis_rules``, not in the metadata, apply too."""
     from flax.core import spmd
 
+    from nnx_mpmd.placement import partition
     from nnx_mpmd.placement.partition import placement_of
+
+    monkeypatch.setattr(partition, "_WARNED_ABSENT", set())
 
     mesh = _mesh(2, 2)
     param = nnx.Param(
@@ -364,5 +367,6 @@ def test_logical_names_follow_flax_s_global_axis_rules():
         assert placement_of(param, "w", mesh) == ((0,), P(None, "data"))
     finally:
         spmd.set_logical_axis_rules(before)
-    with pytest.raises(mp.PlacementError, match=r"names axis .embed.*set_logical_axis_rules"):
-        placement_of(param, "w", mesh)  # no rules: a name the mesh lacks is an error
+    with pytest.warns(UserWarning, match=r"names \['embed', 'mlp'\].*set_logical_axis_rules"):
+        # no rules: names the mesh lacks are replicated, with a warning
+        assert placement_of(param, "w", mesh) == ((0,), P())

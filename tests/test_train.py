@@ -306,6 +306,9 @@ class _FakeCoordination:
         self.waits = [*getattr(self, "waits", []), (key, where, timeout_s)]
         return self.store[key]
 
+    def barrier(self, name, where):
+        self.barriers = [*getattr(self, "barriers", []), (name, where)]
+
 
 @pytest.mark.parametrize("process", [0, 1])
 def test_every_process_takes_process_0s_run_dir(monkeypatch, process):
@@ -338,6 +341,8 @@ def test_other_processes_wait_for_process_0s_outputs_longer_than_the_exit_barrie
     monkeypatch.setattr(jax, "process_index", lambda: process)
     train.finish_together()
     assert store == {train.FINISHED_KEY: True}
+    [(_, where)] = fake.barriers  # every process meets at the end: a death there is named
+    assert "finishing the run" in where
     if process:  # process 1 waited, with a bound far beyond the peers' default
         [(key, where, timeout_s)] = fake.waits
         assert key == train.FINISHED_KEY and "sample" in where

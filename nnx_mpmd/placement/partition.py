@@ -294,6 +294,8 @@ def _without_absent_axes(
             kept = tuple(n for n in names if n not in absent)
             entry = kept[0] if len(kept) == 1 else (kept or None)
         entries.append(entry)
+    while entries and entries[-1] is None:  # as `_round_trip_spec`: P(None, None) is P()
+        entries.pop()
     return PartitionSpec(*entries)
 
 
