@@ -279,13 +279,7 @@ class CheckpointManager:
         where = self._directory / str(step)
         manifest = self._manifest(step)
         try:
-            restored = bounded_by_peers(
-                f"reading the metadata of checkpoint step {step} in {self._directory}",
-                lambda: self._manager.restore(
-                    step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())
-                ),
-            )
-            metadata = dict(restored["metadata"] or {})
+            metadata = dict(self._read_json(step, "metadata") or {})
         except DistributedError:
             raise
         except Exception as error:
@@ -293,23 +287,26 @@ class CheckpointManager:
                 error,
                 str(where),
                 f"has unreadable metadata ({where}/metadata: {type(error).__name__}); it is "
-                "damaged: restore an earlier "
-                "step.",
+                "damaged: restore an earlier step.",
             ) from error
         check_commit(manifest, str(where), step=step, metadata=metadata)
         return metadata
+
+    def _read_json(self, step: int, item: str) -> Any:
+        """The JSON ``item`` (manifest, metadata) of ``step``, read while the peers live."""
+        return bounded_by_peers(
+            f"reading the {item} of checkpoint step {step} in {self._directory}",
+            lambda: self._manager.restore(
+                step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()})
+            )[item],
+        )
 
     def _manifest(self, step: int) -> dict[str, Any]:
         """The checked manifest of a committed ``step``."""
         where = self._directory / str(step)
         self._check_committed(where)
         try:
-            manifest = bounded_by_peers(
-                f"reading the manifest of checkpoint step {step} in {self._directory}",
-                lambda: self._manager.restore(
-                    step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-                )["manifest"],
-            )
+            manifest = self._read_json(step, "manifest")
         except DistributedError:
             raise
         except Exception as error:
@@ -317,8 +314,7 @@ class CheckpointManager:
                 error,
                 str(where),
                 f"has an unreadable manifest ({where}/manifest: {type(error).__name__}); it is "
-                "truncated or corrupted: "
-                "restore an earlier step or re-save.",
+                "truncated or corrupted: restore an earlier step or re-save.",
             ) from error
         check_manifest(manifest, str(where))
         check_commit(manifest, str(where), step=step)
