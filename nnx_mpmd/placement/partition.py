@@ -237,14 +237,6 @@ def _check_spec(
                     "enumerates the pipeline meshes and does not exist inside a stage; "
                     f"use one of the submesh axes {tuple(submesh.axis_names)}."
                 )
-            if name not in submesh.axis_names:
-                raise PlacementError(
-                    f"{path}: out_sharding {spec} names axis {name!r}, which the submesh "
-                    f"{dict(submesh.shape)} does not have; use one of "
-                    f"{tuple(submesh.axis_names)} or None, or, for a logical name, map it "
-                    "onto the mesh with sharding_rules metadata or "
-                    "flax.core.spmd.set_logical_axis_rules (set when the step first runs)."
-                )
         size = math.prod(submesh.shape[name] for name in names)
         if shape is not None and names and shape[dim] % size:
             raise PlacementError(
@@ -352,8 +344,9 @@ def leaf_sharding(
       the shardings it chooses (so placed state comes back from a step as it went in).
 
     Raises:
-      PlacementError: an axis is unknown to the submesh or is the mpmd axis, a
-        dimension is not divisible by its axes' size, or the spec is malformed.
+      PlacementError: an axis is the mpmd axis, a dimension is not divisible by
+        its axes' size, or the spec is malformed (axes the submesh lacks are
+        replicated, with a warning).
 
     Example:
       >>> import jax
