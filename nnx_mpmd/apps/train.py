@@ -120,6 +120,12 @@ class TrainConfig(argparse.Namespace):
     check_finite: bool
     skip_memory_check: bool
     plan: str | None
+    # --- data (issue 48) ---
+    dataset: str | None
+    val_dataset: str | None
+    val_fraction: float | None
+    text_field: str
+    tokenizer: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -275,6 +281,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="a plan written by 'nnx-mpmd plan': its schedule, stages, microbatches, "
         "layer split and remat replace --schedule, --stages and --microbatches",
     )
+    # --- data (issue 48) ---
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="PATH",
+        help="train on your data: a file, a directory or a glob of .txt, .jsonl and .parquet "
+        "files (documents are tokenized once, cached under RUN/data_cache, and packed into "
+        "--seq-len sequences; needs pip install 'nnx-mpmd[data]')",
+    )
+    p.add_argument(
+        "--val-dataset",
+        default=None,
+        metavar="PATH",
+        help="held-out data, like --dataset (default: the last --val-fraction of --dataset)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="held-out share of the tokens (default: 0.05)",
+    )
+    p.add_argument(
+        "--text-field", default="text", metavar="NAME", help="text field of .jsonl/.parquet"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json or a SentencePiece .model (copied into the run "
+        "directory; default: characters of the data)",
+    )
     return p
 
 
@@ -325,6 +363,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
       >>> config_from_args(["--batch-size", "16", "--microbatches", "4"]).batch_size
       16
     """
+    from nnx_mpmd.apps.datasets import check_data_args
     from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
 
@@ -365,6 +404,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     if cfg.corpus_bytes < 1:
         raise MpmdError(f"--corpus-bytes={cfg.corpus_bytes} must be >= 1.")
     check_seed(cfg.seed)
+    check_data_args(cfg)
     if cfg.allow_changed_settings and not cfg.resume:
         raise MpmdError("--allow-changed-settings only applies with --resume; add --resume.")
     if cfg.resume_step is not None and not cfg.resume:

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.datasets import build_data
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
@@ -200,9 +201,18 @@ class Trainer:
                 "`nnx-mpmd launch`, --devices-per-process)."
             )
 
-        text = stdlib_corpus(cfg.corpus_bytes)
-        self.tokenizer = CharTokenizer.from_text(text)
-        train_tokens, self.val_tokens = train_val_split(self.tokenizer.encode(text), VAL_FRACTION)
+        preset_len = int(preset_fields(cfg.model, cfg.preset)["max_len"])
+        shown = self.writes_outputs
+        self.data = build_data(cfg, self.run_dir, cfg.seq_len or preset_len, show_progress=shown)
+        if self.data is None:
+            text = stdlib_corpus(cfg.corpus_bytes)
+            self.tokenizer = CharTokenizer.from_text(text)
+            tokens = self.tokenizer.encode(text)
+            fraction = getattr(cfg, "val_fraction", None) or VAL_FRACTION
+            train_tokens, self.val_tokens = train_val_split(tokens, fraction)
+        else:
+            self.tokenizer, self.val_tokens = self.data.tokenizer, self.data.val_tokens
+            self.notes.extend(self.data.notes)
         overrides: dict[str, Any] = {
             "vocab_size": self.tokenizer.vocab_size,
             "n_layers": self.num_layers,
@@ -220,7 +230,10 @@ class Trainer:
                 f"--seq-len={self.seq_len} must lie in [1, {max_len}] (the {cfg.model} "
                 f"{cfg.preset} context length); pick a shorter one."
             )
-        self.batches = BatchIterator(train_tokens, cfg.batch_size, self.seq_len, seed=cfg.seed)
+        if self.data is None:
+            self.batches = BatchIterator(train_tokens, cfg.batch_size, self.seq_len, seed=cfg.seed)
+        else:
+            self.batches = self.data.batches(cfg.batch_size, self.seq_len, cfg.seed)
         warmup = min(cfg.warmup, cfg.steps - 1)
         self.lr = optax.warmup_cosine_decay_schedule(
             0.0, cfg.lr, warmup, decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr / 10
@@ -634,7 +647,7 @@ class Trainer:
             sample = generate_text(
                 self.model,
                 self.tokenizer,
-                SAMPLE_PROMPT,
+                SAMPLE_PROMPT if self.data is None else self.data.sample_prompt,
                 cfg.sample_tokens,
                 temperature=0.8,
                 seed=cfg.seed,
