@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 import shutil
 from typing import Any, Protocol
@@ -287,8 +288,11 @@ def tokenizer_into_run(
     kind = check_tokenizer_file(source)
     target = pathlib.Path(run_dir) / ("tokenizer.json" if kind == "hf" else "tokenizer.model")
     if not (target.exists() and file_sha256(target) == file_sha256(source)):
+        # Every process of a run copies: each renames its own whole copy into place.
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
     return load_tokenizer_file(target, target.name)
 
 

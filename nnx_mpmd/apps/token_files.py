@@ -22,7 +22,7 @@ Example:
     >>> from nnx_mpmd.apps.data import CharTokenizer
     >>> d = pathlib.Path(tempfile.mkdtemp())
     >>> _ = (d / "a.txt").write_text("abc")
-    >>> tok = CharTokenizer.from_text("abc\\x03")
+    >>> tok = CharTokenizer(["a", "b", "c", "\\x03"])
     >>> tokens = tokenize_to_cache([d / "a.txt"], tok, 3, d / "cache", "train")
     >>> tokens.tolist()
     [0, 1, 2, 3]

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
-from nnx_mpmd.apps.datasets import build_data
+from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
@@ -80,7 +80,7 @@ RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
 #: float rounding), and the log says which did.
 LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches", "scan_layers")
 SAMPLE_PROMPT = "def "
-VAL_FRACTION = 0.05
+VAL_FRACTION = DEFAULT_VAL_FRACTION
 DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
 
 
