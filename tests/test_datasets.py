@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_mpmd.apps import text_tokenizers, token_files, train
+from nnx_mpmd.apps import datasets, text_tokenizers, token_files, train
 from nnx_mpmd.apps.data import CharTokenizer
 from nnx_mpmd.apps.datasets import PackedBatches, resolve_dataset_files
 from nnx_mpmd.apps.text_tokenizers import EOD_CHAR, tokenizer_from_dict, tokenizer_into_run
@@ -132,6 +132,46 @@ def test_documents_are_packed_each_followed_by_the_end_of_document_token(tmp_pat
     tokens = token_files.tokenize_to_cache(files, tok, [0], tmp_path / "cache", "train")
     assert tok.decode(tokens) == "ab\x03ba\x03c\x03"  # the empty document adds nothing
     assert isinstance(tokens, np.memmap)
+
+
+def _data_options(**options) -> object:
+    """The data options of ``nnx-mpmd train``, parsed, with ``options`` set."""
+    cfg = train.config_from_args([])
+    for name, value in options.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+def test_held_out_data_is_the_val_dataset_or_the_last_val_fraction(text_folder, tmp_path):
+    files = resolve_dataset_files(str(text_folder))
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n".join(_lines(10, 9)))
+    by_file = datasets.build_data(
+        _data_options(dataset=str(text_folder), val_dataset=str(held_out)), tmp_path / "a", 16
+    )
+    assert isinstance(by_file.tokenizer, CharTokenizer) and EOD_CHAR in by_file.tokenizer.chars
+    assert by_file.tokenizer.decode(by_file.val_tokens) == held_out.read_text() + EOD_CHAR
+    whole = sum(len(d) + 1 for f in files for d in token_files.read_documents(f))
+    assert len(by_file.train_tokens) == whole
+    assert by_file.sample_prompt == files[0].read_text()[:4]
+    split = datasets.build_data(
+        _data_options(dataset=str(text_folder), val_fraction=0.25), tmp_path / "b", 16
+    )
+    assert len(split.val_tokens) == round(0.25 * whole)
+    assert len(split.train_tokens) + len(split.val_tokens) == whole
+    assert "held out (the last 25% of the tokens)" in split.notes[0]
+
+
+def test_a_tokenizer_file_alone_tokenizes_the_builtin_corpus(spm_model_file, tmp_path):
+    from nnx_mpmd.apps.data import BatchIterator, stdlib_corpus
+
+    data = datasets.build_data(
+        _data_options(tokenizer=str(spm_model_file), corpus_bytes=5000), tmp_path / "run", 16
+    )
+    assert data.tokenizer.to_dict()["file"] == "tokenizer.model"
+    tokens = data.tokenizer.encode(stdlib_corpus(5000))
+    np.testing.assert_array_equal(np.concatenate([data.train_tokens, data.val_tokens]), tokens)
+    assert isinstance(data.batches(4, 16, 0), BatchIterator)
 
 
 # -- batches --------------------------------------------------------------------------
