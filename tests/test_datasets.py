@@ -435,3 +435,11 @@ def test_the_data_options_are_listed_in_the_help(capsys):
     out = capsys.readouterr().out
     for option in ("--dataset", "--val-dataset", "--val-fraction", "--text-field", "--tokenizer"):
         assert option in out
+
+
+def test_a_run_refused_after_tokenizing_leaves_no_run_dir(text_folder, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "run"
+    argv = [*TINY, "--seq-len", "100", "--dataset", str(text_folder), "--run-dir", str(run_dir)]
+    assert train.main([*argv, "--no-compile-cache"]) == 2
+    assert "--seq-len=100 must lie in [1, 64]" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

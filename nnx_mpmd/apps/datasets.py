@@ -65,6 +65,7 @@ __all__ = [
     "TrainingData",
     "build_data",
     "check_data_args",
+    "removed_on_error",
     "resolve_dataset_files",
 ]
 
@@ -331,8 +332,22 @@ class TrainingData:
 
 
 @contextlib.contextmanager
-def _removed_on_error(run_dir: pathlib.Path) -> Iterator[None]:
-    """Removes what this block created of ``run_dir`` (and new folders above it) on error."""
+def removed_on_error(run_dir: pathlib.Path) -> Iterator[None]:
+    """Removes ``run_dir`` (and the new folders above it) when the block fails and the
+    directory did not exist before it: a refused run leaves no files behind.
+
+    Example:
+      >>> import tempfile
+      >>> run = pathlib.Path(tempfile.mkdtemp()) / "new" / "run"
+      >>> try:
+      ...     with removed_on_error(run):
+      ...         run.mkdir(parents=True)
+      ...         raise MpmdError("refused")
+      ... except MpmdError:
+      ...     pass
+      >>> run.parent.exists()
+      False
+    """
     top = None
     path = run_dir.absolute()
     while not path.exists():
@@ -376,7 +391,7 @@ def build_data(
         return None
     run_dir = pathlib.Path(run_dir)
     fraction = cfg.val_fraction or DEFAULT_VAL_FRACTION
-    with _removed_on_error(run_dir):
+    with removed_on_error(run_dir):
         tokenizer = tokenizer_into_run(cfg.tokenizer, run_dir) if cfg.tokenizer else None
         if cfg.dataset is None:  # a tokenizer file on the built-in corpus
             train, val = train_val_split(

@@ -701,9 +701,12 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     check_output_dir(run_dir, "--run-dir")
     configure_compile_cache(cfg)
+    from nnx_mpmd.apps.datasets import removed_on_error
     from nnx_mpmd.apps.train_loop import Trainer
 
-    summary = Trainer(cfg, run_dir).train(stop)
+    with removed_on_error(run_dir):  # the data cache of a refused run goes too
+        trainer = Trainer(cfg, run_dir)
+    summary = trainer.train(stop)
     finish_together()
     return summary
 
