@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import glob
@@ -59,6 +60,7 @@ from nnx_mpmd.errors import MpmdError
 
 __all__ = [
     "DATASET_SUFFIXES",
+    "add_data_arguments",
     "DEFAULT_VAL_FRACTION",
     "EOD_CHAR",
     "PackedBatches",
@@ -142,6 +144,49 @@ def resolve_dataset_files(spec: str, option: str = "--dataset") -> list[pathlib.
         if not os.access(path, os.R_OK):
             raise MpmdError(f"{option}: {path} cannot be read; fix its permissions.")
     return files
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--dataset``, ``--val-dataset``, ``--val-fraction``, ``--text-field`` and
+    ``--tokenizer`` to ``nnx-mpmd train``'s parser.
+
+    Example:
+      >>> p = argparse.ArgumentParser()
+      >>> add_data_arguments(p)
+      >>> p.parse_args(["--dataset", "texts/"]).text_field
+      'text'
+    """
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        metavar="PATH",
+        help="train on your data: a file, a directory or a glob of .txt, .jsonl and .parquet "
+        "files (documents are tokenized once, cached under RUN/data_cache, and packed into "
+        "--seq-len sequences; needs pip install 'nnx-mpmd[data]')",
+    )
+    parser.add_argument(
+        "--val-dataset",
+        default=None,
+        metavar="PATH",
+        help="held-out data, like --dataset (default: the last --val-fraction of --dataset)",
+    )
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="held-out share of the tokens (default: 0.05)",
+    )
+    parser.add_argument(
+        "--text-field", default="text", metavar="NAME", help="text field of .jsonl/.parquet"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json or a SentencePiece .model (copied into the run "
+        "directory; default: characters of the data)",
+    )
 
 
 def check_data_args(cfg: Any) -> None:

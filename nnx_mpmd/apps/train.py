@@ -287,37 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         "layer split and remat replace --schedule, --stages and --microbatches",
     )
     # --- data (issue 48) ---
-    p.add_argument(
-        "--dataset",
-        default=None,
-        metavar="PATH",
-        help="train on your data: a file, a directory or a glob of .txt, .jsonl and .parquet "
-        "files (documents are tokenized once, cached under RUN/data_cache, and packed into "
-        "--seq-len sequences; needs pip install 'nnx-mpmd[data]')",
-    )
-    p.add_argument(
-        "--val-dataset",
-        default=None,
-        metavar="PATH",
-        help="held-out data, like --dataset (default: the last --val-fraction of --dataset)",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=None,
-        metavar="F",
-        help="held-out share of the tokens (default: 0.05)",
-    )
-    p.add_argument(
-        "--text-field", default="text", metavar="NAME", help="text field of .jsonl/.parquet"
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="PATH",
-        help="a Hugging Face tokenizer.json or a SentencePiece .model (copied into the run "
-        "directory; default: characters of the data)",
-    )
+    from nnx_mpmd.apps.datasets import add_data_arguments
+
+    add_data_arguments(p)
     return p
 
 
