@@ -120,6 +120,12 @@ class TrainConfig(argparse.Namespace):
     check_finite: bool
     skip_memory_check: bool
     plan: str | None
+    # --- evaluation, logging and config (issue 48) ---
+    eval_every: int
+    eval_batches: int
+    peak_tflops: float | None
+    tensorboard: bool
+    config: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -275,6 +281,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="a plan written by 'nnx-mpmd plan': its schedule, stages, microbatches, "
         "layer split and remat replace --schedule, --stages and --microbatches",
     )
+    # --- evaluation, logging and config (issue 48) ---
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="score the held-out loss and perplexity every N steps and at the last step "
+        "(0: only the validation loss at the end)",
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=4, metavar="N", help="held-out batches per evaluation"
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="X",
+        help="one device's peak TFLOP/s for the model FLOPs utilization (mfu) (default: "
+        "a table of GPUs and TPUs; none for CPUs, whose mfu is then not reported)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="write TensorBoard event files under RUN/tensorboard (needs tensorboardX: "
+        "pip install 'nnx-mpmd[tensorboard]')",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read options from a flat TOML file, one key per option (batch_size = 8, "
+        "scan_layers = true); options on the command line override it",
+    )
     return p
 
 
@@ -325,10 +364,13 @@ def config_from_args(argv: list[str]) -> TrainConfig:
       >>> config_from_args(["--batch-size", "16", "--microbatches", "4"]).batch_size
       16
     """
+    from nnx_mpmd.apps.train_config import parse_layered
+    from nnx_mpmd.apps.train_metrics import check_reporting_flags
     from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
 
-    cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
+    check_reporting_flags(cfg)
     if cfg.plan is not None:
         apply_plan_file(cfg)
     positive = ("meshes", "data", "microbatches", "batch_size", "steps", "devices", "keep")
@@ -377,6 +419,18 @@ def config_from_args(argv: list[str]) -> TrainConfig:
             "other; keep one of them."
         )
     return cfg
+
+
+def _saved_config_path(cfg: TrainConfig) -> pathlib.Path | None:
+    """The saved ``config.toml`` of the run ``--resume`` continues (None: no such run yet;
+    `run` says so)."""
+    from nnx_mpmd.apps.train_config import CONFIG_FILE
+    from nnx_mpmd.errors import MpmdError
+
+    try:
+        return resolve_run_dir(cfg) / CONFIG_FILE
+    except MpmdError:
+        return None
 
 
 def configure_compile_cache(cfg: TrainConfig) -> pathlib.Path | None:
@@ -655,6 +709,12 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
 
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     check_output_dir(run_dir, "--run-dir")
+    import jax
+
+    if jax.process_index() == 0:  # the resolved configuration, before anything is built
+        from nnx_mpmd.apps.train_config import config_summary, train_config_values
+
+        print(config_summary(train_config_values(cfg)), flush=True)
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 
