@@ -188,12 +188,14 @@ def read_config_file(path: str | pathlib.Path, keys: Mapping[str, ConfigKey]) ->
         ) from None
     values: dict[str, Any] = {}
     for name, value in data.items():
+        if isinstance(value, dict):
+            raise MpmdError(
+                f"--config {path}: [{name}] is a table, but the file is flat; write its keys "
+                "at the top, one option per line (e.g. batch_size = 8)."
+            )
         if name not in keys or name == "config":
             valid = ", ".join(k for k in keys if k != "config")
-            hint = " (nested tables are not supported: the file is flat)" * isinstance(value, dict)
-            raise MpmdError(
-                f"--config {path}: unknown key {name!r}{hint}; the valid keys are: {valid}."
-            )
+            raise MpmdError(f"--config {path}: unknown key {name!r}; the valid keys are: {valid}.")
         values[name] = keys[name].check(value, f"--config {path}")
     return values
 
