@@ -7,7 +7,11 @@ data-parallel devices, with the 1F1B schedule. The job writes into its run
 directory:
 
 - ``metrics.jsonl``: one JSON object per logged step (``step``, ``loss``,
-  ``tokens_per_s``, ``lr``, ``elapsed_s``);
+  ``tokens_per_s``, ``mfu``, ``lr``, ``elapsed_s``; with ``--eval-every`` also
+  ``eval_loss`` and ``eval_ppl``: `nnx_mpmd.apps.train_metrics`);
+- ``config.toml``: the resolved options, read back by ``--resume``; ``--config
+  FILE.toml`` reads options from such a file (`nnx_mpmd.apps.train_config`);
+- ``tensorboard/``: with ``--tensorboard``, TensorBoard event files;
 - ``loss.png`` and ``schedule.png`` (the simulated schedule; with ``--profile``
   also ``schedule_measured.png``, the task times of one profiled step). They
   need matplotlib (``pip install 'nnx-mpmd[plots]'``); without it each picture
