@@ -36,15 +36,7 @@ from nnx_mpmd.apps.train_display import (
     schedule_label,
     step_status,
 )
-from nnx_mpmd.apps.train_metrics import (
-    TensorBoardLog,
-    flops_per_token,
-    matmul_params,
-    mfu,
-    peak_flops_per_device,
-    perplexity,
-    tensorboard_scalars,
-)
+from nnx_mpmd.apps.train_metrics import TrainReporting, tensorboard_scalars
 from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
@@ -254,7 +246,8 @@ class Trainer:
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
             check_finite=bool(getattr(cfg, "check_finite", False)),
         )
-        self._start_reporting(devices[0].device_kind)
+        #: mfu, evaluation and TensorBoard (`nnx_mpmd.apps.train_metrics`).
+        self.reporting = TrainReporting(self, devices[0].device_kind)
         self.start_step = 0
         #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
         self.stopped: tuple[int, int, bool] | None = None
@@ -282,54 +275,6 @@ class Trainer:
             "or fewer --meshes."
         )
         return self.num_stages, [note]
-
-    def _start_reporting(self, device_kind: str) -> None:
-        """The model FLOPs per token and the peak behind ``mfu`` (`nnx_mpmd.apps.train_metrics`)."""
-        cfg = self.cfg
-        n = matmul_params(self.model)
-        d_model = self.model.config.d_model
-        self.flops_per_token = flops_per_token(n, self.num_layers, d_model, self.seq_len)
-        self.peak_flops = peak_flops_per_device(device_kind, getattr(cfg, "peak_tflops", None))
-        if self.peak_flops is None:
-            self.notes.append(
-                f"mfu: not reported, the peak FLOP/s of a {device_kind!r} device is unknown; "
-                "pass --peak-tflops X (one device's peak) to report it"
-            )
-        self._eval_fn: Any = None
-
-    def _mfu(self, tokens_per_s: float) -> float | None:
-        devices = self.cfg.meshes * self.cfg.data
-        return mfu(tokens_per_s, self.flops_per_token, devices, self.peak_flops)
-
-    def _evaluate(self, step: int, end: int) -> dict[str, float]:
-        """``eval_loss`` and ``eval_ppl`` at the steps ``--eval-every`` asks for, else {}.
-
-        The loss is a forward-only pipeline on the train step's meshes and schedule,
-        so every process runs it and the model stays where training put it.
-        """
-        every = getattr(self.cfg, "eval_every", 0)
-        if not every or (step % every and step != end):
-            return {}
-        if self._eval_fn is None:
-            self._eval_fn = jit(
-                lm_loss,
-                mesh=self.mesh,
-                schedule=self.schedule,
-                num_microbatches=self.cfg.microbatches,
-            )
-        # The same held-out batches at every evaluation, as at the end (`_val_loss`).
-        it = BatchIterator(self.val_tokens, self.cfg.batch_size, self.seq_len, seed=1)
-        per_microbatch = [
-            np.asarray(self._eval_fn(self.model, next(it))) for _ in range(self.cfg.eval_batches)
-        ]
-        loss = float(np.mean(per_microbatch))
-        return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
-
-    def _tensorboard(self) -> Any:
-        """A `TensorBoardLog` (process 0, ``--tensorboard``) as a context manager, else None."""
-        if not (self.writes_outputs and getattr(self.cfg, "tensorboard", False)):
-            return contextlib.nullcontext(None)
-        return contextlib.closing(TensorBoardLog(self.run_dir, self.start_step + 1))
 
     # -- run configuration saved with every checkpoint --------------------------------
 
@@ -570,7 +515,7 @@ class Trainer:
         saved_at = None
         if stop is not None:
             stop.begin(self.start_step)
-        with progress, self._metrics_log(metrics) as log, self._tensorboard() as board:
+        with progress, self._metrics_log(metrics) as log, self.reporting.tensorboard() as board:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
@@ -597,13 +542,13 @@ class Trainer:
                 tps = tokens_per_step * len(recent) / sum(recent) if recent else 0.0
                 tps = tps or tokens_per_step / seconds
                 progress.update(bar, completed=step, status=step_status(loss, tps))
-                evaluated = self._evaluate(step, end)  # every process: a collective
+                evaluated = self.reporting.evaluate(step, end)  # every process: a collective
                 if evaluated or step % cfg.log_every == 0 or step in (self.start_step + 1, end):
                     record = {
                         "step": step,
                         "loss": loss,
                         "tokens_per_s": tps,
-                        "mfu": self._mfu(tps),
+                        "mfu": self.reporting.mfu(tps),
                         "step_s": seconds,
                         "lr": float(self.lr(step - 1)),
                         "elapsed_s": time.perf_counter() - started,
@@ -628,7 +573,7 @@ class Trainer:
                         soft_wrap=True,
                     )
                 elif step % report_every == 0 or step == end:
-                    utilization = self._mfu(tps)
+                    utilization = self.reporting.mfu(tps)
                     shown = "" if utilization is None else f"  mfu {utilization:.1%}"
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s{shown}")
                 saves = manager is not None and bool(cfg.ckpt_every)

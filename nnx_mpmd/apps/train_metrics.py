@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import pathlib
@@ -45,6 +46,7 @@ __all__ = [
     "TENSORBOARD_INSTALL",
     "TENSORBOARD_TAGS",
     "TensorBoardLog",
+    "TrainReporting",
     "check_reporting_flags",
     "flops_per_token",
     "matmul_params",
@@ -282,3 +284,86 @@ class TensorBoardLog:
     def close(self) -> None:
         """Flushes and closes the event file."""
         self._writer.close()
+
+
+class TrainReporting:
+    """The mfu, the evaluations and the TensorBoard log of one training run.
+
+    Args:
+      trainer: the `nnx_mpmd.apps.train_loop.Trainer` (its model, mesh, schedule,
+        held-out tokens and notes; a note is added when the mfu is not reported).
+      device_kind: ``jax.Device.device_kind`` of its devices.
+
+    Example:
+      >>> import tempfile
+      >>> from nnx_mpmd.apps.train import config_from_args
+      >>> from nnx_mpmd.apps.train_loop import Trainer
+      >>> cfg = config_from_args(["--meshes", "1", "--data", "1", "--steps", "1",
+      ...     "--batch-size", "4", "--microbatches", "2", "--corpus-bytes", "20000",
+      ...     "--peak-tflops", "1"])
+      >>> reporting = Trainer(cfg, pathlib.Path(tempfile.mkdtemp())).reporting
+      >>> reporting.mfu(1e6) == 1e6 * reporting.flops_per_token / 1e12
+      True
+      >>> reporting.evaluate(step=1, end=1)  # --eval-every 0: none
+      {}
+    """
+
+    def __init__(self, trainer: Any, device_kind: str) -> None:
+        self.trainer = trainer
+        cfg = trainer.cfg
+        d_model = trainer.model.config.d_model
+        n = matmul_params(trainer.model)
+        #: The model FLOPs of one trained token (`flops_per_token`).
+        self.flops_per_token = flops_per_token(n, trainer.num_layers, d_model, trainer.seq_len)
+        self.peak = peak_flops_per_device(device_kind, getattr(cfg, "peak_tflops", None))
+        if self.peak is None:
+            trainer.notes.append(
+                f"mfu: not reported, the peak FLOP/s of a {device_kind!r} device is unknown; "
+                "pass --peak-tflops X (one device's peak) to report it"
+            )
+        self._eval_fn: Any = None
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """The model FLOPs utilization at ``tokens_per_s`` over all the run's devices."""
+        cfg = self.trainer.cfg
+        return mfu(tokens_per_s, self.flops_per_token, cfg.meshes * cfg.data, self.peak)
+
+    def evaluate(self, step: int, end: int) -> dict[str, float]:
+        """``eval_loss`` and ``eval_ppl`` at the steps ``--eval-every`` asks for, else {}.
+
+        A forward-only pipeline on the train step's meshes and schedule: every
+        process runs it, and the model stays where training put it.
+        """
+        trainer = self.trainer
+        cfg = trainer.cfg
+        every = getattr(cfg, "eval_every", 0)
+        if not every or (step % every and step != end):
+            return {}
+        import numpy as np
+
+        from nnx_mpmd.apps.data import BatchIterator
+        from nnx_mpmd.frontend.jit import jit
+        from nnx_mpmd.models import lm_loss
+
+        if self._eval_fn is None:
+            self._eval_fn = jit(
+                lm_loss,
+                mesh=trainer.mesh,
+                schedule=trainer.schedule,
+                num_microbatches=cfg.microbatches,
+            )
+        # The same held-out batches at every evaluation, as at the end (`_val_loss`).
+        it = BatchIterator(trainer.val_tokens, cfg.batch_size, trainer.seq_len, seed=1)
+        per_microbatch = [
+            np.asarray(self._eval_fn(trainer.model, next(it))) for _ in range(cfg.eval_batches)
+        ]
+        loss = float(np.mean(per_microbatch))
+        return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
+
+    def tensorboard(self) -> Any:
+        """A `TensorBoardLog` (process 0, ``--tensorboard``) as a context manager, else
+        a context of None."""
+        trainer = self.trainer
+        if not (trainer.writes_outputs and getattr(trainer.cfg, "tensorboard", False)):
+            return contextlib.nullcontext(None)
+        return contextlib.closing(TensorBoardLog(trainer.run_dir, trainer.start_step + 1))
