@@ -12,6 +12,8 @@ on 127.0.0.1 only (tests/mp_launch.py).
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 
 import numpy as np
@@ -47,7 +49,12 @@ def _train_launched(directory):
     )  # fmt: skip
     _check(first)
     after_first = (run_dir / "metrics.jsonl").read_text()
-    resumed, _ = _launch(TRAIN, *common, "--resume", "--sample-tokens", "8", timeout=300)
+    # The resumed launch also evaluates (a forward-only pipeline over both processes) and
+    # writes TensorBoard event files (process 0 only).
+    reporting = ["--eval-every", "4", "--eval-batches", "1", "--tensorboard"]
+    resumed, _ = _launch(
+        TRAIN, *common, "--resume", "--sample-tokens", "8", *reporting, timeout=300
+    )
     _check(resumed)
     return run_dir, first, after_first, resumed
 
@@ -96,6 +103,18 @@ def test_only_process_0_logs_and_writes_the_run_files(launched_runs):
     assert steps == [2, 4]  # every process saved its part of each
     sample = (run_dir / "sample.txt").read_text()
     assert sample.startswith("def ") and len(sample.rstrip("\n")) == 4 + 8
+
+
+@pytest.mark.slow
+def test_launched_eval_equals_the_validation_loss_and_process_0_writes_tensorboard(launched_runs):
+    run_dir, _, _, resumed = launched_runs
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 4 and last["eval_ppl"] == pytest.approx(math.exp(last["eval_loss"]))
+    # The end's validation loss: nnx.jit on the gathered model, the same held-out batch.
+    printed = float(re.search(r"\[p0\] validation loss ([0-9.]+)", resumed.stdout)[1])
+    assert last["eval_loss"] == pytest.approx(printed, abs=1e-4)  # printed to 4 decimals
+    assert "[p0] step 4/4  eval loss" in resumed.stdout and "[p1] step 4/4" not in resumed.stdout
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
 
 
 def test_too_few_devices_among_processes_is_named(tmp_path):

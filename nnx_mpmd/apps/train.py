@@ -7,7 +7,11 @@ data-parallel devices, with the 1F1B schedule. The job writes into its run
 directory:
 
 - ``metrics.jsonl``: one JSON object per logged step (``step``, ``loss``,
-  ``tokens_per_s``, ``lr``, ``elapsed_s``);
+  ``tokens_per_s``, ``mfu``, ``lr``, ``elapsed_s``; with ``--eval-every`` also
+  ``eval_loss`` and ``eval_ppl``: `nnx_mpmd.apps.train_metrics`);
+- ``config.toml``: the resolved options, read back by ``--resume``; ``--config
+  FILE.toml`` reads options from such a file (`nnx_mpmd.apps.train_config`);
+- ``tensorboard/``: with ``--tensorboard``, TensorBoard event files;
 - ``loss.png`` and ``schedule.png`` (the simulated schedule; with ``--profile``
   also ``schedule_measured.png``, the task times of one profiled step). They
   need matplotlib (``pip install 'nnx-mpmd[plots]'``); without it each picture
@@ -130,6 +134,12 @@ class TrainConfig(argparse.Namespace):
     val_fraction: float | None
     text_field: str
     tokenizer: str | None
+    # --- evaluation, logging and config (issue 48) ---
+    eval_every: int
+    eval_batches: int
+    peak_tflops: float | None
+    tensorboard: bool
+    config: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -290,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     from nnx_mpmd.apps.datasets import add_data_arguments
 
     add_data_arguments(p)
+    # --- evaluation, logging and config (issue 48) ---
+    from nnx_mpmd.apps.train_metrics import add_reporting_arguments
+
+    add_reporting_arguments(p)
     return p
 
 
@@ -341,10 +355,13 @@ def config_from_args(argv: list[str]) -> TrainConfig:
       16
     """
     from nnx_mpmd.apps.datasets import check_data_args
+    from nnx_mpmd.apps.train_config import parse_layered
+    from nnx_mpmd.apps.train_metrics import check_reporting_flags
     from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
 
-    cfg = build_parser().parse_args(argv, namespace=TrainConfig())
+    cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
+    check_reporting_flags(cfg)
     if cfg.plan is not None:
         apply_plan_file(cfg)
     positive = ("meshes", "data", "microbatches", "batch_size", "steps", "devices", "keep")
@@ -394,6 +411,18 @@ def config_from_args(argv: list[str]) -> TrainConfig:
             "other; keep one of them."
         )
     return cfg
+
+
+def _saved_config_path(cfg: TrainConfig) -> pathlib.Path | None:
+    """The saved ``config.toml`` of the run ``--resume`` continues (None: no such run yet;
+    `run` says so)."""
+    from nnx_mpmd.apps.train_config import CONFIG_FILE
+    from nnx_mpmd.errors import MpmdError
+
+    try:
+        return resolve_run_dir(cfg) / CONFIG_FILE
+    except MpmdError:
+        return None
 
 
 def configure_compile_cache(cfg: TrainConfig) -> pathlib.Path | None:
@@ -672,6 +701,12 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
 
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     check_output_dir(run_dir, "--run-dir")
+    import jax
+
+    if jax.process_index() == 0:  # the resolved configuration, before anything is built
+        from nnx_mpmd.apps.train_config import config_summary, train_config_values
+
+        print(config_summary(train_config_values(cfg)), flush=True)
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.datasets import removed_on_error
     from nnx_mpmd.apps.train_loop import Trainer

@@ -28,6 +28,7 @@ from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
+from nnx_mpmd.apps.train_config import train_config_values, write_run_config
 from nnx_mpmd.apps.train_display import (
     CompileCounter,
     first_step_status,
@@ -36,6 +37,7 @@ from nnx_mpmd.apps.train_display import (
     schedule_label,
     step_status,
 )
+from nnx_mpmd.apps.train_metrics import TrainReporting, tensorboard_scalars
 from nnx_mpmd.apps.validate_args import checked_metadata
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
@@ -118,7 +120,8 @@ def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -
     """Draws loss against step into ``path`` (matplotlib, without pyplot).
 
     Args:
-      metrics: the logged records (``step`` and ``loss`` keys).
+      metrics: the logged records (``step`` and ``loss`` keys; those with an
+        ``eval_loss`` are drawn as the held-out points too).
       path: the image file.
       title: the chart title.
 
@@ -134,8 +137,12 @@ def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -
     fig = Figure(figsize=(6.0, 3.6))
     ax = fig.add_subplot()
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".", lw=1)
+    evals = [m for m in metrics if m.get("eval_loss") is not None]
+    if evals:
+        ax.plot([m["step"] for m in evals], [m["eval_loss"] for m in evals], "o-", lw=1)
+        ax.legend(["training", "held-out (--eval-every)"])
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/char)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -252,6 +259,8 @@ class Trainer:
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
             check_finite=bool(getattr(cfg, "check_finite", False)),
         )
+        #: mfu, evaluation and TensorBoard (`nnx_mpmd.apps.train_metrics`).
+        self.reporting = TrainReporting(self, devices[0].device_kind)
         self.start_step = 0
         #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
         self.stopped: tuple[int, int, bool] | None = None
@@ -449,6 +458,8 @@ class Trainer:
             manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=cfg.keep)
         try:
             self.restore_or_start(manager)
+            if self.writes_outputs:  # the settings are accepted: `--resume` reads them back
+                write_run_config(self.run_dir, train_config_values(cfg))
             metrics = self._metrics()
             losses = self._loop(manager, metrics, stop)
         except BaseException:
@@ -517,7 +528,7 @@ class Trainer:
         saved_at = None
         if stop is not None:
             stop.begin(self.start_step)
-        with progress, self._metrics_log(metrics) as log:
+        with progress, self._metrics_log(metrics) as log, self.reporting.tensorboard() as board:
             for step in range(self.start_step + 1, end + 1):
                 batch = next(self.batches)
                 t0 = time.perf_counter()
@@ -544,19 +555,29 @@ class Trainer:
                 tps = tokens_per_step * len(recent) / sum(recent) if recent else 0.0
                 tps = tps or tokens_per_step / seconds
                 progress.update(bar, completed=step, status=step_status(loss, tps))
-                if step % cfg.log_every == 0 or step in (self.start_step + 1, end):
+                evaluated = self.reporting.evaluate(step, end)  # every process: a collective
+                if evaluated or step % cfg.log_every == 0 or step in (self.start_step + 1, end):
                     record = {
                         "step": step,
                         "loss": loss,
                         "tokens_per_s": tps,
+                        "mfu": self.reporting.mfu(tps),
                         "step_s": seconds,
                         "lr": float(self.lr(step - 1)),
                         "elapsed_s": time.perf_counter() - started,
+                        **evaluated,
                     }
                     metrics.append(record)
                     if log is not None:
                         log.write(json.dumps(record) + "\n")
                         log.flush()
+                    if board is not None:
+                        board.scalars(step, tensorboard_scalars(record))
+                if evaluated:
+                    say(
+                        f"step {step}/{cfg.steps}  eval loss {evaluated['eval_loss']:.4f}  "
+                        f"perplexity {evaluated['eval_ppl']:.2f}"
+                    )
                 if counter is not None:  # the first step's time is mostly compiling
                     cache_on = _compile_cache_text() != "off"
                     say(
@@ -565,7 +586,9 @@ class Trainer:
                         soft_wrap=True,
                     )
                 elif step % report_every == 0 or step == end:
-                    say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s")
+                    utilization = self.reporting.mfu(tps)
+                    shown = "" if utilization is None else f"  mfu {utilization:.1%}"
+                    say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s{shown}")
                 saves = manager is not None and bool(cfg.ckpt_every)
                 if saves and (step % cfg.ckpt_every == 0 or step == cfg.steps):
                     self._save(manager, step)
