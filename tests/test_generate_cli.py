@@ -34,7 +34,7 @@ def run_dir(tmp_path_factory):
     argv = [
         "--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "4",
         "--microbatches", "2", "--seq-len", "32", "--corpus-bytes", "20000", "--steps", "2",
-        "--warmup", "1", "--ckpt-every", "1", "--keep", "2", "--sample-tokens", "0",
+        "--warmup", "0", "--lr", "0.03", "--seed", "3", "--ckpt-every", "1", "--keep", "2", "--sample-tokens", "0",
         "--val-batches", "0", "--run-dir", str(run_dir),
     ]  # fmt: skip
     train.run(train.config_from_args(argv))
@@ -106,24 +106,34 @@ def test_sampled_text_is_the_same_in_every_layout_with_the_same_rows(run_dir):
 
 
 class _Recorder(io.StringIO):
-    """Records the text written before each flush."""
+    """Records the text written before each flush, and what ``progress()`` said then."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress=lambda: None) -> None:
         super().__init__()
         self.flushed: list[str] = []
+        self.progress: list = []
         self._mark = 0
+        self._progress = progress
 
     def flush(self) -> None:
         self.flushed.append(self.getvalue()[self._mark :])
+        self.progress.append(self._progress())
         self._mark = len(self.getvalue())
 
 
-def test_text_streams_one_token_at_a_time(run_dir):
-    out, err = _Recorder(), io.StringIO()
+def test_text_streams_one_token_at_a_time(run_dir, monkeypatch):
+    # Every decoding step reads its tokens back with one jax.device_get: count them.
+    reads = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(1) or device_get(x))
+    out, err = _Recorder(progress=lambda: len(reads)), io.StringIO()
     cfg = generate_cli.config_from_args(_args(run_dir, "--meshes", "1", "--data", "1"))
     summary = generate_cli.run(cfg, out=out, err=err)
     # The prompt, then each character token as it was chosen, then the newline.
     assert out.flushed == [PROMPT, *summary["text"][len(PROMPT) :], "\n"]
+    # Each token was written right after its step, before the next step ran.
+    steps_before = [count - out.progress[0] for count in out.progress]
+    assert steps_before == [0, *range(1, NEW_TOKENS + 1), NEW_TOKENS]
     assert len(summary["tokens"]) == len(PROMPT) + NEW_TOKENS
     assert summary["tokens_per_s"] > 0
 
