@@ -209,7 +209,7 @@ def test_a_layout_that_does_not_fit_is_an_error(run_dir, layout, error, match):
 @pytest.mark.parametrize(
     ("prompt", "tokens", "match"),
     [
-        ("déf", "4", r"--prompt cannot be encoded with the run's tokenizer: .*'é'"),
+        ("déf", "4", r"--prompt cannot be encoded with the run's tokenizer \(.*'é'"),
         ("x" * 64, "1", r"--prompt is 64 tokens, but the model's context holds 64"),
         (PROMPT, "61", r"--max-tokens 61: .* pass --max-tokens 60 or less"),
     ],

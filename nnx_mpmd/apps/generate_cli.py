@@ -335,7 +335,10 @@ def _encode_prompt(cfg: GenerateConfig, tokenizer: Any, model: Any) -> Any:
     try:
         ids = np.asarray(tokenizer.encode(cfg.prompt), np.int32).reshape(-1)
     except MpmdError as e:
-        raise MpmdError(f"--prompt cannot be encoded with the run's tokenizer: {e}") from None
+        raise MpmdError(
+            f"--prompt cannot be encoded with the run's tokenizer ({e}); write the prompt "
+            "with characters of the text the run trained on."
+        ) from None
     vocab, window = model.config.vocab_size, model.config.max_len
     if not ids.size:
         raise MpmdError("--prompt encodes to no tokens; give some text to continue.")
