@@ -70,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
       >>> build_parser().parse_args(["--run-dir", "r", "--prompt", "x"]).max_tokens
       100
     """
-    from nnx_mpmd.apps.train import DEVICE_COUNT_FLAG
+    from nnx_mpmd.apps.train import DEVICE_COUNT_FLAG, _HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="nnx-mpmd generate",
         description="Continue a prompt with the model of an nnx-mpmd train run, restored "
         "from its checkpoint into any layout; the text streams to stdout.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,  # "(default: X)" once, never for None
     )
     p.add_argument("--run-dir", required=True, help="the run directory of nnx-mpmd train")
     p.add_argument(
