@@ -9,6 +9,7 @@ model restored by hand and decoded under ``nnx.jit`` without the KV cache
 from __future__ import annotations
 
 import io
+import json
 import shutil
 
 import jax
@@ -20,7 +21,13 @@ import nnx_mpmd as mp
 from nnx_mpmd.apps import cli, generate_cli, sampling, train
 from nnx_mpmd.apps.text_tokenizers import tokenizer_from_dict
 from nnx_mpmd.checkpoint import CheckpointManager
-from nnx_mpmd.errors import CheckpointError, MeshError, MpmdError, PartitionError
+from nnx_mpmd.errors import (
+    CheckpointDamagedError,
+    CheckpointError,
+    MeshError,
+    MpmdError,
+    PartitionError,
+)
 from nnx_mpmd.models import MODELS
 
 PROMPT = "def "
@@ -192,6 +199,31 @@ def test_a_missing_step_lists_the_saved_ones(run_dir):
     cfg = generate_cli.config_from_args(_args(run_dir, "--step", "7", "--meshes", "1"))
     with pytest.raises(CheckpointError, match=r"--step 7 is not saved in .*saved steps: \[1, 2\]"):
         generate_cli.run(cfg)
+
+
+def _arrays_of_step_1(checkpoints):
+    shutil.rmtree(checkpoints / "2" / "arrays")
+    shutil.copytree(checkpoints / "1" / "arrays", checkpoints / "2" / "arrays")
+
+
+def _edited_metadata(checkpoints):
+    file = checkpoints / "2" / "metadata" / "metadata"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "step": 3}))
+
+
+@pytest.mark.parametrize("damage", [_arrays_of_step_1, _edited_metadata])
+def test_a_damaged_newest_step_is_skipped_with_a_warning(run_dir, tmp_path, damage):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    damage(copy / "checkpoints")
+    err = io.StringIO()
+    cfg = generate_cli.config_from_args(_args(copy, "--meshes", "1"))
+    summary = generate_cli.run(cfg, out=io.StringIO(), err=err)
+    assert summary["step"] == 1
+    assert summary["text"] == _reference(run_dir, 1)
+    assert "nnx-mpmd generate: warning: skipped step 2: " in err.getvalue()
+    with pytest.raises(CheckpointDamagedError, match=r"/checkpoints/2/"):
+        generate_cli.run(generate_cli.config_from_args(_args(copy, "--meshes", "1", "--step", "2")))
 
 
 @pytest.mark.parametrize(

@@ -291,6 +291,7 @@ def restore_run(
     Raises:
       CheckpointError: no checkpoint, no such step (the message lists the saved
         ones), or none intact.
+      CheckpointDamagedError: ``step`` is damaged.
       PartitionError: more stages than the model has layers.
     """
     from nnx_mpmd.apps.text_tokenizers import tokenizer_from_dict
@@ -309,7 +310,10 @@ def restore_run(
             )
         if step is not None and step not in steps:
             raise CheckpointError(f"--step {step} is not saved in {where}; saved steps: {steps}.")
-        newest, meta = _readable_metadata(manager, [step] if step is not None else steps, err)
+        if step is not None:  # a damaged step chosen by hand is an error, not skipped
+            newest, meta = step, manager.metadata(step)
+        else:
+            newest, meta = _readable_metadata(manager, steps, err)
         model = _build_model(meta, num_stages, layout, f"checkpoint {newest} in {where}")
         tokenizer = tokenizer_from_dict(meta.get("tokenizer"), run_dir)
         target = {"model": model}
