@@ -1,4 +1,5 @@
-"""The ``nnx-mpmd`` command line: ``train``, ``schedule``, ``bench``, ``launch``, ``plan``.
+"""The ``nnx-mpmd`` command line: ``train``, ``generate``, ``schedule``, ``bench``, ``launch``,
+``plan``.
 
 Each subcommand lives in its own module and is imported only when used, so
 ``nnx-mpmd schedule`` starts without importing JAX.
@@ -14,6 +15,7 @@ __all__ = ["main", "version"]
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("nnx_mpmd.apps.train", "train a model-zoo language model with a pipeline schedule"),
+    "generate": ("nnx_mpmd.apps.generate_cli", "continue a prompt with a trained run's model"),
     "schedule": ("nnx_mpmd.schedules.cli", "print, simulate and draw a pipeline schedule"),
     "bench": ("nnx_mpmd.apps.bench", "benchmark pipelined steps against SPMD baselines"),
     "launch": ("nnx_mpmd.apps.launch", "start N local processes under jax.distributed"),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -141,6 +142,10 @@ def _pick(
         last = jnp.where(last < kth, -jnp.inf, last)
     keys = jax.random.wrap_key_data(key_data)
     return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, last).astype(jnp.int32)
+
+
+def _ignore(tokens: np.ndarray) -> None:
+    """The ``on_token`` of a caller that does not stream."""
 
 
 def _check_zoo_cache_protocol(model: Any) -> None:
@@ -267,7 +272,13 @@ class Generator:
         return has if self.kv_cache is None else self.kv_cache
 
     def __call__(
-        self, model: Any, prompts: Any, max_new_tokens: int, *, seed: int = 0
+        self,
+        model: Any,
+        prompts: Any,
+        max_new_tokens: int,
+        *,
+        seed: int = 0,
+        on_token: Callable[[np.ndarray], None] | None = None,
     ) -> np.ndarray:
         """Appends ``max_new_tokens`` tokens to every prompt, pipelined.
 
@@ -277,6 +288,8 @@ class Generator:
             ``P``; ``B`` must split into ``num_microbatches`` microbatches.
           max_new_tokens: how many tokens to append (>= 0).
           seed: the sampling seed; equal seeds give equal tokens.
+          on_token: called after every decoding step with the ``[B]`` int32 tokens
+            it chose (one per prompt), as they come: for streaming them out.
 
         Returns:
           ``[B, P + max_new_tokens]`` int32: the prompts and their continuations.
@@ -287,10 +300,17 @@ class Generator:
             microbatches) or a negative ``max_new_tokens``.
         """
         cached = self.uses_cache(model)
-        return self._decode(self._steps[cached], cached, model, prompts, max_new_tokens, seed)
+        step = self._steps[cached]
+        return self._decode(step, cached, model, prompts, max_new_tokens, seed, on_token)
 
     def reference(
-        self, model: Any, prompts: Any, max_new_tokens: int, *, seed: int = 0
+        self,
+        model: Any,
+        prompts: Any,
+        max_new_tokens: int,
+        *,
+        seed: int = 0,
+        on_token: Callable[[np.ndarray], None] | None = None,
     ) -> np.ndarray:
         """The same decoding, unpipelined: the step function under ``nnx.jit``.
 
@@ -299,15 +319,24 @@ class Generator:
         the generator.
         """
         cached = self.uses_cache(model)
-        return self._decode(self._references[cached], cached, model, prompts, max_new_tokens, seed)
+        step = self._references[cached]
+        return self._decode(step, cached, model, prompts, max_new_tokens, seed, on_token)
 
     def _decode(
-        self, step: Any, cached: bool, model: Any, prompts: Any, max_new_tokens: int, seed: int
+        self,
+        step: Any,
+        cached: bool,
+        model: Any,
+        prompts: Any,
+        max_new_tokens: int,
+        seed: int,
+        on_token: Callable[[np.ndarray], None] | None,
     ) -> np.ndarray:
         prompts = self._check(prompts, max_new_tokens)
+        report = on_token if on_token is not None else _ignore
         if cached:
             self._check_cache_length(model)
-            return self._decode_cached(step, model, prompts, max_new_tokens, seed)
+            return self._decode_cached(step, model, prompts, max_new_tokens, seed, report)
         batch, length = prompts.shape
         tokens = np.zeros((batch, self.window), np.int32)
         tokens[:, :length] = prompts
@@ -318,10 +347,17 @@ class Generator:
             index = np.full((batch,), position - 1, np.int32)
             new = step(tokens, index, jax.random.key_data(keys))
             tokens[:, position] = np.asarray(jax.device_get(new))
+            report(tokens[:, position].copy())
         return tokens[:, : length + max_new_tokens].copy()
 
     def _decode_cached(
-        self, step: Any, model: Any, prompts: np.ndarray, max_new_tokens: int, seed: int
+        self,
+        step: Any,
+        model: Any,
+        prompts: np.ndarray,
+        max_new_tokens: int,
+        seed: int,
+        report: Callable[[np.ndarray], None],
     ) -> np.ndarray:
         batch, length = prompts.shape
         out = np.zeros((batch, length + max_new_tokens), np.int32)
@@ -347,6 +383,7 @@ class Generator:
             keys = jax.random.split(jax.random.fold_in(base, position), batch)
             new = step(tokens, first, rows, index, jax.random.key_data(keys))
             out[:, position] = np.asarray(jax.device_get(new))
+            report(out[:, position].copy())
             tokens, first = out[:, position : position + 1], np.full_like(rows, position)
             index = np.zeros_like(rows)
         return out
