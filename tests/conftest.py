@@ -9,7 +9,7 @@ import tempfile
 # and O0 takes about a quarter off it. The HLO passes (fusion, sharding) are the
 # same as at the default level; the results can differ from an O2 build in the
 # last bits, which both sides of every comparison share since both are compiled
-# here. The examples (tests/test_examples.py), the CLI runs that build their own
+# here. Two examples (tests/test_examples.py), the CLI runs that build their own
 # environment and CI's plain-install run keep the default level, so equality at
 # O2 stays checked too.
 # A level already in XLA_FLAGS is kept (XLA_FLAGS=--xla_backend_optimization_level=2

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from mp_launch import optimization_level_flag
 
 from nnx_mpmd.schedules.draw import matplotlib_missing
 
@@ -37,6 +38,12 @@ CASES = [
 ]
 
 
+# Examples run at XLA's default optimization level, so that equality with the
+# unpipelined run stays checked at O2; the others at this test run's level
+# (tests/conftest.py: O0, about a quarter less compile time).
+AT_DEFAULT_LEVEL = {"01_quickstart.py", "02_gpt_pipeline.py"}
+
+
 def test_every_example_is_smoke_tested():
     assert sorted(p.name for p in EXAMPLES.glob("[0-9]*.py")) == [c[0] for c in CASES]
 
@@ -44,10 +51,12 @@ def test_every_example_is_smoke_tested():
 @pytest.mark.slow  # a fresh process that compiles the example's steps: 10-30 s each
 @pytest.mark.parametrize(("script", "flags", "expected"), CASES, ids=[c[0] for c in CASES])
 def test_example_runs(script, flags, expected, tmp_path):
-    # Without XLA_FLAGS: each example must ask for its 8 CPU devices itself.
+    # No device count in XLA_FLAGS: each example must ask for its 8 CPU devices itself.
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
     }
+    if script not in AT_DEFAULT_LEVEL and optimization_level_flag():
+        env["XLA_FLAGS"] = optimization_level_flag()
     if script == "04_checkpoint_resume.py":
         flags = [*flags, "--dir", str(tmp_path)]
     if script == "11_measured_timeline.py":
