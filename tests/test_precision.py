@@ -208,13 +208,22 @@ def test_train_dtype_bfloat16_runs_with_float32_state_and_refuses_a_float32_resu
     cfg = train.config_from_args([*TINY, "--dtype", "bfloat16", "--run-dir", str(run_dir)])
     trainer = Trainer(cfg, run_dir)
     summary = trainer.train()
+    assert "precision: compute bfloat16, parameters and optimizer state float32" in (
+        capsys.readouterr().out
+    )
     assert summary["steps_run"] == 2 and np.isfinite(summary["last_loss"])
     assert trainer.model.config.dtype == jnp.bfloat16  # the zoo's layers compute in bf16
     assert _floating_dtypes(trainer.model) == {"float32"}
     assert _floating_dtypes(trainer.optimizer) == {"float32"}
-    capsys.readouterr()
-    argv = [*TINY, "--run-dir", str(run_dir), "--resume", "--steps", "2"]
-    assert train.main(argv) == 2
+    argv = [*TINY, "--run-dir", str(run_dir), "--resume", "--steps", "3"]
+    assert train.main(argv) == 2  # float32 compute: a numeric setting, refused ...
     err = capsys.readouterr().err
     assert "dtype: saved 'bfloat16', now 'float32'" in err, err
     assert "pass --allow-changed-settings" in err
+    assert train.main([*argv, "--dtype", "bfloat16", "--param-dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err  # ... and other stored arrays never fit
+    assert "param_dtype: saved 'float32', now 'bfloat16'" in err, err
+    assert "resume with the saved --model, --preset, --layers, --param-dtype" in err
+    assert train.main([*argv, "--allow-changed-settings"]) == 0  # ... unless allowed
+    out = capsys.readouterr().out
+    assert "(accepted): steps: saved 2, now 3; dtype: saved 'bfloat16', now 'float32'" in out

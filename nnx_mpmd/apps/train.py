@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-changed-settings",
         action="store_true",
         help="with --resume: continue even if --lr, --warmup, --steps, --batch-size, --seed, "
-        "--seq-len, --corpus-bytes, --dtype or --param-dtype differ from the saved run",
+        "--seq-len, --corpus-bytes or --dtype differ from the saved run",
     )
     p.add_argument("--profile", action="store_true", help="time every task of one step and draw it")
     p.add_argument("--log-every", type=int, default=5, help="metrics period in steps")

@@ -71,10 +71,11 @@ __all__ = [
 
 #: Settings that fix the parameters' shapes: a resumed run can never change them.
 STRUCTURE_KEYS = ("model", "preset", "layers")
+STRUCTURE_KEYS += ("param_dtype",)  # --- precision (issue 48): the stored arrays' dtype ---
 #: Settings that change the numbers a resumed run computes: changing one needs
 #: ``--allow-changed-settings``.
 ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
-ARITHMETIC_KEYS += ("dtype", "param_dtype")  # --- precision (issue 48) ---
+ARITHMETIC_KEYS += ("dtype",)  # --- precision (issue 48) ---
 #: Settings that must equal the checkpoint's for a resumed run to continue it as is.
 RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
 #: Settings of the pipeline layout: they may change on resume (same numbers up to
@@ -221,6 +222,11 @@ class Trainer:
         self.precision = precision_from_names(
             getattr(cfg, "dtype", "float32"), getattr(cfg, "param_dtype", "float32")
         )
+        if self.precision.is_mixed:
+            self.notes.append(
+                f"precision: compute {self.precision.compute_dtype.name}, parameters and "
+                f"optimizer state {self.precision.param_dtype.name}"
+            )
         text = stdlib_corpus(cfg.corpus_bytes)
         self.tokenizer = CharTokenizer.from_text(text)
         train_tokens, self.val_tokens = train_val_split(self.tokenizer.encode(text), VAL_FRACTION)
@@ -346,7 +352,7 @@ class Trainer:
             raise CheckpointError(
                 f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
                 "the parameters would not match; resume with the saved --model, --preset, "
-                "--layers and --corpus-bytes, or start a new --run-dir."
+                "--layers, --param-dtype and --corpus-bytes, or start a new --run-dir."
             )
         arithmetic = changes(ARITHMETIC_KEYS)
         if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):
