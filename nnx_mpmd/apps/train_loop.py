@@ -254,7 +254,8 @@ class Trainer:
             0.0, cfg.lr, warmup, decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr / 10
         )
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.lr, b2=0.99))
-        self.precision.apply_to(self.model)  # the optimizer state follows the params' dtype
+        if self.precision.is_mixed:  # before the optimizer: its state takes the params' dtype
+            self.precision.apply_to(self.model)
         self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
         jax_mesh = jax.make_mesh(
             (cfg.meshes, cfg.data), ("stage", "data"), devices=devices[:needed]
