@@ -37,6 +37,7 @@ from nnx_mpmd.frontend.jit import Lowered as Lowered
 from nnx_mpmd.frontend.jit import PipelinedFunction as PipelinedFunction
 from nnx_mpmd.frontend.jit import jit as jit
 from nnx_mpmd.frontend.losses import value_and_grad as value_and_grad
+from nnx_mpmd.frontend.precision import Precision as Precision
 from nnx_mpmd.frontend.stages import Compiled as Compiled
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
@@ -89,6 +90,7 @@ __all__ = [
     "PlacementError",
     "Plan",
     "PlanError",
+    "Precision",
     "ReplicatedBatchWarning",
     "ScanStack",
     "ScheduleError",

@@ -140,6 +140,9 @@ class TrainConfig(argparse.Namespace):
     peak_tflops: float | None
     tensorboard: bool
     config: str | None
+    # --- precision (issue 48) ---
+    dtype: str
+    param_dtype: str
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -250,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-changed-settings",
         action="store_true",
         help="with --resume: continue even if --lr, --warmup, --steps, --batch-size, --seed, "
-        "--seq-len or --corpus-bytes differ from the saved run",
+        "--seq-len, --corpus-bytes or --dtype differ from the saved run",
     )
     p.add_argument("--profile", action="store_true", help="time every task of one step and draw it")
     p.add_argument("--log-every", type=int, default=5, help="metrics period in steps")
@@ -304,6 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
     from nnx_mpmd.apps.train_metrics import add_reporting_arguments
 
     add_reporting_arguments(p)
+    # --- precision (issue 48) ---
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="{float32,bfloat16}",
+        help="compute dtype of the forward and backward passes (mp.Precision); the loss "
+        "stays float32",
+    )
+    p.add_argument(
+        "--param-dtype",
+        default="float32",
+        metavar="{float32,bfloat16}",
+        help="dtype the parameters and the optimizer state are stored and updated in",
+    )
     return p
 
 
@@ -359,6 +376,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.apps.train_metrics import check_reporting_flags
     from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
+    from nnx_mpmd.frontend.precision import precision_from_names
 
     cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
     check_reporting_flags(cfg)
@@ -399,6 +417,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
         raise MpmdError(f"--corpus-bytes={cfg.corpus_bytes} must be >= 1.")
     check_seed(cfg.seed)
     check_data_args(cfg)
+    precision_from_names(cfg.dtype, cfg.param_dtype)  # --- precision (issue 48) ---
     if cfg.allow_changed_settings and not cfg.resume:
         raise MpmdError("--allow-changed-settings only applies with --resume; add --resume.")
     if cfg.resume_step is not None and not cfg.resume:

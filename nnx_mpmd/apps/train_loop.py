@@ -52,6 +52,7 @@ from nnx_mpmd.errors import (
 )
 from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.losses import value_and_grad
+from nnx_mpmd.frontend.precision import Precision, precision_from_names
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -73,9 +74,11 @@ __all__ = [
 
 #: Settings that fix the parameters' shapes: a resumed run can never change them.
 STRUCTURE_KEYS = ("model", "preset", "layers")
+STRUCTURE_KEYS += ("param_dtype",)  # --- precision (issue 48): the stored arrays' dtype ---
 #: Settings that change the numbers a resumed run computes: changing one needs
 #: ``--allow-changed-settings``.
 ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
+ARITHMETIC_KEYS += ("dtype",)  # --- precision (issue 48) ---
 #: Settings that must equal the checkpoint's for a resumed run to continue it as is.
 RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
 #: Settings of the pipeline layout: they may change on resume (same numbers up to
@@ -114,6 +117,21 @@ def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> j
     loss, grads = value_and_grad(lm_loss)(model, batch)
     optimizer.update(model, grads)
     return loss
+
+
+def _train_step_in(precision: Precision) -> Any:
+    """`train_step` with the loss computed under ``precision`` (``--dtype``, ``--param-dtype``);
+    `train_step` itself when the policy changes nothing (the float32 default)."""
+    if not precision.is_mixed:
+        return train_step
+    loss_fn = precision.wrap(lm_loss)
+
+    def train_step_in_precision(model: Any, optimizer: nnx.Optimizer, batch: Any) -> jax.Array:
+        loss, grads = value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    return train_step_in_precision
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
@@ -208,6 +226,15 @@ class Trainer:
                 "`nnx-mpmd launch`, --devices-per-process)."
             )
 
+        # --- precision (issue 48): the zoo's layers compute in the policy's dtype ---
+        self.precision = precision_from_names(
+            getattr(cfg, "dtype", "float32"), getattr(cfg, "param_dtype", "float32")
+        )
+        if self.precision.is_mixed:
+            self.notes.append(
+                f"precision: compute {self.precision.compute_dtype.name}, parameters and "
+                f"optimizer state {self.precision.param_dtype.name}"
+            )
         preset_len = int(preset_fields(cfg.model, cfg.preset)["max_len"])
         shown = self.writes_outputs
         self.data = build_data(cfg, self.run_dir, cfg.seq_len or preset_len, show_progress=shown)
@@ -224,6 +251,7 @@ class Trainer:
             "vocab_size": self.tokenizer.vocab_size,
             "n_layers": self.num_layers,
             "scan_layers": bool(getattr(cfg, "scan_layers", False)),
+            "dtype": self.precision.compute_dtype,
         }
         self.model = build_model(
             cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
@@ -246,13 +274,15 @@ class Trainer:
             0.0, cfg.lr, warmup, decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr / 10
         )
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.lr, b2=0.99))
+        if self.precision.is_mixed:  # before the optimizer: its state takes the params' dtype
+            self.precision.apply_to(self.model)
         self.optimizer = nnx.Optimizer(self.model, tx, wrt=nnx.Param)
         jax_mesh = jax.make_mesh(
             (cfg.meshes, cfg.data), ("stage", "data"), devices=devices[:needed]
         )
         self.mesh = MpmdMesh(jax_mesh, "stage")
         self.step_fn = jit(
-            train_step,
+            _train_step_in(self.precision),
             mesh=self.mesh,
             schedule=self.schedule,
             num_microbatches=cfg.microbatches,
@@ -311,6 +341,8 @@ class Trainer:
             "steps": cfg.steps,
             "lr": cfg.lr,
             "warmup": cfg.warmup,
+            "dtype": self.precision.compute_dtype.name,
+            "param_dtype": self.precision.param_dtype.name,
             "model_config": self.model.config.to_dict(),
         }
 
@@ -326,6 +358,8 @@ class Trainer:
         if config.get("layers") is None:  # older checkpoints saved None for the preset's
             config["layers"] = config.get("model_config", {}).get("n_layers")
         config.setdefault("scan_layers", False)  # saved before --scan-layers existed
+        config.setdefault("dtype", "float32")  # saved before --dtype existed
+        config.setdefault("param_dtype", "float32")
 
         def changes(keys: tuple[str, ...]) -> list[str]:
             return [
@@ -341,7 +375,7 @@ class Trainer:
             raise CheckpointError(
                 f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
                 "the parameters would not match; resume with the saved --model, --preset, "
-                "--layers and --corpus-bytes, or start a new --run-dir."
+                "--layers, --param-dtype and --corpus-bytes, or start a new --run-dir."
             )
         arithmetic = changes(ARITHMETIC_KEYS)
         if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):
