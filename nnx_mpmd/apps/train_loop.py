@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.local_batches import process_local_batches
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
@@ -239,6 +240,8 @@ class Trainer:
             donate_argnums=() if getattr(cfg, "no_donate", False) else (0, 1),
             check_finite=bool(getattr(cfg, "check_finite", False)),
         )
+        # --- each process reads only its share (issue 48) ---
+        self.batches = process_local_batches(self.batches, self.step_fn, self.model, self.optimizer)
         self.start_step = 0
         #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
         self.stopped: tuple[int, int, bool] | None = None
