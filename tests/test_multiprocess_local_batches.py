@@ -41,8 +41,7 @@ def _reference_losses(args: list[str], run_dir) -> list[float]:
     trainer = Trainer(config_from_args([*args, "--run-dir", str(run_dir)]), run_dir)
     step = nnx.jit(train_step)
     return [
-        float(step(trainer.model, trainer.optimizer, next(trainer.batches)))
-        for _ in range(STEPS)
+        float(step(trainer.model, trainer.optimizer, next(trainer.batches))) for _ in range(STEPS)
     ]
 
 
