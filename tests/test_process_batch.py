@@ -119,6 +119,22 @@ def test_the_step_says_where_it_reads_each_leaf(four_stage_shardings):
     assert where["targets"] == NamedSharding(mesh.submesh(3), P(None, "data"))
 
 
+def test_a_leaf_read_outside_the_pipelined_region_stays_whole():
+    mesh = make_mesh(2, 2, AxisType.Auto)
+    model, opt, loss_fn, kind = build("mlp", "sgd", 2)
+
+    def step(model, opt, batch, scale):
+        loss, grads = mp.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss * scale + 0.0 * batch["y"].sum()  # "y" is also read here, whole
+
+    f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+    where = batch_shardings(f, model, opt, make_batch(kind, 8), np.float32(1.0))
+    assert where[0] is None and where[3] is None  # the model; a scalar argument
+    assert where[2]["x"] == _on(mesh, 0)
+    assert where[2]["y"] is None
+
+
 def test_rows_on_4x2_and_middle_stages_only(four_stage_shardings):
     _, where = four_stage_shardings
     everything = _rows((0, 8))

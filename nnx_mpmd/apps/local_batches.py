@@ -77,7 +77,8 @@ def leaf_rows(
         for a leaf it does not split on one submesh (then every row).
       batch_size: rows per batch.
       num_microbatches: the step's microbatches.
-      process, process_of: as in `process_batch_rows` (default: this process).
+      process: the process (default: this one).
+      process_of: the process of a device (see `process_batch_rows`).
 
     Returns:
       Sorted global row indices per leaf.
@@ -174,7 +175,8 @@ def process_local_batches(source: Any, step: Any, model: Any, optimizer: Any) ->
     Args:
       source: the batch source.
       step: the ``mp.jit`` train step, called as ``step(model, optimizer, batch)``.
-      model, optimizer: its first two arguments.
+      model: its first argument.
+      optimizer: its second argument.
 
     Returns:
       The source to draw batches from.

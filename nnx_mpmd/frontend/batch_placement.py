@@ -43,7 +43,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.instructions import Transfer
+from nnx_mpmd.compiler.instructions import Transfer, TransferBatch
 from nnx_mpmd.compiler.outer_assign import HOST
 from nnx_mpmd.compiler.trace_step import flatten_step_args
 from nnx_mpmd.frontend.jit import _older_objects_left_alone
@@ -87,13 +87,16 @@ def batch_shardings(step: Any, *args: Any) -> Any:
 
 
 def _split_sharding(compiled: Any, slot: int, mesh: Any) -> NamedSharding | None:
-    """The one destination of the microbatch split of the host value in ``slot``, or None."""
-    targets = {
-        (t.dst_mesh, t.spec if t.spec is not None else P())
-        for t in compiled.instructions
-        if isinstance(t, Transfer) and t.src == slot and t.reshape_microbatches
-    }
-    if len(targets) != 1:
+    """The one destination of the microbatch split of the host value in ``slot``, or None
+    when it is split for several submeshes or also moved whole (read outside the region)."""
+    reads = [
+        t
+        for ins in compiled.instructions
+        for t in (ins.transfers if isinstance(ins, TransferBatch) else (ins,))
+        if isinstance(t, Transfer) and t.src == slot
+    ]
+    targets = {(t.dst_mesh, t.spec if t.spec is not None else P()) for t in reads}
+    if len(targets) != 1 or not all(t.reshape_microbatches for t in reads):
         return None
     (mesh_id, spec) = targets.pop()
     return NamedSharding(mesh.submesh(mesh_id), spec)

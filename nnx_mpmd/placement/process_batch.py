@@ -3,7 +3,7 @@
 A pipelined step moves every batch leaf ``[B, ...]`` to the submesh of the
 stage that reads it as ``[m, B/m, ...]`` (``m`` microbatches), each microbatch
 sharded over the submesh's batch axis (``P(None, batch_axis)``) when that axis
-divides it, else replicated. A device at position ``k`` of a batch axis of size
+divides it, else replicated (also where the step's code rejects a sharded batch). A device at position ``k`` of a batch axis of size
 ``d`` therefore holds rows ``k*b/d .. (k+1)*b/d`` of every microbatch
 (``b = B/m``): not one contiguous block of the batch. So a leaf placed in
 advance is placed in that microbatched form, and wrapped in a
@@ -167,7 +167,9 @@ def make_microbatched_array(
     Args:
       local_rows: the rows `process_batch_rows` names for this process, in
         that order (``[len(rows), ...]``; none on a process without devices there).
-      sharding, batch_size, num_microbatches: as in `process_batch_rows`.
+      sharding: where the step reads the leaf (as in `process_batch_rows`).
+      batch_size: ``B``.
+      num_microbatches: ``m``, the step's microbatches.
 
     Returns:
       The `MicrobatchedArray` to pass to the step in place of the leaf.
