@@ -15,6 +15,11 @@ with the environment `initialize` reads; on clusters (SLURM, Open MPI,
 Kubernetes, Cloud TPU) ``jax.distributed``'s own detection is used. A dead peer
 surfaces as `DistributedError` in the survivors. See the multi-process guide.
 
+Each process may build only its own rows of a batch: `batch_shardings` says
+where a step reads each batch leaf, `process_batch_rows` which rows this
+process's devices hold there, and `make_microbatched_array` builds the leaf
+(a `MicrobatchedArray` the step uses as is) from just those rows.
+
 On one process every function here works too: `initialize` returns a
 one-process `ProcessInfo`, `gather` is `nnx_mpmd.gather`, and nothing is remote.
 
@@ -40,8 +45,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_mpmd.errors import DistributedError
+from nnx_mpmd.frontend.batch_placement import batch_shardings
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.placement.process_batch import (
+    MicrobatchedArray,
+    make_microbatched_array,
+    process_batch_rows,
+)
 from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s, transfer_address
 from nnx_mpmd.runtime.multi_process import (
     ENV_COORDINATOR,
@@ -60,11 +71,15 @@ from nnx_mpmd.runtime.multi_process import (
 
 __all__ = [
     "DistributedError",
+    "MicrobatchedArray",
     "ProcessInfo",
+    "batch_shardings",
     "gather",
     "global_view",
     "initialize",
     "is_remote",
+    "make_microbatched_array",
+    "process_batch_rows",
 ]
 
 

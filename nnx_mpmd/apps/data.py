@@ -243,13 +243,46 @@ class BatchIterator:
         self.seed = seed
         self.position = 0
 
-    def batch_at(self, index: int) -> dict[str, np.ndarray]:
-        """The batch number ``index`` (independent of ``position``)."""
+    def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
+        """The batch number ``index`` (independent of ``position``), or some of its rows.
+
+        Args:
+          index: the batch number.
+          rows: optional 1-D global row indices in ``[0, batch_size)``; only those
+            rows are gathered, in that order (a process of a multi-process run
+            reads just the rows its devices use: `nnx_mpmd.apps.local_batches`).
+
+        Returns:
+          ``{"inputs", "targets"}`` int32 arrays ``[len(rows) or batch_size, seq_len]``.
+
+        Example:
+          >>> it = BatchIterator(np.arange(100), batch_size=4, seq_len=8, seed=1)
+          >>> part = it.batch_at(3, rows=np.array([1, 3]))["inputs"]
+          >>> bool((part == it.batch_at(3)["inputs"][[1, 3]]).all())
+          True
+        """
         rng = np.random.default_rng((self.seed, index))
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        if rows is not None:
+            starts = starts[self._checked_rows(rows)]
         windows = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         chunk = self.tokens[windows]
         return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
+
+    def _checked_rows(self, rows: Any) -> np.ndarray:
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+            raise MpmdError(
+                f"BatchIterator.batch_at: rows must be a 1-D array of ints, got shape "
+                f"{rows.shape} dtype {rows.dtype}; pass global row indices of the batch."
+            )
+        rows = rows.astype(np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.batch_size):
+            raise MpmdError(
+                f"BatchIterator.batch_at: rows must lie in [0, {self.batch_size}) (the batch "
+                f"size), got min {rows.min()} max {rows.max()}."
+            )
+        return rows
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self

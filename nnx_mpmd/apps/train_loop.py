@@ -25,6 +25,7 @@ from flax import nnx
 
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
+from nnx_mpmd.apps.local_batches import process_local_batches
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
@@ -291,6 +292,8 @@ class Trainer:
         )
         #: mfu, evaluation and TensorBoard (`nnx_mpmd.apps.train_metrics`).
         self.reporting = TrainReporting(self, devices[0].device_kind)
+        # --- each process reads only its share (issue 48) ---
+        self.batches = process_local_batches(self.batches, self.step_fn, self.model, self.optimizer)
         self.start_step = 0
         #: ``(step, signal, saved)`` once a stop signal ended the loop early, else None.
         self.stopped: tuple[int, int, bool] | None = None

@@ -21,6 +21,7 @@ from nnx_mpmd.errors import PlacementError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.placement.place import placement_decisions
+from nnx_mpmd.placement.process_batch import MicrobatchedArray
 
 __all__ = ["PlacedAval", "placed_aval", "planned_avals"]
 
@@ -164,6 +165,8 @@ def placed_aval(x: Any, mesh: MpmdMesh) -> PlacedAval:
             pairs = () if q is None else ((q, sharding),)
             aval = cache[key] = PlacedAval(tuple(x.shape), x.dtype, pairs, weak)
         return aval
+    if isinstance(x, MicrobatchedArray):  # compiled like the host batch it stands for
+        return PlacedAval(x.shape, x.dtype)
     # The runtime passes host values through np.asarray: never weakly typed.
     return PlacedAval(tuple(np.shape(x)), jnp.result_type(x))
 

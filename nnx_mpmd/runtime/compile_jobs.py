@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from nnx_mpmd.placement.mesh import mesh_shape_key
+from nnx_mpmd.placement.process_batch import MicrobatchedArray
 from nnx_mpmd.runtime import program_sharing
 
 __all__ = [
@@ -52,6 +53,8 @@ def abstract(x: Any) -> Any:
         )
     if isinstance(x, jax.ShapeDtypeStruct) or x is None:
         return x
+    if isinstance(x, MicrobatchedArray):  # typed like the host batch it stands for
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=False)
     if isinstance(x, np.ndarray | np.generic | int | float | bool | complex):
         return x  # host values stay concrete: jit keys them by type and shape
     return jax.tree.map(abstract, x)

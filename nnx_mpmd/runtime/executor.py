@@ -55,6 +55,7 @@ from nnx_mpmd.compiler.mesh_inference import HOST
 from nnx_mpmd.compiler.stage_programs import check_mesh_context
 from nnx_mpmd.compiler.step import CompiledStep
 from nnx_mpmd.placement.mpmd_array import MpmdArray
+from nnx_mpmd.placement.process_batch import MicrobatchedArray, take_microbatched
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.batch_split import MicrobatchSplitter, microbatched_shape
 from nnx_mpmd.runtime.batched_copy import BatchedCopier
@@ -132,6 +133,9 @@ def transfer_value(
     Returns:
       The array on the destination submesh.
     """
+    if isinstance(value, MicrobatchedArray):  # placed by its maker: used as is
+        target = shardings(ins.dst_mesh, ins.spec if ins.spec is not None else P())
+        return take_microbatched(value, ins.reshape_microbatches, target)
     if ins.reshape_microbatches:
         value = value.reshape(transferred_shape(ins, value.shape))
     spec = ins.spec
