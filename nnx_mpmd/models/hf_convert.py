@@ -247,7 +247,7 @@ def assign_hf_tensors(model: Any, tensors: dict[str, np.ndarray], where: str = "
             f"{where}: {len(extra)} tensor(s) have no place in the zoo model, e.g. {extra[:3]}; "
             "the checkpoint has parameters this architecture does not (biases, adapters?)."
         )
-    nnx.update(model, nnx.State.from_flat_path(new_values))
+    nnx.update(model, nnx.from_flat_state(new_values))
 
 
 def _stacked(model: Any) -> bool:
@@ -360,6 +360,7 @@ def save_pretrained(model: Any, path: str | pathlib.Path) -> pathlib.Path:
       ['config.json', 'model.safetensors']
     """
     st_numpy = _safetensors_numpy()
+    _rules(model)  # a zoo GPT or Llama
     config = hf_config_from_zoo(model.config)
     tensors = hf_tensors_from_model(model)
     path = pathlib.Path(path)
