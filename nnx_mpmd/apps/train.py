@@ -120,6 +120,8 @@ class TrainConfig(argparse.Namespace):
     check_finite: bool
     skip_memory_check: bool
     plan: str | None
+    # --- pretrained (issue 48) ---
+    init_from: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -274,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a plan written by 'nnx-mpmd plan': its schedule, stages, microbatches, "
         "layer split and remat replace --schedule, --stages and --microbatches",
+    )
+    # --- pretrained (issue 48) ---
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="fine-tune a Hugging Face model directory (GPT-2 or Llama: config.json + "
+        "model.safetensors [+ tokenizer.json]); its family and depth replace --model, "
+        "--preset and --layers (see nnx-mpmd convert)",
     )
     return p
 
@@ -655,6 +666,9 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
 
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     check_output_dir(run_dir, "--run-dir")
+    from nnx_mpmd.apps.convert import apply_init_from
+
+    apply_init_from(cfg, run_dir)  # --init-from, or the resumed run's pretrained/config.json
     configure_compile_cache(cfg)
     from nnx_mpmd.apps.train_loop import Trainer
 

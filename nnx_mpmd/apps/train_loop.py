@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_model
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.memory_check import check_memory
 from nnx_mpmd.apps.sampling import generate_text
@@ -208,9 +209,21 @@ class Trainer:
             "n_layers": self.num_layers,
             "scan_layers": bool(getattr(cfg, "scan_layers", False)),
         }
-        self.model = build_model(
-            cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
-        )
+        if getattr(cfg, "init_from", None):  # a Hugging Face directory (apps.convert)
+            self.model = pretrained_model(
+                cfg.init_from,
+                num_stages=self.num_stages,
+                vocab_size=overrides.pop("vocab_size"),
+                scan_layers=overrides["scan_layers"],
+            )
+        else:
+            self.model = build_model(
+                cfg.model,
+                cfg.preset,
+                num_stages=self.num_stages,
+                rngs=nnx.Rngs(cfg.seed),
+                **overrides,
+            )
         if getattr(cfg, "plan", None):
             Plan.load(cfg.plan).apply(self.model)
         max_len = self.model.config.max_len
@@ -431,6 +444,8 @@ class Trainer:
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if getattr(cfg, "init_from", None) and self.writes_outputs:
+            keep_pretrained_config(cfg.init_from, self.run_dir)  # --resume rebuilds from it
         manager = None
         if cfg.ckpt_every or cfg.resume:
             manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=cfg.keep)
