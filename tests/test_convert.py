@@ -146,3 +146,15 @@ def test_init_from_checks_layers_and_the_tokenizer_vocabulary(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing/config.json: not found" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_sampling_draws_only_ids_the_tokenizer_has():
+    """A pretrained vocabulary can be larger than the tokenizer's: those ids never come out."""
+    from nnx_mpmd.apps.data import CharTokenizer
+    from nnx_mpmd.apps.sampling import generate_text
+    from nnx_mpmd.models import build_model
+
+    model = build_model("gpt", "tiny", num_stages=1, rngs=nnx.Rngs(0), vocab_size=40)
+    tokenizer = CharTokenizer.from_text("abc")
+    text = generate_text(model, tokenizer, "ab", 30, temperature=2.0, seed=3)
+    assert set(text) <= {"a", "b", "c"} and len(text) == 32
