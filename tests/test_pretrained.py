@@ -193,3 +193,10 @@ def test_models_without_a_hugging_face_layout_are_refused(tmp_path):
         save_pretrained(untied, tmp_path)
     with pytest.raises(MpmdError, match=r"Linear has no Hugging Face layout"):
         save_pretrained(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path)
+
+
+def test_unknown_override_is_named_and_known_ones_win():
+    with pytest.raises(MpmdError, match=r"unknown LlamaConfig field\(s\) \['n_expert'\]"):
+        load_pretrained(FIXTURES / "hf_llama_tiny", n_expert=4)
+    hf = read_hf_config(FIXTURES / "hf_llama_tiny")
+    assert zoo_config_from_hf(hf, norm_eps=1e-6)[1].norm_eps == 1e-6

@@ -16,6 +16,7 @@ checkpoint, as Meta's original ones, would need one and is not read here).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -169,7 +170,8 @@ def zoo_config_from_hf(
       hf: the parsed ``config.json``.
       num_stages: pipeline stages of the zoo model.
       where: the file, for messages.
-      **overrides: other zoo config fields (``scan_layers``, ``dtype``, mesh axes...).
+      **overrides: other zoo config fields (``scan_layers``, ``dtype``, mesh axes...);
+        they win over the values read from ``hf``.
 
     Returns:
       ``(family, config)``: ``"gpt"`` or ``"llama"`` and its `GPTConfig` / `LlamaConfig`.
@@ -190,7 +192,14 @@ def zoo_config_from_hf(
     except KeyError as e:
         raise MpmdError(f"{where}: {arch} config lacks the field {e.args[0]!r}.") from None
     config_cls = GPTConfig if family == "gpt" else LlamaConfig
-    return family, config_cls(**fields, num_stages=num_stages, **overrides)
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise MpmdError(
+            f"{where}: unknown {config_cls.__name__} field(s) {unknown}; valid fields are "
+            f"{sorted(known)}."
+        )
+    return family, config_cls(**{**fields, "num_stages": num_stages, **overrides})
 
 
 def hf_config_from_zoo(cfg: ModelConfig) -> dict[str, Any]:
