@@ -408,10 +408,13 @@ class Trainer:
         across = f", {processes} processes" if processes > 1 else ""
         preset_layers = int(preset_fields(cfg.model, cfg.preset)["n_layers"])
         layers = f"{self.num_layers} layers"
-        if self.num_layers != preset_layers:
+        title = f"{cfg.model} {cfg.preset}"
+        if getattr(cfg, "init_from", None):  # a Hugging Face directory has no preset
+            title = f"{cfg.model} from {cfg.init_from}"
+        elif self.num_layers != preset_layers:
             layers += f" (the preset has {preset_layers})"
         return (
-            f"{cfg.model} {cfg.preset}: {layers}, {count_params(self.model):,} parameters, "
+            f"{title}: {layers}, {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
             f"({jax.devices()[0].platform}{across}), schedule {schedule_label(self.schedule)}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
