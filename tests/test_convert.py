@@ -48,6 +48,7 @@ def _assert_same_tensors(written_dir, original_dir):
         assert written[key].tobytes() == original[key].tobytes(), key
 
 
+@pytest.mark.slow  # compiles one pipelined step: ~50 s on 2 cores
 def test_train_init_from_fine_tunes_the_checkpoint_pipelined_and_exports(tmp_path):
     run_dir = tmp_path / "run"
     cfg = train.config_from_args([*SMALL, "--init-from", str(LLAMA), "--run-dir", str(run_dir)])
