@@ -9,6 +9,7 @@ exports without compiling a step.
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -159,3 +160,24 @@ def test_sampling_draws_only_ids_the_tokenizer_has():
     tokenizer = CharTokenizer.from_text("abc")
     text = generate_text(model, tokenizer, "ab", 30, temperature=2.0, seed=3)
     assert set(text) <= {"a", "b", "c"} and len(text) == 32
+
+
+def test_init_from_passes_a_tokenizer_json_along_unless_one_is_given(tmp_path):
+    source = tmp_path / "hf"
+    shutil.copytree(LLAMA, source)
+    (source / "tokenizer.json").write_text("{}")
+    cfg = train.config_from_args(["--init-from", str(source)])
+    cfg.tokenizer = None  # the data helper's --tokenizer, not given
+    convert.apply_init_from(cfg, tmp_path)
+    assert cfg.tokenizer == str(source / "tokenizer.json")
+    cfg = train.config_from_args(["--init-from", str(source)])
+    cfg.tokenizer = "mine.json"
+    convert.apply_init_from(cfg, tmp_path)
+    assert cfg.tokenizer == "mine.json"
+    keep = tmp_path / "run"
+    keep.mkdir()
+    convert.keep_pretrained_config(source, keep)
+    assert sorted(p.name for p in (keep / "pretrained").iterdir()) == [
+        "config.json",
+        "tokenizer.json",
+    ]

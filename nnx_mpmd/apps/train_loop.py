@@ -210,11 +210,12 @@ class Trainer:
             "scan_layers": bool(getattr(cfg, "scan_layers", False)),
         }
         if getattr(cfg, "init_from", None):  # a Hugging Face directory (apps.convert)
+            shape = ("vocab_size", "n_layers")  # the checkpoint's; other overrides apply
             self.model = pretrained_model(
                 cfg.init_from,
                 num_stages=self.num_stages,
-                vocab_size=overrides.pop("vocab_size"),
-                scan_layers=overrides["scan_layers"],
+                vocab_size=overrides["vocab_size"],
+                **{k: v for k, v in overrides.items() if k not in shape},
             )
         else:
             self.model = build_model(
