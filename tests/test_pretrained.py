@@ -200,3 +200,32 @@ def test_unknown_override_is_named_and_known_ones_win():
         load_pretrained(FIXTURES / "hf_llama_tiny", n_expert=4)
     hf = read_hf_config(FIXTURES / "hf_llama_tiny")
     assert zoo_config_from_hf(hf, norm_eps=1e-6)[1].norm_eps == 1e-6
+
+
+def _write_safetensors_bf16(tensors, file):
+    """A safetensors file of bfloat16 tensors, written by hand (numpy has no bfloat16)."""
+    header, offset, chunks = {}, 0, []
+    for name, value in tensors.items():
+        data = np.asarray(value, jnp.bfloat16).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(value.shape)}
+        header[name]["data_offsets"] = [offset, offset + len(data)]
+        offset += len(data)
+        chunks.append(data)
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(chunks))
+
+
+def test_bfloat16_checkpoints_load_as_their_float32_values(tmp_path):
+    tensors = safetensors_numpy.load_file(str(FIXTURES / "hf_llama_tiny" / "model.safetensors"))
+    bf16_dir, rounded_dir = (
+        _copy("hf_llama_tiny", tmp_path / "a"),
+        _copy("hf_llama_tiny", tmp_path / "b"),
+    )
+    _write_safetensors_bf16(tensors, bf16_dir / "model.safetensors")
+    rounded = {k: np.asarray(np.asarray(v, jnp.bfloat16), np.float32) for k, v in tensors.items()}
+    safetensors_numpy.save_file(rounded, str(rounded_dir / "model.safetensors"))
+    got = nnx.state(load_pretrained(bf16_dir), nnx.Param)
+    want = nnx.state(load_pretrained(rounded_dir), nnx.Param)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want), strict=True):
+        assert a.get_value().dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), path)

@@ -189,7 +189,7 @@ def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
         )
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        try:
+        try:  # bfloat16 tensors come as ml_dtypes' bfloat16 (registered by JAX)
             tensors.update(st_numpy.load_file(str(file)))
         except Exception as e:  # safetensors raises its own error types
             raise MpmdError(f"{file}: cannot be read as safetensors ({e}).") from None
