@@ -181,3 +181,13 @@ def test_init_from_passes_a_tokenizer_json_along_unless_one_is_given(tmp_path):
         "config.json",
         "tokenizer.json",
     ]
+
+
+def test_init_from_into_a_run_with_checkpoints_keeps_its_pretrained_config(tmp_path):
+    run_dir = tmp_path / "run"
+    assert convert.main(["--from-hf", str(GPT2), "--run-dir", str(run_dir), "--", *SMALL]) == 0
+    cfg = train.config_from_args([*SMALL, "--init-from", str(LLAMA), "--run-dir", str(run_dir)])
+    with pytest.raises(MpmdError, match=r"already holds checkpoints \(latest step 0\)"):
+        train.run(cfg)
+    kept = (run_dir / "pretrained" / "config.json").read_text()
+    assert kept == (GPT2 / "config.json").read_text()

@@ -448,13 +448,13 @@ class Trainer:
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if getattr(cfg, "init_from", None) and self.writes_outputs:
-            keep_pretrained_config(cfg.init_from, self.run_dir)  # --resume rebuilds from it
         manager = None
         if cfg.ckpt_every or cfg.resume:
             manager = CheckpointManager(self.run_dir / "checkpoints", max_to_keep=cfg.keep)
         try:
             self.restore_or_start(manager)
+            if getattr(cfg, "init_from", None) and self.writes_outputs:
+                keep_pretrained_config(cfg.init_from, self.run_dir)  # --resume rebuilds from it
             metrics = self._metrics()
             losses = self._loop(manager, metrics, stop)
         except BaseException:
