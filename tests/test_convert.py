@@ -56,6 +56,7 @@ def test_train_init_from_fine_tunes_the_checkpoint_pipelined_and_exports(tmp_pat
     convert.apply_init_from(cfg, run_dir)
     assert (cfg.model, cfg.layers) == ("llama", 3)
     trainer = Trainer(cfg, run_dir)
+    assert f"llama from {LLAMA}: 3 layers, 38,624 parameters" in trainer._header()
     first_batch = trainer.batches.batch_at(0)
     reference = float(nnx.jit(lm_loss)(load_pretrained(LLAMA), first_batch))
     summary = trainer.train()
