@@ -35,6 +35,7 @@ CASES = [
     ),
     ("10_scan_stack.py", ["--steps", "3"], "every step's loss equals the unpipelined reference"),
     ("11_measured_timeline.py", ["--steps", "2"], "profiled step included"),
+    ("12_finetune_pretrained.py", ["--steps", "1"], "the exported checkpoint loads back"),
 ]
 
 

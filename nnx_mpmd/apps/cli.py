@@ -1,5 +1,5 @@
-"""The ``nnx-mpmd`` command line: ``train``, ``generate``, ``schedule``, ``bench``, ``launch``,
-``plan``.
+"""The ``nnx-mpmd`` command line: ``train``, ``generate``, ``convert``, ``schedule``, ``bench``,
+``launch``, ``plan``.
 
 Each subcommand lives in its own module and is imported only when used, so
 ``nnx-mpmd schedule`` starts without importing JAX.
@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("nnx_mpmd.apps.bench", "benchmark pipelined steps against SPMD baselines"),
     "launch": ("nnx_mpmd.apps.launch", "start N local processes under jax.distributed"),
     "plan": ("nnx_mpmd.apps.plan", "choose split, schedule, microbatches and remat by measuring"),
+    "convert": ("nnx_mpmd.apps.convert", "Hugging Face model dir <-> run directory checkpoint"),
 }
 
 

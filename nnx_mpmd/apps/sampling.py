@@ -23,7 +23,7 @@ from nnx_mpmd.errors import MpmdError
 __all__ = ["generate", "generate_text"]
 
 
-@nnx.jit(static_argnames=("temperature", "top_k"))
+@nnx.jit(static_argnames=("temperature", "top_k", "vocab_size"))
 def _next_tokens(
     model: Any,
     window: jax.Array,
@@ -31,9 +31,13 @@ def _next_tokens(
     key: jax.Array,
     temperature: float,
     top_k: int | None,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     logits = model(window)  # [batch, window, vocab]
     last = jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False)
+    if vocab_size is not None and vocab_size < last.shape[-1]:
+        # A pretrained model's table can be larger than the tokenizer: never pick those ids.
+        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_size, last, -jnp.inf)
     if temperature == 0.0:
         return jnp.argmax(last, axis=-1).astype(jnp.int32)
     last = last.astype(jnp.float32) / temperature
@@ -66,6 +70,7 @@ def generate(
     top_k: int | None = None,
     seed: int = 0,
     window: int | None = None,
+    vocab_size: int | None = None,
 ) -> np.ndarray:
     """Continues a prompt by sampling ``max_new_tokens`` tokens.
 
@@ -82,6 +87,8 @@ def generate(
       seed: seed of the sampling randomness; equal seeds give equal outputs.
       window: context length fed to the model (default ``model.config.max_len``);
         longer contexts keep their last ``window`` tokens.
+      vocab_size: sample only ids below it (a tokenizer smaller than the model's
+        vocabulary); None: every id.
 
     Returns:
       int32 token ids: the prompt followed by the new tokens, ``[T + n]`` or
@@ -133,6 +140,7 @@ def generate(
             jax.random.fold_in(base_key, step),
             float(temperature),
             top_k,
+            vocab_size,
         )
         tokens[:, length] = np.asarray(new)
         length += 1
@@ -149,7 +157,8 @@ def generate_text(
       tokenizer: a tokenizer with ``encode`` and ``decode``.
       prompt: the prompt text.
       max_new_tokens: how many tokens to append.
-      **kwargs: ``temperature``, ``top_k``, ``seed``, ``window`` as in `generate`.
+      **kwargs: ``temperature``, ``top_k``, ``seed``, ``window`` as in `generate`
+        (ids are drawn below ``tokenizer.vocab_size``).
 
     Returns:
       The prompt followed by the generated text.
@@ -163,4 +172,5 @@ def generate_text(
       >>> len(generate_text(model, tok, "ab", 5, seed=1))
       7
     """
+    kwargs.setdefault("vocab_size", getattr(tokenizer, "vocab_size", None))
     return tokenizer.decode(generate(model, tokenizer, prompt, max_new_tokens, **kwargs))

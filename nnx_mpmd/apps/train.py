@@ -143,6 +143,8 @@ class TrainConfig(argparse.Namespace):
     # --- precision (issue 48) ---
     dtype: str
     param_dtype: str
+    # --- pretrained (issue 48) ---
+    init_from: str | None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -320,6 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         metavar="{float32,bfloat16}",
         help="dtype the parameters and the optimizer state are stored and updated in",
+    )
+    # --- pretrained (issue 48) ---
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="fine-tune a Hugging Face model directory (GPT-2 or Llama: config.json + "
+        "model.safetensors [+ tokenizer.json]); its family and depth replace --model, "
+        "--preset and --layers (see nnx-mpmd convert)",
     )
     return p
 
@@ -720,6 +731,9 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
 
     run_dir = agree_on_run_dir(resolve_run_dir(cfg))
     check_output_dir(run_dir, "--run-dir")
+    from nnx_mpmd.apps.convert import apply_init_from
+
+    apply_init_from(cfg, run_dir)  # --init-from, or the resumed run's pretrained/config.json
     import jax
 
     if jax.process_index() == 0:  # the resolved configuration, before anything is built

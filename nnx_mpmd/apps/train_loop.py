@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_model
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.local_batches import process_local_batches
@@ -254,9 +255,22 @@ class Trainer:
             "scan_layers": bool(getattr(cfg, "scan_layers", False)),
             "dtype": self.precision.compute_dtype,
         }
-        self.model = build_model(
-            cfg.model, cfg.preset, num_stages=self.num_stages, rngs=nnx.Rngs(cfg.seed), **overrides
-        )
+        if getattr(cfg, "init_from", None):  # a Hugging Face directory (apps.convert)
+            shape = ("vocab_size", "n_layers")  # the checkpoint's; other overrides apply
+            self.model = pretrained_model(
+                cfg.init_from,
+                num_stages=self.num_stages,
+                vocab_size=overrides["vocab_size"],
+                **{k: v for k, v in overrides.items() if k not in shape},
+            )
+        else:
+            self.model = build_model(
+                cfg.model,
+                cfg.preset,
+                num_stages=self.num_stages,
+                rngs=nnx.Rngs(cfg.seed),
+                **overrides,
+            )
         if getattr(cfg, "plan", None):
             Plan.load(cfg.plan).apply(self.model)
         max_len = self.model.config.max_len
@@ -454,10 +468,13 @@ class Trainer:
         across = f", {processes} processes" if processes > 1 else ""
         preset_layers = int(preset_fields(cfg.model, cfg.preset)["n_layers"])
         layers = f"{self.num_layers} layers"
-        if self.num_layers != preset_layers:
+        title = f"{cfg.model} {cfg.preset}"
+        if getattr(cfg, "init_from", None):  # a Hugging Face directory has no preset
+            title = f"{cfg.model} from {cfg.init_from}"
+        elif self.num_layers != preset_layers:
             layers += f" (the preset has {preset_layers})"
         return (
-            f"{cfg.model} {cfg.preset}: {layers}, {count_params(self.model):,} parameters, "
+            f"{title}: {layers}, {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
             f"({jax.devices()[0].platform}{across}), schedule {schedule_label(self.schedule)}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
@@ -497,6 +514,8 @@ class Trainer:
             self.restore_or_start(manager)
             if self.writes_outputs:  # the settings are accepted: `--resume` reads them back
                 write_run_config(self.run_dir, train_config_values(cfg))
+            if getattr(cfg, "init_from", None) and self.writes_outputs:
+                keep_pretrained_config(cfg.init_from, self.run_dir)  # --resume rebuilds from it
             metrics = self._metrics()
             losses = self._loop(manager, metrics, stop)
         except BaseException:

@@ -19,6 +19,7 @@ from flax import nnx
 from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.models.blocks import assign_block_stages, count_params
 from nnx_mpmd.models.gpt import GPT, GPTConfig
+from nnx_mpmd.models.hf_convert import load_pretrained, save_pretrained
 from nnx_mpmd.models.layers import ModelConfig
 from nnx_mpmd.models.llama import Llama, LlamaConfig
 from nnx_mpmd.models.presets import preset_names
@@ -34,7 +35,9 @@ __all__ = [
     "build_model",
     "count_params",
     "lm_loss",
+    "load_pretrained",
     "preset_names",
+    "save_pretrained",
 ]
 
 #: model family name -> (model class, config class), as used by the CLI.

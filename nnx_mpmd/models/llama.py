@@ -1,7 +1,7 @@
 """Llama style language model: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
-Stage layout: the token embedding on stage 0, the final RMSNorm and the untied
-head on the last stage, blocks split contiguously with the heaviest stage as
+Stage layout: the token embedding on stage 0, the final RMSNorm and the head
+(untied unless ``tie_embeddings``) on the last stage, blocks split contiguously with the heaviest stage as
 light as possible (see `nnx_mpmd.models.layers.assign_block_stages`).
 """
 
@@ -31,6 +31,9 @@ class LlamaConfig(layers.ModelConfig):
       d_ff: hidden width of the SwiGLU MLP.
       rope_theta: base of the rotary embedding.
       norm_eps: RMSNorm epsilon.
+      tie_embeddings: the head reuses the token embedding table (as Llama
+        checkpoints with ``tie_word_embeddings``); the table is then shared by
+        the first and the last stage (owner: stage 0).
 
     Example:
       >>> cfg = LlamaConfig.preset("llama-1b")
@@ -42,6 +45,7 @@ class LlamaConfig(layers.ModelConfig):
     d_ff: int = 512
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
 
     PRESETS: ClassVar = LLAMA_PRESETS
     MODEL_NAME: ClassVar[str] = "llama"
@@ -112,15 +116,17 @@ class Llama(PipelinedModel):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         self.config = cfg
-        self.embed = Stage(
-            layers.Embedding(cfg, cfg.vocab_size, cfg.d_model, ("tensor", "fsdp"), rngs=rngs),
-            stage=0,
+        embedding = layers.Embedding(
+            cfg, cfg.vocab_size, cfg.d_model, ("tensor", "fsdp"), rngs=rngs
         )
+        self.embed = Stage(embedding, stage=0)
         self.blocks, self.block_stages = blocks.staged_blocks(
             cfg, lambda r: LlamaBlock(cfg, rngs=r), rngs=rngs, where="Llama"
         )
         norm = layers.RMSNorm(cfg, cfg.d_model, rngs=rngs, eps=cfg.norm_eps)
-        self.head = Stage(layers.LMHead(cfg, norm, rngs=rngs), stage=cfg.num_stages - 1)
+        tied = embedding if cfg.tie_embeddings else None
+        head = layers.LMHead(cfg, norm, rngs=rngs, tied_embedding=tied)
+        self.head = Stage(head, stage=cfg.num_stages - 1)
 
     def __call__(
         self,
