@@ -116,6 +116,20 @@ def test_death_at_exit_is_named(tmp_path):
     _check_named(done, output, seconds, "finishing")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one 2-process launch
+def test_death_during_the_checksum_exchange_is_named(tmp_path):
+    done, output, seconds = _run_dying(tmp_path, "fingerprints")
+    _check_named(done, output, seconds, "checkpoint")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one 2-process launch
+def test_death_during_validation_is_named(tmp_path):
+    done, output, seconds = _run_dying(tmp_path, "validation", "--val-batches", "1")
+    _check_named(done, output, seconds, "computing the validation loss")
+
+
 # --- the pieces, without processes ------------------------------------------------------
 
 
