@@ -490,7 +490,8 @@ def _restore_from(path: Path, target: Any, partial: bool, verify: bool) -> Any:
                 "an earlier checkpoint or re-save.",
             ) from error
 
-        if verify and isinstance(manifest, dict):
+        if verify:
+            check_manifest(manifest, str(path))  # its own errors first
             try:
                 check_files(path, step=None, manifest_seal=manifest.get("seal"))
             except OSError as error:
