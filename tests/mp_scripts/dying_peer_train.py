@@ -4,8 +4,9 @@ Usage (under ``nnx-mpmd launch``): ``python dying_peer_train.py TRAIN_ARGS...`` 
 
 * ``NNX_MPMD_TEST_DIE_AT``: where process ``NNX_MPMD_TEST_DIE_PROCESS`` (default 1) dies:
   ``save`` (orbax writes the JSON items of the save of step ``NNX_MPMD_TEST_DIE_STEP``:
-  the save is in flight), ``fingerprints`` (the processes exchange the checksums of
-  the first save), ``restore`` (orbax reads the arrays of a ``--resume``),
+  the save is in flight), ``fingerprints`` (the exchange of the checksums of the first
+  save: the dying process waits in it for process 0, which comes 6 s late, and dies
+  after 3 s), ``restore`` (orbax reads the arrays of a ``--resume``),
   ``validation`` (process 0 computes the validation loss: it writes
   ``<marker>.validating`` and then takes up to a minute, and the dying process dies
   once that file exists), or ``exit`` (the train loop is done, before the processes
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script hangs
@@ -71,7 +73,13 @@ _fingerprints = manifest.fingerprints
 
 
 def _dying_fingerprints(rows):
-    _die()
+    # Dies while waiting inside the exchange of the first save: process 0 comes late.
+    threading.Timer(3.0, _die).start()
+    return _fingerprints(rows)
+
+
+def _late_fingerprints(rows):
+    time.sleep(6.0)
     return _fingerprints(rows)
 
 
@@ -113,6 +121,8 @@ elif DYING and DIE_AT == "exit":
     train.finish_together = _dying_finish_together
 elif DYING and DIE_AT == "fingerprints":
     manifest.fingerprints = _dying_fingerprints
+if DIE_AT == "fingerprints" and os.environ.get("NNX_MPMD_PROCESS_ID") == "0":
+    manifest.fingerprints = _late_fingerprints
 elif DYING and DIE_AT == "validation":
     train.finish_together = _die_during_validation
 if DIE_AT == "validation" and os.environ.get("NNX_MPMD_PROCESS_ID") == "0":
