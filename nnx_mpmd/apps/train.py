@@ -265,8 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-finite",
         action="store_true",
         help="check every stage's outputs and gradients for NaN/inf in each step and stop at "
-        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower; "
-        "one process only)",
+        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower)",
     )
     p.add_argument(
         "--plan",

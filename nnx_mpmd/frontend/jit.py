@@ -621,7 +621,8 @@ def jit(
         parameter gradients for NaN and inf, and raise `NonFiniteError` after
         the step naming the first (stage, task, parameter path). Off, the step
         passes NaN and inf through as JAX does, at no cost; on, each task is
-        waited for. Single-process meshes only.
+        waited for. In a multi-process run each process checks what it holds and
+        all of them name the same first value.
 
     Returns:
       A `PipelinedFunction`.
