@@ -590,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
       argv: the arguments after ``train`` (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit status: 0 on success, 2 on bad input, 1 on an unexpected error (not an
-      `MpmdError`: one line, the traceback with ``NNX_MPMD_TRACEBACK=1``), ``128 + signal`` (143, 130)
+      The exit status: 0 on success, 2 on bad input, 1 on an unexpected error
+      (not an `MpmdError`: one line, the traceback with ``NNX_MPMD_TRACEBACK=1``),
+      ``128 + signal`` (143, 130)
       when SIGTERM or SIGINT stopped the run after saving a checkpoint
       (`nnx_mpmd.apps.stop_signals`). After a `DistributedError` of a
       multi-process run (a peer died) the process exits with 2 at once

@@ -7,7 +7,8 @@ renames it when complete, so an interrupted save never looks like a checkpoint.
 
 Once a save has committed, process 0 records the size and CRC-32 of every file
 (`nnx_mpmd.checkpoint.file_checksums`); a restore with ``verify=True`` checks
-them before reading anything. Restore then reads the manifest, checks the target against it, reads every array
+them before reading anything. Restore then reads the manifest, checks the
+target against it, reads every array
 directly onto the sharding of the target leaf's current placement (the lowest
 mesh's copy for an `MpmdArray`, then copied to the other meshes), verifies the
 checksums, and only then writes into the target, so a failed restore leaves

@@ -16,9 +16,9 @@ Each step is sealed: its manifest records the step and the SHA-256 of its
 metadata, and a checksum of every array (see `nnx_mpmd.checkpoint.manifest`);
 once the step has committed, process 0 records the size and CRC-32 of each of
 its files (`nnx_mpmd.checkpoint.file_checksums`; for an asynchronous save at
-the next `save`, `wait_until_finished` or `close`), checked before a restore reads anything. A
-step directory without orbax's commit marker, with files of another step, or
-with changed files raises `CheckpointDamagedError` naming the path;
+the next `save`, `wait_until_finished` or `close`), checked before a restore
+reads anything. A step directory without orbax's commit marker, with files of
+another step, or with changed files raises `CheckpointDamagedError` naming the path;
 `CheckpointManager.restore_newest_intact` then falls back to the newest intact
 step, and `CheckpointManager.set_aside` moves the skipped steps out of the way.
 
@@ -489,7 +489,8 @@ class CheckpointManager:
         if recorded and jax.process_count() > 1:
             self._records += 1
             get_coordination().barrier(
-                f"checkpoint/files/{self._records}", "recording a checkpoint's file checksums"
+                f"checkpoint/files/{self._directory}/{self._records}",
+                "recording a checkpoint's file checksums",
             )
 
     def close(self) -> None:
