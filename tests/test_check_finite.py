@@ -155,3 +155,26 @@ def test_train_check_finite_names_the_first_nan_stage(tmp_path, monkeypatch, cap
     assert train.main([*argv, "--run-dir", str(tmp_path / "unchecked")]) == 2
     err = capsys.readouterr().err
     assert "the loss became nan at step 1" in err and "rerun with --check-finite" in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one 2-process launch
+def test_launched_check_finite_names_the_same_first_value_on_every_process(tmp_path):
+    from mp_launch import launch_once
+
+    argv = ["--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "4"]
+    argv += ["--microbatches", "2", "--seq-len", "8", "--corpus-bytes", "20000", "--steps", "2"]
+    argv += ["--ckpt-every", "0", "--sample-tokens", "0", "--val-batches", "0"]
+    argv += ["--compile-cache", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run")]
+    done, _ = launch_once(
+        "nonfinite_train.py", *argv, "--check-finite", devices_per_process=1, timeout=150
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-6000:]
+    for process in (0, 1):  # process 1 holds stage 1 only, and names stage 0's value too
+        assert re.search(
+            rf"\[p{process}\] nnx-mpmd train: error: NonFiniteError: step 1: stage 0's task "
+            r"F0\.0 made a non-finite value \(NaN or inf\) first: output 0\.",
+            output,
+        ), output[-6000:]
+    assert "Traceback" not in output, output[-6000:]

@@ -15,6 +15,7 @@ from flax import nnx
 
 from nnx_mpmd import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
+from nnx_mpmd.checkpoint.file_checksums import RECORD
 from nnx_mpmd.checkpoint.manifest import json_digest
 
 STAGES = (0, 0, 1, 1)
@@ -134,6 +135,10 @@ def test_damaged_array_files(saved, damage):
             file.write_bytes(file.read_bytes()[: file.stat().st_size // 3])
         else:
             file.unlink()
+    what = "bytes, .* were written" if damage == "truncate" else "is missing"
+    with pytest.raises(CheckpointDamagedError, match=rf"c/arrays is corrupted: its file .*{what}"):
+        restore(saved, target())  # the file record, before orbax reads
+    (saved / RECORD).unlink()  # no record (an older save): orbax's read fails
     with pytest.raises(CheckpointError, match=r"cannot be read at 'v'.*truncated or corrupted"):
         restore(saved, target())
 
@@ -144,6 +149,7 @@ def test_corrupted_contents_fail_the_checksum(saved):
         manifest["seal"] = json_digest({k: v for k, v in manifest.items() if k != "seal"})
 
     edit_manifest(saved, wrong_checksum)  # a consistent manifest, other contents
+    (saved / RECORD).unlink()  # the file record would name the changed manifest file
     with pytest.raises(CheckpointDamagedError, match=r"arrays is corrupted at 'w'.*checksum"):
         restore(saved, target())
     assert restore(saved, target(), verify=False)["w"][5] == 5.0

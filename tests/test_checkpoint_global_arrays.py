@@ -110,8 +110,6 @@ def test_a_moved_shard_that_never_arrives_raises(monkeypatch):
 def test_a_fingerprint_no_process_holds_raises(monkeypatch):
     monkeypatch.setattr(global_arrays, "multi_process", lambda: True)
     monkeypatch.setattr(global_arrays, "_known_here", lambda row: None)
-    monkeypatch.setattr(
-        global_arrays.multihost_utils, "process_allgather", lambda table: table[None]
-    )
+    monkeypatch.setattr(global_arrays, "exchange", lambda table, where: table[None])
     with pytest.raises(CheckpointError, match="no process holds fingerprint row 0"):
         global_arrays.fingerprints([fingerprint(jnp.ones(2))])

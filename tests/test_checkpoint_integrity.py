@@ -1,8 +1,9 @@
 """Damaged checkpoints and faults while saving: each is refused, fallen back from, or reported.
 
-* Contents: a checksum per array (two negated elements of equal parity, which
-  the old wrapping sums missed), another step's arrays copied in, an edited
-  manifest or metadata, a manifest of another step: `CheckpointDamagedError`
+* Contents: the CRC-32 of every file as stored (a flipped byte in any file),
+  a checksum per array (two negated elements of equal parity, which the old
+  wrapping sums missed), another step's arrays copied in, an edited manifest,
+  metadata or file record, a manifest of another step: `CheckpointDamagedError`
   naming the path.
 * Stray and partial steps (an empty step directory, a half-copied one, one
   without orbax's commit marker) make `CheckpointManager.restore_newest_intact`
@@ -33,6 +34,7 @@ from mp_launch import logged_losses, train_env
 
 from nnx_mpmd import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
+from nnx_mpmd.checkpoint.file_checksums import RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
@@ -68,8 +70,57 @@ def test_equal_parity_negation_is_refused(tmp_path):
     # The files as stored change; the manifest is the original one.
     shutil.rmtree(tmp_path / "good" / "arrays")
     shutil.copytree(tmp_path / "flipped" / "arrays", tmp_path / "good" / "arrays")
+    with pytest.raises(CheckpointDamagedError, match=r"good/arrays is corrupted: its file "):
+        restore(tmp_path / "good", target())  # the files' CRC-32s
+    (tmp_path / "good" / RECORD).unlink()  # no record (an older save): the value checksums
     with pytest.raises(CheckpointDamagedError, match=r"good/arrays is corrupted at 'w'"):
         restore(tmp_path / "good", target())
+
+
+def _flip_byte(file: Path) -> bytes:
+    original = file.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+    return original
+
+
+def test_a_flipped_byte_in_any_file_is_named_before_reading(tmp_path):
+    manager = manager_with_steps(tmp_path)
+    step = tmp_path / "2"
+    files = sorted(p for p in step.rglob("*") if p.is_file() and p.name != RECORD)
+    assert any("/arrays/" in str(p) for p in files) and len(files) > 5, files
+    for file in files:
+        original = _flip_byte(file)
+        item = file.relative_to(step).parts[0]
+        with pytest.raises(CheckpointDamagedError) as raised:
+            manager.restore(target(), step=2)
+        message = str(raised.value)
+        if file.parent.name not in ("manifest", "metadata") or item != file.parent.name:
+            # The JSON items fail their own seals first; every other file is named.
+            assert f"{step}/{item} is corrupted: its file {file} was changed" in message, message
+        restored = manager.restore_newest_intact(target())
+        assert restored.step == 1 and restored.skipped[0].startswith("skipped step 2: ")
+        file.write_bytes(original)
+    np.testing.assert_array_equal(restored_w(manager, 2), W * 2)  # intact again
+    manager.close()
+
+
+def test_the_file_record_is_sealed_and_tied_to_its_step(tmp_path):
+    manager = manager_with_steps(tmp_path)
+    record = tmp_path / "2" / RECORD
+    original = record.read_text()
+    record.write_text(original.replace('"crc32": ', '"crc32": 1', 1))
+    with pytest.raises(CheckpointDamagedError, match=r"/2/file_checksums.json was changed after"):
+        manager.restore(target(), step=2)
+    shutil.copy(tmp_path / "1" / RECORD, record)
+    with pytest.raises(CheckpointDamagedError, match=r"/2/file_checksums.json belongs to another"):
+        manager.restore(target(), step=2)
+    record.write_text(original)
+    (tmp_path / "2" / "arrays" / "_METADATA").unlink()
+    with pytest.raises(CheckpointDamagedError, match=r"/2/arrays/_METADATA is missing"):
+        manager.restore(target(), step=2)
+    manager.close()
 
 
 def test_checksum_detects_single_bit_and_swaps():
@@ -94,7 +145,9 @@ def test_another_steps_arrays_copied_in_are_refused(tmp_path):
     manager = manager_with_steps(tmp_path)
     shutil.rmtree(tmp_path / "2" / "arrays")
     shutil.copytree(tmp_path / "1" / "arrays", tmp_path / "2" / "arrays")
-    with pytest.raises(CheckpointDamagedError, match=r"/2/arrays is corrupted at 'w'"):
+    with pytest.raises(
+        CheckpointDamagedError, match=r"/2/arrays is corrupted: its file \S+/2/arrays/\S+ (has|was)"
+    ):
         manager.restore(target(), step=2)
     restored = manager.restore_newest_intact(target())
     assert restored.step == 1 and "skipped step 2" in restored.skipped[0]
@@ -149,7 +202,7 @@ def _truncated_arrays(directory: Path) -> None:
         (_empty_step, 5, 2, r"/5 is incomplete: it has no commit_success.txt and no manifest"),
         (_half_copied_step, 5, 2, r"/5/manifest belongs to step 2, not to step 5"),
         (_no_commit_marker, 2, 1, r"/2 is incomplete: it has no commit_success.txt"),
-        (_truncated_arrays, 2, 1, r"/2/arrays cannot be read"),
+        (_truncated_arrays, 2, 1, r"/2/arrays is corrupted: its file .* bytes, \d+ were written"),
     ],
 )
 def test_damaged_latest_step_falls_back(tmp_path, damage, skipped, restored_step, reason):
@@ -353,6 +406,7 @@ def _as_version_1(path: Path) -> None:
     manifest["entries"]["w"].pop("checksum")
     manifest["entries"]["w"]["fingerprint"] = [int(v) for v in fingerprint(W)]
     file.write_text(json.dumps(manifest))
+    (path / RECORD).unlink()  # written since
 
 
 def test_version_1_checkpoints_are_still_read_and_verified(tmp_path):

@@ -372,3 +372,38 @@ def test_plan_says_what_it_does_before_it_profiles_and_where_it_writes(
     assert "profiling every layer on one submesh" in said_before[0]
     assert "profiled and searched in" in out and f"wrote {where}: 1f1b" in out
     assert where.exists()
+
+
+def test_an_unexpected_train_error_is_one_line_and_status_1(tmp_path, monkeypatch, capsys):
+    from nnx_mpmd.apps import train
+
+    def broken_run(cfg, stop=None):
+        raise RuntimeError("the disk controller\nexploded")
+
+    monkeypatch.setattr(train, "run", broken_run)
+    monkeypatch.delenv("NNX_MPMD_TRACEBACK", raising=False)
+    assert train.main(["--run-dir", str(tmp_path)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.match(
+        r"nnx-mpmd train: unexpected error: RuntimeError: the disk controller exploded "
+        r"\(rerun with NNX_MPMD_TRACEBACK=1 for the traceback",
+        lines[0],
+    ), lines
+    monkeypatch.setenv("NNX_MPMD_TRACEBACK", "1")
+    assert train.main(["--run-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in broken_run" in err, err
+    assert err.strip().splitlines()[-1].startswith("nnx-mpmd train: unexpected error:")
+
+
+def test_an_unexpected_subcommand_error_is_one_line(monkeypatch, capsys):
+    def broken_main(argv):
+        raise KeyError("stage")
+
+    monkeypatch.setattr(schedule_cli, "main", broken_main)
+    monkeypatch.delenv("NNX_MPMD_TRACEBACK", raising=False)
+    assert cli.main(["schedule"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("nnx-mpmd schedule: unexpected error: KeyError: 'stage' (rerun"), err
+    assert "Traceback" not in err

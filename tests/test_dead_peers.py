@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from absl import flags
 from mp_launch import check, launch, launch_once
@@ -114,6 +115,20 @@ def test_death_during_a_restore_is_named(tmp_path):
 def test_death_at_exit_is_named(tmp_path):
     done, output, seconds = _run_dying(tmp_path, "exit")
     _check_named(done, output, seconds, "finishing")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one 2-process launch
+def test_death_during_the_checksum_exchange_is_named(tmp_path):
+    done, output, seconds = _run_dying(tmp_path, "fingerprints")
+    _check_named(done, output, seconds, "checkpoint")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one 2-process launch
+def test_death_during_validation_is_named(tmp_path):
+    done, output, seconds = _run_dying(tmp_path, "validation", "--val-batches", "1")
+    _check_named(done, output, seconds, "computing the validation loss")
 
 
 # --- the pieces, without processes ------------------------------------------------------
@@ -214,3 +229,35 @@ def test_launch_names_the_first_process_that_failed():
         out.getvalue()
     )
     assert "coordinator" not in out.getvalue()
+
+
+class SilentPeerStore(SilentPeerClient):
+    """The same, with a key-value store of bytes: process 1 never publishes its table."""
+
+    def key_value_set_bytes(self, key, data, allow_overwrite=False):
+        self.store[key] = data
+
+    def key_value_delete(self, key):
+        self.store.pop(key, None)
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if key in self.store:
+            return self.store[key]
+        self.released.wait(timeout_ms / 1000)
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+
+
+def test_the_checksum_exchange_names_a_dead_peer(monkeypatch):
+    client = SilentPeerStore()
+    watcher = coordination.Coordination(client, 0, 2, heartbeat_s=0.3, start=False)
+    monkeypatch.setattr(global_arrays, "multi_process", lambda: True)
+    monkeypatch.setattr(global_arrays, "get_coordination", lambda: watcher)
+    monkeypatch.setattr(global_arrays.jax, "process_count", lambda: 2)
+    try:
+        with pytest.raises(
+            mp.DistributedError, match=r"^process 1 died while process 0 was saving a checkpoint"
+        ):
+            global_arrays.exchange(np.array([1, 2], np.uint32), "saving a checkpoint")
+    finally:
+        client.released.set()
+    assert any("/exchange/" in key and key.endswith("/0") for key in client.store)  # its own

@@ -8,9 +8,14 @@ Each subcommand lives in its own module and is imported only when used, so
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 
-__all__ = ["main", "version"]
+__all__ = ["main", "report_unexpected", "version"]
+
+#: Set to 1 to print the traceback of an unexpected error (one line otherwise).
+ENV_TRACEBACK = "NNX_MPMD_TRACEBACK"
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -43,6 +48,38 @@ def version() -> str:
         import nnx_mpmd
 
         return nnx_mpmd.__version__
+
+
+def report_unexpected(program: str, error: BaseException) -> int:
+    """Prints one line for an error that is not an `MpmdError` (a bug, or a failure of a
+    library or the system) and returns the exit status 1.
+
+    The traceback is printed only when ``NNX_MPMD_TRACEBACK=1``: a CLI user sees what
+    failed, not a hundred lines of frames.
+
+    Args:
+      program: the command that failed, e.g. ``"nnx-mpmd train"``.
+      error: the exception.
+
+    Returns:
+      1.
+
+    Example:
+      >>> report_unexpected("nnx-mpmd train", RuntimeError("boom"))  # doctest: +SKIP
+      1
+    """
+    if os.environ.get(ENV_TRACEBACK) == "1":
+        traceback.print_exception(error, file=sys.stderr)
+        hint = "the traceback is above"
+    else:
+        hint = f"rerun with {ENV_TRACEBACK}=1 for the traceback"
+    text = " ".join(str(error).split())[:500]
+    print(
+        f"{program}: unexpected error: {type(error).__name__}: {text} ({hint}; if it is not "
+        "caused by your files or system, please report it)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _usage() -> str:
@@ -92,3 +129,5 @@ def main(argv: list[str] | None = None) -> int:
     except MpmdError as e:  # a subcommand that let one through: still one line, status 2
         print(f"nnx-mpmd {name}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # not ours: one line, the traceback on request
+        return report_unexpected(f"nnx-mpmd {name}", e)

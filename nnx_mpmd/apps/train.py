@@ -291,8 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-finite",
         action="store_true",
         help="check every stage's outputs and gradients for NaN/inf in each step and stop at "
-        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower; "
-        "one process only)",
+        "the first, naming its stage and parameter path (mp.jit(check_finite=True); slower)",
     )
     p.add_argument(
         "--plan",
@@ -667,7 +666,9 @@ def main(argv: list[str] | None = None) -> int:
       argv: the arguments after ``train`` (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit status: 0 on success, 2 on bad input, ``128 + signal`` (143, 130)
+      The exit status: 0 on success, 2 on bad input, 1 on an unexpected error
+      (not an `MpmdError`: one line, the traceback with ``NNX_MPMD_TRACEBACK=1``),
+      ``128 + signal`` (143, 130)
       when SIGTERM or SIGINT stopped the run after saving a checkpoint
       (`nnx_mpmd.apps.stop_signals`). After a `DistributedError` of a
       multi-process run (a peer died) the process exits with 2 at once
@@ -696,6 +697,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except MpmdError as e:
         return _fail(f"{type(e).__name__}: {e}")
+    except Exception as e:  # not an MpmdError: one line (NNX_MPMD_TRACEBACK=1: the traceback)
+        from nnx_mpmd.apps.cli import report_unexpected
+
+        leave_after_dead_peer(report_unexpected("nnx-mpmd train", e))
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed
         print("nnx-mpmd train: interrupted (SIGINT) before training started", file=sys.stderr)
         return exit_status(signal.SIGINT)

@@ -59,6 +59,7 @@ from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_n
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.plan import Plan
+from nnx_mpmd.runtime.coordination import bounded_by_peers
 from nnx_mpmd.schedules import get_schedule, plot_gantt, simulate
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, matplotlib_missing
 from nnx_mpmd.schedules.profile import measured_timeline
@@ -720,16 +721,25 @@ class Trainer:
             title = f"{cfg.model} {cfg.preset}, {schedule_label(self.schedule)}"
             plot_losses(metrics, loss_png, title)
         gather(self.model)  # collective: every process
-        val_loss = self._val_loss(cfg.val_batches) if self.writes_outputs else None
+        # Only process 0 scores and samples; bounded like a step, so that a peer that
+        # dies meanwhile is named now, not at the final barrier.
+        val_loss = None
+        if self.writes_outputs:
+            val_loss = bounded_by_peers(
+                "computing the validation loss", self._val_loss, cfg.val_batches
+            )
         sample = ""
         if cfg.sample_tokens and self.writes_outputs:
-            sample = generate_text(
-                self.model,
-                self.tokenizer,
-                SAMPLE_PROMPT if self.data is None else self.data.sample_prompt,
-                cfg.sample_tokens,
-                temperature=0.8,
-                seed=cfg.seed,
+            sample = bounded_by_peers(
+                "generating the sample",
+                lambda: generate_text(
+                    self.model,
+                    self.tokenizer,
+                    SAMPLE_PROMPT if self.data is None else self.data.sample_prompt,
+                    cfg.sample_tokens,
+                    temperature=0.8,
+                    seed=cfg.seed,
+                ),
             )
             (self.run_dir / "sample.txt").write_text(sample + "\n")
         if val_loss is not None:

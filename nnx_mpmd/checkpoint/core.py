@@ -5,7 +5,10 @@ every array under its logical path) and ``manifest`` (JSON, see
 `nnx_mpmd.checkpoint.manifest`). Orbax writes into a temporary directory and
 renames it when complete, so an interrupted save never looks like a checkpoint.
 
-Restore reads the manifest, checks the target against it, reads every array
+Once a save has committed, process 0 records the size and CRC-32 of every file
+(`nnx_mpmd.checkpoint.file_checksums`); a restore with ``verify=True`` checks
+them before reading anything. Restore then reads the manifest, checks the
+target against it, reads every array
 directly onto the sharding of the target leaf's current placement (the lowest
 mesh's copy for an `MpmdArray`, then copied to the other meshes), verifies the
 checksums, and only then writes into the target, so a failed restore leaves
@@ -16,6 +19,7 @@ may not read raises `CheckpointError` saying so (`read_failure`).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +29,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nnx_mpmd.checkpoint.file_checksums import check_files, record_files
 from nnx_mpmd.checkpoint.global_arrays import fingerprints, use_coordination_barriers, worst_of
 from nnx_mpmd.checkpoint.layout import (
     ARRAY,
@@ -47,9 +52,11 @@ from nnx_mpmd.checkpoint.manifest import (
 from nnx_mpmd.checkpoint.recut import recut_stacks
 from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
-from nnx_mpmd.runtime.coordination import bounded_by_peers
+from nnx_mpmd.runtime.coordination import bounded_by_peers, get_coordination
 
 __all__ = ["ArrayReader", "read_failure", "restore", "restore_layout", "save", "save_args"]
+
+_SAVES = itertools.count()  # the record barriers' names (every process saves alike)
 
 # Reads arrays: (item, restore_args, partial) -> nested dict of restored arrays.
 ArrayReader = Callable[[dict[str, Any], dict[str, Any], bool], dict[str, Any]]
@@ -403,6 +410,13 @@ def _save_to(path: Path, tree: Any, overwrite: bool) -> None:
         checkpointer.save(path, args=args, force=overwrite)
     finally:
         checkpointer.close()
+    # The files as stored, once committed (process 0; the others wait, then read them).
+    if jax.process_index() == 0:
+        record_files(path, step=None, manifest_seal=args["manifest"].item.get("seal"))
+    if jax.process_count() > 1:
+        get_coordination().barrier(
+            f"checkpoint/files/{path}/{next(_SAVES)}", "recording a checkpoint's file checksums"
+        )
 
 
 def _check_restorable(path: Path) -> None:
@@ -476,6 +490,13 @@ def _restore_from(path: Path, target: Any, partial: bool, verify: bool) -> Any:
                 "truncated or corrupted: restore "
                 "an earlier checkpoint or re-save.",
             ) from error
+
+        if verify:
+            check_manifest(manifest, str(path))  # its own errors first
+            try:
+                check_files(path, step=None, manifest_seal=manifest.get("seal"))
+            except OSError as error:
+                raise read_failure(error, str(path), f"has unreadable files ({error})") from error
 
         def reader(item: dict, restore_args: dict, partial_read: bool) -> dict:
             args = ocp.args.PyTreeRestore(

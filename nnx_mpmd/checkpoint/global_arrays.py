@@ -33,10 +33,14 @@ receiving processes' devices. The replicate-everything alternative
 processes per array and holds every array on every device.
 
 Fingerprints (see `nnx_mpmd.checkpoint.manifest`) are computed where each array
-lives and brought to every process (`fingerprints`, one ``process_allgather``
-of a small table), so that every process writes the same manifest and every process sees the same
+lives and brought to every process (`fingerprints`: each process puts a small
+table into the coordination service's key-value store and reads the others'),
+so that every process writes the same manifest and every process sees the same
 verification result (an error raised on one process only would leave the others
-waiting in a collective).
+waiting). The exchange goes through the key-value store, not a device
+all-gather: a process that dies during it is named in a `DistributedError`
+(the waits poll the peers' heartbeats), where a device collective on CPU
+(gloo) can abort the survivors.
 
 On one process every function here is the identity (or ``jax.device_put``).
 
@@ -56,7 +60,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CheckpointError
@@ -64,6 +67,7 @@ from nnx_mpmd.runtime.coordination import get_coordination, peer_timeout_s
 from nnx_mpmd.runtime.cross_process import put_between_meshes
 
 __all__ = [
+    "exchange",
     "fingerprints",
     "move_to",
     "savable",
@@ -400,9 +404,9 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
     """Fingerprint rows, computed on the arrays' devices, as host ints on every process.
 
     In a multi-process run each process fills a table with the rows of the
-    arrays it holds (and a flag saying so), and one
-    ``multihost_utils.process_allgather`` of that small ``uint32`` table gives
-    every process every row. A collective: every process calls it with rows of
+    arrays it holds (and a flag saying so), and one `exchange` of that small
+    ``uint32`` table (through the coordination service) gives every process
+    every row. A collective: every process calls it with rows of
     the same shapes and shardings.
 
     Args:
@@ -434,7 +438,7 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
         if values is not None:
             table[k, : values.size] = values.reshape(-1)
             table[k, width] = 1
-    gathered = np.asarray(multihost_utils.process_allgather(table))  # (processes, rows, width+1)
+    gathered = exchange(table, "saving or verifying a checkpoint (exchanging checksums)")
     for k, i in enumerate(on_devices):
         holders = np.flatnonzero(gathered[:, k, width])
         if holders.size == 0:
@@ -451,8 +455,9 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
 def worst_of(outcome: int) -> int:
     """The largest ``outcome`` of all processes (one tiny allgather).
 
-    A collective in a multi-process run: every process calls it, so that all of
-    them take the same branch after a step that may fail on some of them only.
+    A collective in a multi-process run (through the key-value store, see
+    `exchange`): every process calls it, so that all of them take the same
+    branch after a step that may fail on some of them only.
 
     Example:
       >>> worst_of(0)
@@ -460,5 +465,52 @@ def worst_of(outcome: int) -> int:
     """
     if not multi_process():
         return outcome
-    outcomes = multihost_utils.process_allgather(np.array([outcome], np.int32))
-    return int(np.asarray(outcomes).max())
+    outcomes = exchange(np.array([outcome], np.int32), "reading a checkpoint (agreeing on it)")
+    return int(outcomes.max())
+
+
+_EXCHANGES = itertools.count()
+
+
+def exchange(table: np.ndarray, where: str) -> np.ndarray:
+    """Every process's ``table``, stacked by process index (a collective).
+
+    Each process stores its table in the coordination service's key-value
+    store and waits for the others' (`Coordination.fetch_array`): a peer that
+    dies meanwhile is named in a `DistributedError` within the heartbeat
+    timeout. Every process calls it the same number of times with tables of
+    the same shape and dtype. A process deletes its table of two exchanges
+    ago: having read every table of the last exchange, it knows that every
+    peer has finished the one before.
+
+    Args:
+      table: a small host array (a few numbers per checkpoint entry).
+      where: what the processes are doing, for messages.
+
+    Returns:
+      An array of shape ``(process_count, *table.shape)``.
+
+    Raises:
+      DistributedError: a peer died, or did not take part within ``NNX_MPMD_PEER_TIMEOUT``.
+
+    Example:
+      >>> exchange(np.array([3], np.int32), "testing").tolist()  # one process
+      [[3]]
+    """
+    table = np.ascontiguousarray(table)
+    if not multi_process():
+        return table[None]
+    coordination = get_coordination()
+    me, turn = jax.process_index(), next(_EXCHANGES)
+    coordination.publish_array(f"checkpoint/exchange/{turn}/{me}", table)
+    if turn >= 2:
+        coordination.delete(f"checkpoint/exchange/{turn - 2}/{me}")
+    rows = [
+        table
+        if peer == me
+        else coordination.fetch_array(
+            f"checkpoint/exchange/{turn}/{peer}", peer, table.shape, table.dtype, where
+        )
+        for peer in range(jax.process_count())
+    ]
+    return np.stack(rows)

@@ -13,9 +13,12 @@ while training continues. Call `CheckpointManager.wait_until_finished` (or
 `CheckpointManager.close`, or leave the ``with`` block) before the process exits.
 
 Each step is sealed: its manifest records the step and the SHA-256 of its
-metadata, and a checksum of every array (see `nnx_mpmd.checkpoint.manifest`). A
-step directory without orbax's commit marker, with files of another step, or
-with changed files raises `CheckpointDamagedError` naming the path;
+metadata, and a checksum of every array (see `nnx_mpmd.checkpoint.manifest`);
+once the step has committed, process 0 records the size and CRC-32 of each of
+its files (`nnx_mpmd.checkpoint.file_checksums`; for an asynchronous save at
+the next `save`, `wait_until_finished` or `close`), checked before a restore
+reads anything. A step directory without orbax's commit marker, with files of
+another step, or with changed files raises `CheckpointDamagedError` naming the path;
 `CheckpointManager.restore_newest_intact` then falls back to the newest intact
 step, and `CheckpointManager.set_aside` moves the skipped steps out of the way.
 
@@ -24,7 +27,7 @@ directory and the free space, at the next `save`, `wait_until_finished` or
 `close`; the steps written before are untouched.
 
 In a multi-process run every call waits for the other processes (orbax's
-barriers, the fingerprint collective) only while they live: a process that dies
+barriers, the checksum exchange) only while they live: a process that dies
 meanwhile is named in a `DistributedError` within the heartbeat timeout
 (`nnx_mpmd.runtime.coordination.bounded_by_peers`) instead of orbax's 300 s.
 """
@@ -47,11 +50,12 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from nnx_mpmd.checkpoint.core import read_failure, restore_layout, save_args
+from nnx_mpmd.checkpoint.file_checksums import check_files, record_files
 from nnx_mpmd.checkpoint.global_arrays import use_coordination_barriers
 from nnx_mpmd.checkpoint.layout import collect
 from nnx_mpmd.checkpoint.manifest import check_commit, check_manifest
 from nnx_mpmd.errors import CheckpointDamagedError, CheckpointError, DistributedError
-from nnx_mpmd.runtime.coordination import bounded_by_peers
+from nnx_mpmd.runtime.coordination import bounded_by_peers, get_coordination
 
 __all__ = ["CheckpointManager", "Restored"]
 
@@ -126,6 +130,7 @@ class CheckpointManager:
                 "must be >= 1."
             )
         self._directory = Path(directory).absolute()
+        self._async = async_save
         logging.getLogger("absl").addFilter(_SAVE_ERROR_FILTER)  # once: filters are a set
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -134,6 +139,8 @@ class CheckpointManager:
             create=True,
         )
         use_coordination_barriers()
+        self._unrecorded: dict[int, str | None] = {}  # saved step -> its manifest's seal
+        self._records = 0  # file records written (the barriers' names)
         handlers = {
             "arrays": ocp.PyTreeCheckpointHandler(),
             "manifest": ocp.JsonCheckpointHandler(),
@@ -189,13 +196,36 @@ class CheckpointManager:
             )
         if not self._manager.should_save(step):
             return False
+
+        def save_step() -> bool:
+            self._manager.wait_until_finished()  # orbax waits too: the earlier steps commit
+            self._record_files()  # ... before this save may delete them (max_to_keep)
+            args = save_args(tree, metadata, step)
+            self._unrecorded[step] = args["manifest"].item.get("seal")
+            return bool(self._manager.save(step, args=args))
+
         with self._save_failures(step):
-            return bool(
-                bounded_by_peers(
-                    f"saving checkpoint step {step} to {self._directory}",
-                    lambda: self._manager.save(step, args=save_args(tree, metadata, step)),
-                )
+            saved = bounded_by_peers(
+                f"saving checkpoint step {step} to {self._directory}", save_step
             )
+            if not self._async:  # committed already: record its files now
+                self._record_files_together()
+        return saved
+
+    def _record_files(self) -> None:
+        """Process 0 records the files of the steps saved and committed since the last call
+        (`nnx_mpmd.checkpoint.file_checksums`). Call when no save is in flight."""
+        pending, self._unrecorded = self._unrecorded, {}
+        if jax.process_index() != 0:
+            return
+        for step, seal in pending.items():
+            where = self._directory / str(step)
+            if not (where / COMMIT_MARKER).exists():  # deleted since (max_to_keep)
+                continue
+            try:
+                record_files(where, step=step, manifest_seal=seal)
+            except FileNotFoundError:  # deleted meanwhile: nothing to record
+                continue
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -250,6 +280,11 @@ class CheckpointManager:
         where = str(self._directory / str(step))
         layout = collect(target, where="target")
         manifest = self._manifest(step)
+        if verify:
+            try:
+                check_files(Path(where), step=step, manifest_seal=manifest.get("seal"))
+            except OSError as error:
+                raise read_failure(error, where, f"has unreadable files ({error})") from error
 
         def reader(item: dict, restore_args: dict, partial_read: bool) -> dict:
             args = ocp.args.PyTreeRestore(
@@ -444,6 +479,19 @@ class CheckpointManager:
                 f"waiting for the checkpoint saves in flight to {self._directory} to commit",
                 self._manager.wait_until_finished,
             )
+            self._record_files_together()
+
+    def _record_files_together(self) -> None:
+        """`_record_files`, then (when there was something to record) a barrier, so that
+        every process sees the records before it restores."""
+        recorded = bool(self._unrecorded)
+        self._record_files()
+        if recorded and jax.process_count() > 1:
+            self._records += 1
+            get_coordination().barrier(
+                f"checkpoint/files/{self._directory}/{self._records}",
+                "recording a checkpoint's file checksums",
+            )
 
     def close(self) -> None:
         """Waits for background saves and releases orbax's resources.
@@ -456,6 +504,7 @@ class CheckpointManager:
                 f"closing the checkpoint manager of {self._directory} (saves in flight commit)",
                 self._manager.close,
             )
+            self._record_files_together()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -230,7 +230,7 @@ class PipelinedFunction:
             )
         self.transfer_warning_bytes = transfer_warning_bytes
         self.compile_threads = compile_threads
-        self.check_finite = _check_finite_option(check_finite, mesh)
+        self.check_finite = _check_finite_option(check_finite)
         self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
         self.static_argnums = argument_positions(fn, static_argnums, static_argnames, "static")
         check_disjoint(self.static_argnums, self.donate_argnums)
@@ -500,7 +500,9 @@ class PipelinedFunction:
         if self.mesh.is_multi_process:
             from nnx_mpmd.runtime.multi_process import execute_multi_process
 
-            outputs = execute_multi_process(compiled, inputs, self.mesh, self._shardings, profiler)
+            outputs = execute_multi_process(
+                compiled, inputs, self.mesh, self._shardings, profiler, check
+            )
         else:
             submeshes = list(self.mesh.submeshes)
             recorder = MemoryRecorder(submeshes) if memory else None
@@ -521,6 +523,8 @@ class PipelinedFunction:
         user = outputs[: compiled.num_user_outputs]
         _write_back(flat, outputs[compiled.num_user_outputs :])
         for finite_check in check:
+            if self.mesh.is_multi_process:
+                finite_check.agree_across_processes()  # every process raises the same
             finite_check.raise_if_found()  # after the write-back: the donated state is whole
         return jax.tree.unflatten(compiled.out_tree, user)
 
@@ -617,7 +621,8 @@ def jit(
         parameter gradients for NaN and inf, and raise `NonFiniteError` after
         the step naming the first (stage, task, parameter path). Off, the step
         passes NaN and inf through as JAX does, at no cost; on, each task is
-        waited for. Single-process meshes only.
+        waited for. In a multi-process run each process checks what it holds and
+        all of them name the same first value.
 
     Returns:
       A `PipelinedFunction`.
@@ -677,14 +682,8 @@ def jit(
     )
 
 
-def _check_finite_option(check_finite: Any, mesh: MpmdMesh) -> bool:
-    """``mp.jit(check_finite=...)``, checked: a bool, and a single-process mesh."""
+def _check_finite_option(check_finite: Any) -> bool:
+    """``mp.jit(check_finite=...)``, checked: a bool (any mesh, multi-process ones too)."""
     if not isinstance(check_finite, bool):
         raise CompileError(f"check_finite must be True or False, got {check_finite!r}.")
-    if check_finite and mesh.is_multi_process:
-        raise CompileError(
-            "check_finite=True checks stage values in this process, but the mesh spans "
-            "several processes; run the check on one host (e.g. a smaller run of the same "
-            "model), or leave it off."
-        )
     return check_finite

@@ -12,7 +12,13 @@ the values the task made, in the order the step runs them:
 
 The first non-finite value is remembered; the step still runs to its end (the
 state it donated must be written back), then `NonFiniteError` names the stage,
-the task and the value. Checking waits for each task, so a checked step is
+the task and the value.
+
+In a multi-process run each process checks the values it holds (the shards on
+its own devices) of the tasks it runs; then the processes agree, through the
+coordination service's key-value store, on the value found first in the
+step's instruction order (`FiniteCheck.agree_across_processes`), and every
+process raises the same error. Checking waits for each task, so a checked step is
 slower; the compiled programs are the same with or without the check, and a
 step without it runs no observer at all (no cost when off).
 
@@ -25,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +74,7 @@ class FiniteCheck(Observer):
         self.plan = getattr(step, "plan", None)
         #: ``(stage, task label, what)`` of the first non-finite value, or None.
         self.first: tuple[int | None, str, str] | None = None
+        self._index = -1  # its instruction's position in the step (the same on every process)
 
     def after(self, index: int, ins: Instruction, result: Any, store: list[Any]) -> None:
         if self.first is not None or not isinstance(ins, Call):
@@ -82,7 +90,39 @@ class FiniteCheck(Observer):
                 continue
             bad = next(i for i, v in enumerate(values) if not _all_finite([v]))
             self.first = (key.stage, ins.label, self._name(key.stage, role, bad))
+            self._index = index
             return
+
+    def agree_across_processes(self) -> None:
+        """Makes `first` the first non-finite value of any process (a collective).
+
+        Each process publishes what it found (or nothing) in the coordination
+        service's key-value store and reads the others'; the value of the
+        earliest instruction wins, so every process names the same one. A peer
+        that dies meanwhile raises `DistributedError` naming it.
+
+        Raises:
+          DistributedError: a peer died or did not answer in time.
+        """
+        if jax.process_count() == 1:
+            return
+        from nnx_mpmd.runtime.coordination import get_coordination
+
+        coordination = get_coordination()
+        me, turn = jax.process_index(), next(_AGREEMENTS)
+        mine = None if self.first is None else [self._index, *self.first]
+        coordination.publish(f"finite/{turn}/{me}", mine)
+        if turn >= 2:  # every peer has read it: this process read all of turn - 1
+            coordination.delete(f"finite/{turn - 2}/{me}")
+        where = "agreeing on the first non-finite value of the step (--check-finite)"
+        found = [
+            mine if peer == me else coordination.fetch(f"finite/{turn}/{peer}", peer, where)
+            for peer in range(jax.process_count())
+        ]
+        candidates = [f for f in found if f is not None]
+        if candidates:
+            index, stage, label, what = min(candidates, key=lambda f: f[0])
+            self._index, self.first = index, (stage, label, what)
 
     def _name(self, stage: int, role: str, position: int) -> str:
         if role == "gradient":
@@ -131,10 +171,17 @@ def _all_finite(values: Sequence[Any]) -> bool:
     for leaf in jax.tree.leaves(values):
         if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)):
             continue
-        try:
-            finite = bool(jnp.isfinite(leaf).all())
-        except Exception:  # not checkable outside a program
-            continue
-        if not finite:
-            return False
+        # A global array of a multi-process run: only the shards on this process's devices.
+        local = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        parts = [shard.data for shard in leaf.addressable_shards] if local else [leaf]
+        for part in parts:
+            try:
+                finite = bool(jnp.isfinite(part).all())
+            except Exception:  # not checkable outside a program
+                continue
+            if not finite:
+                return False
     return True
+
+
+_AGREEMENTS = itertools.count()

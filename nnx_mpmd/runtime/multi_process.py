@@ -357,6 +357,7 @@ def execute_multi_process(
     mesh: MpmdMesh,
     shardings: Shardings | None = None,
     profile: Any = None,
+    observers: Sequence[Any] = (),
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
@@ -373,6 +374,8 @@ def execute_multi_process(
       profile: a list to append a `TaskRecord` per call to, or an `Observer`
         that records them (programs of submeshes without this process's
         devices take no time here).
+      observers: more `nnx_mpmd.runtime.interpreter.Observer` s (the finite
+        check), called around the steps this process runs.
 
     Returns:
       One value per output: user outputs are arrays this process holds whole
@@ -400,13 +403,12 @@ def execute_multi_process(
     where = f"running a step (call {next(_ROUNDS)})"
     store = interpreter.load_store(step, inputs)
     try:
-        if profile is None:
-            observers = []
-        elif isinstance(profile, interpreter.Observer):
-            observers = [profile]
-        else:
-            observers = [Profiler(profile)]
-        interpreter.run(prepared, store, observers)
+        watching = list(observers)
+        if isinstance(profile, interpreter.Observer):
+            watching.append(profile)
+        elif profile is not None:
+            watching.append(Profiler(profile))
+        interpreter.run(prepared, store, watching)
     except DistributedError:
         raise
     except Exception:  # a transfer or program refused while a peer was dying: say so

@@ -4,8 +4,13 @@ Usage (under ``nnx-mpmd launch``): ``python dying_peer_train.py TRAIN_ARGS...`` 
 
 * ``NNX_MPMD_TEST_DIE_AT``: where process ``NNX_MPMD_TEST_DIE_PROCESS`` (default 1) dies:
   ``save`` (orbax writes the JSON items of the save of step ``NNX_MPMD_TEST_DIE_STEP``:
-  the save is in flight), ``restore`` (orbax reads the arrays of a ``--resume``), or
-  ``exit`` (the train loop is done, before the processes finish together);
+  the save is in flight), ``fingerprints`` (the exchange of the checksums of the first
+  save: the dying process waits in it for process 0, which comes 6 s late, and dies
+  after 3 s), ``restore`` (orbax reads the arrays of a ``--resume``),
+  ``validation`` (process 0 computes the validation loss: it writes
+  ``<marker>.validating`` and then takes up to a minute, and the dying process dies
+  once that file exists), or ``exit`` (the train loop is done, before the processes
+  finish together);
 * ``NNX_MPMD_TEST_DIE_MARKER``: a file that receives the wall-clock time of the death.
 
 The dying process writes the marker and sends itself SIGKILL: no Python cleanup, as
@@ -18,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script hangs
@@ -27,7 +33,8 @@ if os.environ.get("NNX_MPMD_DUMP_AFTER_S"):  # print every stack if the script h
 
 from orbax.checkpoint import JsonCheckpointHandler, PyTreeCheckpointHandler
 
-from nnx_mpmd.apps import train
+from nnx_mpmd.apps import train, train_loop
+from nnx_mpmd.checkpoint import manifest
 
 DIE_AT = os.environ["NNX_MPMD_TEST_DIE_AT"]
 DIE_PROCESS = os.environ.get("NNX_MPMD_TEST_DIE_PROCESS", "1")
@@ -62,7 +69,43 @@ def _dying_restore_pytree(self, *args, **kwargs):
     return _restore_pytree(self, *args, **kwargs)
 
 
+_fingerprints = manifest.fingerprints
+
+
+def _dying_fingerprints(rows):
+    # Dies while waiting inside the exchange of the first save: process 0 comes late.
+    threading.Timer(3.0, _die).start()
+    return _fingerprints(rows)
+
+
+def _late_fingerprints(rows):
+    time.sleep(6.0)
+    return _fingerprints(rows)
+
+
+_val_loss = train_loop.Trainer._val_loss
+VALIDATING = MARKER + ".validating"
+SLOW_VALIDATION_S = 60.0
+
+
+def _slow_val_loss(self, batches):
+    with open(VALIDATING, "w") as f:
+        f.write(repr(time.time()))
+    loss = _val_loss(self, batches)
+    deadline = time.monotonic() + SLOW_VALIDATION_S  # the peer dies meanwhile
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    return loss
+
+
 _finish_together = train.finish_together
+
+
+def _die_during_validation():
+    deadline = time.monotonic() + 120.0
+    while not os.path.exists(VALIDATING) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _die()
 
 
 def _dying_finish_together():
@@ -76,6 +119,14 @@ elif DYING and DIE_AT == "restore":
     PyTreeCheckpointHandler.restore = _dying_restore_pytree
 elif DYING and DIE_AT == "exit":
     train.finish_together = _dying_finish_together
+elif DYING and DIE_AT == "fingerprints":
+    manifest.fingerprints = _dying_fingerprints
+if DIE_AT == "fingerprints" and os.environ.get("NNX_MPMD_PROCESS_ID") == "0":
+    manifest.fingerprints = _late_fingerprints
+elif DYING and DIE_AT == "validation":
+    train.finish_together = _die_during_validation
+if DIE_AT == "validation" and os.environ.get("NNX_MPMD_PROCESS_ID") == "0":
+    train_loop.Trainer._val_loss = _slow_val_loss
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))
