@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_check.sh [OUT_DIR]      (default: benchmarks/results/gpu-DATE)
 #
 # Runs with the Python on PATH ($PYTHON to choose), this checkout on PYTHONPATH (no
-# install needed) and JAX_PLATFORMS=cuda. Each part has its own time limit and a
+# install needed) and JAX_PLATFORMS=cuda. GPU_CHECK_ONLY="env train" runs only the
+# parts named; GPU_CHECK_PART_LIMIT sets the seconds each part may take (150). Each part has its own time limit and a
 # failed part is recorded and skipped, so one run always leaves a section:
 #   1. environment: versions and the device;
 #   2. bf16 against float32 step time (benchmarks/precision_bench.py), two presets;
@@ -20,9 +21,11 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 LIMIT=${GPU_CHECK_PART_LIMIT:-150}
+ONLY=${GPU_CHECK_ONLY:-}  # e.g. "env train generate": run only these parts
 
 part() {  # part NAME CMD...: runs CMD under a time limit, output to NAME.log
   local name=$1; shift
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   echo "== $name: $*" | tee -a "$OUT_DIR/parts.txt"
   local t0=$SECONDS
   timeout -k 5 "$LIMIT" "$@" >"$OUT_DIR/$name.log" 2>&1
@@ -34,7 +37,7 @@ part() {  # part NAME CMD...: runs CMD under a time limit, output to NAME.log
 part env "$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print('device', jax.devices()[0].device_kind, len(jax.devices()))"
 part precision_small "$PY" benchmarks/precision_bench.py --preset small --seq 256 --batch 32 --microbatches 4 --num-meshes 1 --data 1 --rounds 3
 part precision_124m "$PY" benchmarks/precision_bench.py --preset gpt2-124m --seq 512 --batch 16 --microbatches 4 --num-meshes 1 --data 1 --rounds 3
-part bench "$PY" -m nnx_mpmd bench --presets tiny,small --schedules 1f1b --num-meshes 1 --data 1 --microbatches 8 --batch 64 --seq 128 --rounds 3 --first-step-repeats 1 --overhead-repeats 1 --markdown "$OUT_DIR/bench.md" --out "$OUT_DIR/bench.json" --quiet
+part bench "$PY" -m nnx_mpmd bench --presets tiny,small --schedules 1f1b --num-meshes 1 --data 1 --microbatches 8 --batch 64 --seq 64 --rounds 3 --first-step-repeats 1 --overhead-repeats 1 --markdown "$OUT_DIR/bench.md" --out "$OUT_DIR/bench.json" --quiet
 part train "$PY" -m nnx_mpmd train --preset small --meshes 1 --data 1 --microbatches 4 --batch-size 32 --steps 30 --log-every 1 --ckpt-every 30 --sample-tokens 0 --no-compile-cache --run-dir "$OUT_DIR/run"
 part generate "$PY" -m nnx_mpmd generate --run-dir "$OUT_DIR/run" --meshes 1 --data 1 --prompt "def " --max-tokens 200 --temperature 0
 

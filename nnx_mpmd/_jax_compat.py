@@ -165,11 +165,18 @@ def coordination_state() -> tuple[Any, Any]:
 def cluster_environment_present() -> bool:
     """Whether one of jax's cluster environments (SLURM, MPI, TPU pod, ...) is detected.
 
-    Relies on: ``jax._src.clusters.ClusterEnv._cluster_types``.
+    Environments JAX uses only when asked (``opt_in_only_method``: mpi4py, which is
+    "present" wherever the package is installed) are left out, as
+    ``jax.distributed.initialize()`` leaves them out of its own detection.
+
+    Relies on: ``jax._src.clusters.ClusterEnv._cluster_types`` and ``opt_in_only_method``.
     """
     from jax._src.clusters import ClusterEnv
 
-    return any(env.is_env_present() for env in ClusterEnv._cluster_types)
+    return any(
+        not getattr(env, "opt_in_only_method", False) and env.is_env_present()
+        for env in ClusterEnv._cluster_types
+    )
 
 
 # Where JAX implements the differentiation transforms a user may wrap around Stage

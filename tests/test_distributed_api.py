@@ -530,3 +530,30 @@ def test_fetch_waits_as_long_as_asked_while_the_peer_lives(monkeypatch):
     clock[0] = 0.0
     with pytest.raises(mp.DistributedError, match=r"within 30 s .* raise NNX_MPMD_PEER_TIMEOUT"):
         watcher.fetch("k", 1, "waiting")  # the default bound
+
+
+class _OptInCluster:
+    """Like JAX's mpi4py environment: present wherever its package is installed."""
+
+    opt_in_only_method = True
+
+    @classmethod
+    def is_env_present(cls):
+        return True
+
+
+class _PresentCluster(_OptInCluster):
+    opt_in_only_method = False
+
+
+def test_an_installed_mpi4py_is_not_a_cluster(clean_env):
+    # Found on a GPU machine with mpi4py installed: every `nnx-mpmd train` failed with
+    # "coordinator_address should be defined", since JAX itself leaves opt-in
+    # environments out of its detection.
+    from jax._src.clusters import ClusterEnv
+
+    clean_env.setattr(ClusterEnv, "_cluster_types", [_OptInCluster])
+    assert not multi_process.cluster_detected()
+    assert distributed.initialize() == multi_process.ProcessInfo(0, 1, None)
+    clean_env.setattr(ClusterEnv, "_cluster_types", [_OptInCluster, _PresentCluster])
+    assert multi_process.cluster_detected()
