@@ -325,8 +325,9 @@ def test_a_run_too_big_for_the_device_exits_2_before_compiling(in_tmp, monkeypat
     monkeypatch.setenv("NNX_MPMD_DEVICE_MEMORY_BYTES", str(100_000))
     line = _train_fails([*SMALL, "--run-dir", "run"], capsys)
     assert re.search(
-        r"PlanError: mesh 0 needs at least [0-9.]+ MiB per device for the parameters, "
-        r"optimizer state, gradients and batch .* but a device has 0\.1 MiB\. Use more "
+        r"PlanError: mesh 0 needs about [0-9.]+ MiB per device for the parameters, "
+        r"optimizer state, gradients, batch and activations .* but a device has 0\.1 MiB\. "
+        r"Use more "
         r"--meshes \(now 1\).*--skip-memory-check",
         line,
     ), line
@@ -343,3 +344,29 @@ def test_the_memory_check_is_skipped_when_asked_and_counts_the_state(tmp_path, m
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
     # One mesh, donated state: parameters + Adam's two moments + gradients, at least.
     assert predicted_peaks(trainer)[0] >= 4 * param_bytes
+
+
+def test_the_memory_check_counts_the_activations(tmp_path, monkeypatch):
+    # It used to count the state and the batch only: a long sequence with a small
+    # model passed the check and then failed in XLA.
+    from nnx_mpmd.apps import memory_check
+    from nnx_mpmd.apps.train_loop import Trainer
+
+    cfg = train.config_from_args([*SMALL, "--skip-memory-check"])
+    trainer = Trainer(cfg, tmp_path)
+    rows = cfg.batch_size // cfg.microbatches
+    kept = memory_check._stage_activation_bytes(trainer, rows)
+    per_block, logits = memory_check.activation_bytes_per_token(
+        trainer.model.config, trainer.seq_len
+    )
+    assert kept == [rows * trainer.seq_len * (2 * per_block + logits)]
+    with_activations = memory_check.predicted_peaks(trainer)[0]
+    monkeypatch.setattr(memory_check, "_stage_activation_bytes", lambda *_: [0])
+    state_only = memory_check.predicted_peaks(trainer)[0]
+    assert with_activations >= state_only + kept[0]
+    monkeypatch.setenv("NNX_MPMD_DEVICE_MEMORY_BYTES", str(state_only + kept[0] // 2))
+    memory_check.check_memory(trainer)  # the state alone fits
+    monkeypatch.undo()
+    monkeypatch.setenv("NNX_MPMD_DEVICE_MEMORY_BYTES", str(state_only + kept[0] // 2))
+    with pytest.raises(PlanError, match=r"mesh 0 needs about .* and activations of its stages"):
+        memory_check.check_memory(trainer)

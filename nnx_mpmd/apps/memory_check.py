@@ -4,11 +4,14 @@ A model or batch too big for a device used to end, after minutes of
 compiling, in XLA's raw ``RESOURCE_EXHAUSTED``. Before anything compiles, the
 trainer now predicts each mesh's peak with the planner's memory model
 (`nnx_mpmd.planner.search.predict`): the parameters, optimizer state and
-gradient accumulators of the mesh's stages, the batch, and (without
-donation) the update's second copy of the state. Activations are left out
-(they need a profile, `nnx-mpmd plan`), so the estimate is a lower bound, and
-parameters are counted as if sharded over ``--data``: a run it refuses cannot
-fit. It compares that with the device's memory limit (``bytes_limit`` of
+gradient accumulators of the mesh's stages, the batch, (without donation) the
+update's second copy of the state, and the activations each forward keeps for
+its backward, as many microbatches of them as the schedule holds at once.
+Activations are estimated from the zoo config (`activation_bytes_per_token`:
+about ``10·d + 2·d_ff + 2·heads·T`` values per token and block, plus the
+logits on the last stage), since measuring them needs a profile
+(``nnx-mpmd plan``); parameters are counted as if sharded over ``--data``. It
+compares that with the device's memory limit (``bytes_limit`` of
 ``jax.Device.memory_stats``, or ``$NNX_MPMD_DEVICE_MEMORY_BYTES``, which
 overrides it, e.g. for CPU, whose devices report none); with no limit known
 nothing is checked. ``--skip-memory-check`` skips it.
@@ -20,6 +23,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from nnx_mpmd.errors import PlanError
@@ -27,7 +31,13 @@ from nnx_mpmd.frontend.stage import variable_stage
 from nnx_mpmd.planner.profile_units import UnitCosts
 from nnx_mpmd.planner.search import predict
 
-__all__ = ["MEMORY_ENV_VAR", "check_memory", "device_memory_limit", "predicted_peaks"]
+__all__ = [
+    "MEMORY_ENV_VAR",
+    "activation_bytes_per_token",
+    "check_memory",
+    "device_memory_limit",
+    "predicted_peaks",
+]
 
 #: Bytes per device to check against, overriding what the device reports.
 MEMORY_ENV_VAR = "NNX_MPMD_DEVICE_MEMORY_BYTES"
@@ -62,8 +72,52 @@ def _nbytes(leaf: Any) -> int:
     return int(getattr(leaf, "size", 0)) * int(getattr(getattr(leaf, "dtype", None), "itemsize", 0))
 
 
+def activation_bytes_per_token(config: Any, seq_len: int) -> tuple[int, int]:
+    """Bytes one token keeps for the backward: ``(per block, logits on the last stage)``.
+
+    A pre-norm block keeps its input, both norms' outputs, q, k and v, the attention
+    output and its projection (about ``10·d`` values), the MLP's hidden layer before
+    and after the activation (``2·d_ff``), and the attention scores and
+    probabilities (``2·heads·T``); the head keeps the logits and their softmax.
+
+    Args:
+      config: a zoo model config (``d_model``, ``n_heads``, ``vocab_size``, ``dtype``).
+      seq_len: tokens per sequence.
+
+    Returns:
+      The two byte counts.
+
+    Example:
+      >>> from nnx_mpmd.models.gpt import GPTConfig
+      >>> activation_bytes_per_token(GPTConfig(d_model=64, n_heads=2, vocab_size=100), 32)
+      (5120, 800)
+    """
+    d = int(config.d_model)
+    ffn = int(getattr(config, "ffn_dim", 4 * d))
+    itemsize = jnp.dtype(getattr(config, "dtype", jnp.float32)).itemsize
+    per_block = (10 * d + 2 * ffn + 2 * int(config.n_heads) * seq_len) * itemsize
+    return per_block, 2 * int(config.vocab_size) * 4  # logits are float32
+
+
+def _stage_activation_bytes(trainer: Any, rows: int) -> list[int]:
+    """Each stage's kept bytes per microbatch: its share of the blocks, and the head's logits."""
+    num_stages = trainer.num_stages
+    block_params = [0] * num_stages
+    for path, node in nnx.iter_graph(trainer.model):
+        if isinstance(node, nnx.Param) and "blocks" in map(str, path):
+            stage = variable_stage(node)
+            block_params[stage if stage is not None else 0] += _nbytes(node.get_value())
+    total = sum(block_params) or 1
+    per_block, logits = activation_bytes_per_token(trainer.model.config, trainer.seq_len)
+    tokens = rows * trainer.seq_len
+    layers = trainer.num_layers
+    kept = [tokens * per_block * layers * b // total for b in block_params]
+    kept[-1] += tokens * logits
+    return kept
+
+
 def predicted_peaks(trainer: Any) -> tuple[int, ...]:
-    """Each mesh's predicted peak bytes per device, without activations (a lower bound).
+    """Each mesh's predicted peak bytes per device, activations included (an estimate).
 
     Args:
       trainer: a `nnx_mpmd.apps.train_loop.Trainer` (model, optimizer, mesh and settings).
@@ -83,23 +137,37 @@ def predicted_peaks(trainer: Any) -> tuple[int, ...]:
     data = max(1, cfg.data)
     params = [b // data for b in param_bytes]
     state = [p + p * opt_bytes // total for p in params]
-    batch_row = cfg.batch_size // cfg.microbatches // data * trainer.seq_len * 4 * 2
+    rows = cfg.batch_size // cfg.microbatches // data
+    batch_row = rows * trainer.seq_len * 4 * 2
     batch = [batch_row if s in (0, num_stages - 1) else 0 for s in range(num_stages)]
-    zeros = (0.0,) * num_stages
-    costs = UnitCosts(
-        paths=tuple(str(s) for s in range(num_stages)),
-        microbatch_size=cfg.batch_size // cfg.microbatches,
-        remat=False,
-        F=(1.0,) * num_stages, BI=zeros, BW=zeros,
-        kept_bytes=(0,) * num_stages, split_bytes=(0,) * num_stages,
-        state_bytes=tuple(state), param_bytes=tuple(params), batch_bytes=tuple(batch),
-    )  # fmt: skip
+    kept = _stage_activation_bytes(trainer, rows)
     donate = not getattr(cfg, "no_donate", False)
-    candidate = predict(
-        cfg.schedule, cfg.meshes, cfg.microbatches, range(num_stages), [False] * num_stages,
-        costs, donate=donate,
-    )  # fmt: skip
-    return candidate.peak_bytes
+
+    def peaks(kept_bytes: list[int]) -> tuple[int, ...]:
+        zeros = (0.0,) * num_stages
+        costs = UnitCosts(
+            paths=tuple(str(s) for s in range(num_stages)),
+            microbatch_size=cfg.batch_size // cfg.microbatches,
+            remat=False,
+            F=(1.0,) * num_stages, BI=zeros, BW=zeros,
+            kept_bytes=tuple(kept_bytes), split_bytes=(0,) * num_stages,
+            state_bytes=tuple(state), param_bytes=tuple(params), batch_bytes=tuple(batch),
+        )  # fmt: skip
+        return predict(
+            cfg.schedule, cfg.meshes, cfg.microbatches, range(num_stages),
+            [False] * num_stages, costs, donate=donate,
+        ).peak_bytes  # fmt: skip
+
+    # A forward fused with its own backward keeps nothing between tasks in the
+    # planner's model, but holds one microbatch's activations while it runs.
+    without = peaks([0] * num_stages)
+    held = [0] * cfg.meshes
+    for stage, b in enumerate(kept):
+        mesh = stage % cfg.meshes
+        held[mesh] = max(held[mesh], b)
+    return tuple(
+        max(w_kept, w + h) for w_kept, w, h in zip(peaks(kept), without, held, strict=True)
+    )
 
 
 def check_memory(trainer: Any) -> None:
@@ -109,7 +177,7 @@ def check_memory(trainer: Any) -> None:
       trainer: a `nnx_mpmd.apps.train_loop.Trainer`, before its first step.
 
     Raises:
-      PlanError: a mesh's predicted peak (a lower bound) is above the device limit;
+      PlanError: a mesh's predicted peak is above the device limit;
         the message gives both and what to change.
     """
     limit = device_memory_limit(jax.local_devices()[0])
@@ -122,9 +190,10 @@ def check_memory(trainer: Any) -> None:
     cfg = trainer.cfg
     mib = 2**20
     raise PlanError(
-        f"mesh {worst} needs at least {peaks[worst] / mib:,.1f} MiB per device for the "
-        f"parameters, optimizer state, gradients and batch of its stages (before "
-        f"activations), but a device has {limit / mib:,.1f} MiB. Use more --meshes (now "
+        f"mesh {worst} needs about {peaks[worst] / mib:,.1f} MiB per device for the "
+        f"parameters, optimizer state, gradients, batch and activations of its stages "
+        f"(estimated), but a device has {limit / mib:,.1f} MiB. Use more --meshes (now "
         f"{cfg.meshes}), fewer --layers or a smaller --preset (now {cfg.preset}), a smaller "
-        f"--batch-size (now {cfg.batch_size}); or pass --skip-memory-check to try anyway."
+        f"--batch-size (now {cfg.batch_size}) or more --microbatches (now {cfg.microbatches}); "
+        "or pass --skip-memory-check to try anyway."
     )
