@@ -369,12 +369,13 @@ class Trainer:
             title = f"{cfg.model} from {cfg.init_from}"
         elif self.num_layers != preset_layers:
             layers += f" (the preset has {preset_layers})"
+        unit = "chars" if isinstance(self.tokenizer, CharTokenizer) else "tokens"
         return (
             f"{title}: {layers}, {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
             f"({jax.devices()[0].platform}{across}), schedule {schedule_label(self.schedule)}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
-            f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
+            f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} {unit}; "
             f"run dir {self.run_dir}; compile cache {_compile_cache_text()}"
         )
 
