@@ -83,15 +83,19 @@ def resolve_run_dir(cfg: Any) -> pathlib.Path:
 def reuse_run_tokenizer(cfg: Any, given: str | None) -> None:
     """With ``--resume``, takes the run directory's copy of its tokenizer file.
 
-    A run trained with ``--tokenizer`` keeps a copy of the file in its directory;
-    a resumed run uses that copy unless ``--tokenizer`` is ``given`` anew (on the
+    A run trained with ``--tokenizer`` keeps a copy of the file in its directory
+    (and names a tokenizer in its ``config.toml``); a resumed run uses that copy unless ``--tokenizer`` is ``given`` anew (on the
     command line or in ``--config``), so the original file may have moved,
-    changed or gone.
+    changed or gone. A ``given`` file with other contents is refused before the
+    copy is overwritten.
 
     Args:
       cfg: the configuration (``resume``, ``run_dir``, ``tokenizer``); its
         ``tokenizer`` is set to the copy.
       given: the ``--tokenizer`` of this invocation, or None.
+
+    Raises:
+      MpmdError: ``given`` differs from the run's copy.
 
     Example:
       >>> import argparse
@@ -102,16 +106,47 @@ def reuse_run_tokenizer(cfg: Any, given: str | None) -> None:
     """
     from nnx_mpmd.errors import MpmdError
 
-    if not cfg.resume or given is not None:
+    if not cfg.resume:
         return
     try:
         run_dir = resolve_run_dir(cfg)
     except MpmdError:  # no run to continue: `run` says so
         return
-    for name in RUN_TOKENIZER_FILES:
-        if (run_dir / name).is_file():
-            cfg.tokenizer = str(run_dir / name)
-            return
+    copies = [run_dir / name for name in RUN_TOKENIZER_FILES if (run_dir / name).is_file()]
+    if not copies or not _trained_with_tokenizer_file(run_dir):
+        return
+    if given is None:
+        cfg.tokenizer = str(copies[0])
+        return
+    _check_same_tokenizer(pathlib.Path(given), copies[0])
+
+
+def _trained_with_tokenizer_file(run_dir: pathlib.Path) -> bool:
+    """Whether the run's saved ``config.toml`` names a tokenizer file (a copy left by a
+    refused resume of a character-level run does not count)."""
+    import tomllib
+
+    try:
+        saved = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False  # no readable saved configuration: `parse_layered` names a bad one
+    return isinstance(saved.get("tokenizer"), str)
+
+
+def _check_same_tokenizer(given: pathlib.Path, copy: pathlib.Path) -> None:
+    """Refuses a ``--tokenizer`` on ``--resume`` that differs from the run's copy, before
+    the copy is overwritten (the run's checkpoints need it)."""
+    from nnx_mpmd.apps.text_tokenizers import file_sha256
+    from nnx_mpmd.errors import MpmdError
+
+    if given.resolve() == copy.resolve() or not given.is_file():
+        return  # a missing file is named by the data options' check
+    if given.suffix == copy.suffix and file_sha256(given) == file_sha256(copy):
+        return
+    raise MpmdError(
+        f"--resume: --tokenizer {given} differs from the tokenizer the run trained with "
+        f"({copy}); resume without --tokenizer to use the run's copy, or start a new --run-dir."
+    )
 
 
 def join_processes() -> Any:
