@@ -211,13 +211,13 @@ def test_resume_reuses_the_runs_copy_of_its_tokenizer(tmp_path, text_and_tokeniz
     ):
         train.config_from_args(["--resume", "--run-dir", str(run_dir), "--tokenizer", str(other)])
     assert (run_dir / "tokenizer.json").read_bytes() == copy  # the run's copy is untouched
-    # A character-level run (its config names no tokenizer) ignores a stray tokenizer.json.
-    (run_dir / "config.toml").write_text("steps = 5\n")
-    assert train.config_from_args(["--resume", "--run-dir", str(run_dir)]).tokenizer is None
     with pytest.raises(MpmdError, match=r"--tokenizer .*gone\.json does not exist"):
         train.config_from_args(
             ["--run-dir", str(tmp_path / "new"), "--config", str(run_dir / "config.toml")]
         )
+    # A character-level run (its config names no tokenizer) ignores a stray tokenizer.json.
+    (run_dir / "config.toml").write_text("steps = 5\n")
+    assert train.config_from_args(["--resume", "--run-dir", str(run_dir)]).tokenizer is None
 
 
 def test_a_resume_with_another_tokenizer_names_the_tokenizer(monkeypatch):
