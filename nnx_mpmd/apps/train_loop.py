@@ -1,9 +1,9 @@
 """The training loop behind ``nnx-mpmd train``: set-up, steps, checkpoints, outputs.
 
 `Trainer` builds the data, the model, the optimizer, the `MpmdMesh` and the
-pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a checkpoint
-if asked, runs the steps under a rich progress bar and writes the run
-directory. In a multi-process run every process builds and steps alike (the
+pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a
+checkpoint if asked (`nnx_mpmd.apps.train_resume`), runs the steps under a rich
+progress bar and writes the run directory. In a multi-process run every process builds and steps alike (the
 steps and checkpoints are collective); only process 0 prints and writes the
 run's files. `nnx_mpmd.apps.train` imports this module only after it has set the
 simulated CPU device count, since importing it starts JAX.
