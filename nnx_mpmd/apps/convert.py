@@ -11,7 +11,7 @@ directory with a checkpoint of step 0, as ``nnx-mpmd train --init-from DIR``
 would have started it: ``nnx-mpmd generate --run-dir R`` samples from it and
 ``nnx-mpmd train --resume --run-dir R`` fine-tunes it. Options after ``--`` are
 ``nnx-mpmd train`` options (``--steps``, ``--lr``, ``--batch-size``, ...) saved
-with the checkpoint; give the resumed run the same ones. ``--to-hf`` writes a
+with the checkpoint and in ``R/config.toml``, which ``--resume`` reads back. ``--to-hf`` writes a
 run's checkpoint (the latest, or ``--step N``) as a Hugging Face directory that
 ``transformers`` loads; a run that started from a Hugging Face directory also
 gets its ``tokenizer.json`` back.
@@ -43,6 +43,7 @@ __all__ = [
     "import_hf",
     "keep_pretrained_config",
     "main",
+    "pretrained_max_len",
     "pretrained_model",
 ]
 
@@ -91,7 +92,7 @@ def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
     """Sets ``cfg.model`` and ``cfg.layers`` from a Hugging Face ``config.json``.
 
     The directory is ``cfg.init_from``, or, for ``--resume`` of a run that started
-    from one, ``run_dir/pretrained`` (then ``cfg.init_from`` is set to it). With a
+    from one, its copy ``run_dir/pretrained`` (then ``cfg.init_from`` is set to it). With a
     ``tokenizer.json`` there and no ``--tokenizer``, ``cfg.tokenizer`` is set to it.
 
     Args:
@@ -106,10 +107,10 @@ def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
     from nnx_mpmd.models.hf_config import read_hf_config, zoo_config_from_hf
 
     kept = run_dir / PRETRAINED_DIR
+    if cfg.resume and (kept / "config.json").is_file():
+        cfg.init_from = str(kept)  # the run's own copy: the original may have moved
     if not getattr(cfg, "init_from", None):
-        if not (cfg.resume and (kept / "config.json").is_file()):
-            return
-        cfg.init_from = str(kept)
+        return
     source = pathlib.Path(cfg.init_from)
     family, model_cfg = zoo_config_from_hf(
         read_hf_config(source), where=f"--init-from {source / 'config.json'}"
@@ -124,6 +125,28 @@ def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
     tokenizer_file = source / "tokenizer.json"
     if tokenizer_file.is_file() and hasattr(cfg, "tokenizer") and cfg.tokenizer is None:
         cfg.tokenizer = str(tokenizer_file)
+
+
+def pretrained_max_len(init_from: str | pathlib.Path) -> int:
+    """The context length of a Hugging Face directory's model (its ``config.json``).
+
+    Args:
+      init_from: the directory.
+
+    Returns:
+      The model's ``max_len`` (GPT-2's ``n_positions``, Llama's
+      ``max_position_embeddings``): the default ``--seq-len`` of a run from it.
+
+    Raises:
+      MpmdError: a missing or unsupported ``config.json``.
+    """
+    from nnx_mpmd.models.hf_config import read_hf_config, zoo_config_from_hf
+
+    source = pathlib.Path(init_from)
+    _, model_cfg = zoo_config_from_hf(
+        read_hf_config(source), where=f"--init-from {source / 'config.json'}"
+    )
+    return int(model_cfg.max_len)
 
 
 def pretrained_model(
@@ -218,6 +241,7 @@ def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[s
             f"--run-dir {run_dir} already holds checkpoints/; choose a new run directory."
         )
     apply_init_from(cfg, run_dir)
+    from nnx_mpmd.apps.train_config import train_config_values, write_run_config
     from nnx_mpmd.apps.train_loop import Trainer
     from nnx_mpmd.checkpoint import CheckpointManager
     from nnx_mpmd.models import count_params
@@ -229,9 +253,11 @@ def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[s
         keep_pretrained_config(source, run_dir)
         manager = CheckpointManager(run_dir / "checkpoints", max_to_keep=cfg.keep)
         try:
-            trainer._save(manager, 0)
+            trainer.save_checkpoint(manager, 0)
         finally:
             manager.close()
+        # `nnx-mpmd train --resume --run-dir R` reads the options back from R/config.toml.
+        write_run_config(run_dir, train_config_values(cfg))
     except BaseException:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)

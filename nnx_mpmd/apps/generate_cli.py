@@ -185,7 +185,8 @@ class TextStream:
     written, so tokenizers whose pieces depend on their neighbours (a leading
     space, a character split over byte tokens) stream the same text as one
     decode at the end. An unfinished character (U+FFFD at the end) waits for
-    the next token.
+    the next token. A token that rewrites earlier text (a decoder's clean-up)
+    cannot unwrite it: the stream goes on after as many characters.
 
     Args:
       tokenizer: the run's tokenizer (``decode``).
@@ -210,9 +211,12 @@ class TextStream:
         self._write(tokenizer.decode(self.ids))
 
     def _write(self, text: str) -> None:
-        if text.startswith(self.shown) and len(text) > len(self.shown):
+        # A token may rewrite text already written (a decoder's clean-up, "a ." -> "a."):
+        # what was written stays, and the stream goes on after as many characters.
+        if len(text) > len(self.shown):
             self.out.write(text[len(self.shown) :])
             self.out.flush()
+        if len(text) >= len(self.shown):
             self.shown = text
 
     def add(self, token: int) -> None:

@@ -121,10 +121,13 @@ def run(cfg: Any) -> Any:
     Returns:
       The `nnx_mpmd.planner.Plan` written.
     """
+    from nnx_mpmd.apps.convert import apply_init_from
     from nnx_mpmd.apps.train_loop import Trainer
 
     with tempfile.TemporaryDirectory(prefix="nnx-mpmd-plan-") as scratch:
-        trainer = Trainer(cfg, scratch)  # writes nothing there; removed when planned
+        # --init-from: the checkpoint's family, depth and tokenizer, as train takes them.
+        apply_init_from(cfg, pathlib.Path(scratch))
+        trainer = Trainer(cfg, scratch)  # removed when planned
         return _plan_and_save(cfg, trainer)
 
 
@@ -139,7 +142,7 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
     budget = None if cfg.budget_mib is None else int(cfg.budget_mib * 2**20)
     out = pathlib.Path(cfg.out).resolve()
     _say(
-        f"planning {cfg.model} {cfg.preset} ({trainer.num_layers} layers) for {cfg.meshes} "
+        f"planning {_model_name(cfg)} ({trainer.num_layers} layers) for {cfg.meshes} "
         f"meshes x {cfg.data} data, batch {cfg.batch_size}; the plan goes to {out}"
     )
     _say(
@@ -173,13 +176,23 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
     return planned
 
 
+def _model_name(cfg: TrainConfig) -> str:
+    """The planned model as the log names it: the family and preset, or the checkpoint."""
+    if getattr(cfg, "init_from", None):
+        return f"{cfg.model} from {cfg.init_from}"
+    return f"{cfg.model} {cfg.preset}"
+
+
 def _model_options(cfg: TrainConfig) -> str:
     """The options that built the planned model, for the ``train`` command to repeat."""
     options = []
-    if cfg.model != "gpt" or cfg.preset != "tiny":
-        options += [f"--model {cfg.model}", f"--preset {cfg.preset}"]
-    if cfg.layers is not None:
-        options.append(f"--layers {cfg.layers}")
+    if getattr(cfg, "init_from", None):  # the checkpoint fixes the family and depth
+        options.append(f"--init-from {cfg.init_from}")
+    else:
+        if cfg.model != "gpt" or cfg.preset != "tiny":
+            options += [f"--model {cfg.model}", f"--preset {cfg.preset}"]
+        if cfg.layers is not None:
+            options.append(f"--layers {cfg.layers}")
     if cfg.seq_len is not None:
         options.append(f"--seq-len {cfg.seq_len}")
     if cfg.scan_layers:

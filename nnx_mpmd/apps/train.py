@@ -61,14 +61,30 @@ module must not import JAX at the top level.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
 import signal
 import sys
 from typing import Any
 
+from nnx_mpmd.apps.run_dir import (
+    FINISH_WAIT_S,
+    FINISHED_KEY,
+    RUN_DIR_KEY,
+    RUNS_ROOT,
+    agree_on_run_dir,
+    finish_together,
+    join_processes,
+    leave_after_dead_peer,
+    resolve_run_dir,
+    reuse_run_tokenizer,
+)
+
 __all__ = [
+    "FINISHED_KEY",
+    "FINISH_WAIT_S",
+    "RUNS_ROOT",
+    "RUN_DIR_KEY",
     "TrainConfig",
     "agree_on_run_dir",
     "apply_plan_file",
@@ -77,6 +93,7 @@ __all__ = [
     "configure_compile_cache",
     "finish_together",
     "join_processes",
+    "leave_after_dead_peer",
     "main",
     "resolve_run_dir",
     "run",
@@ -389,6 +406,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.frontend.precision import precision_from_names
 
     cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
+    reuse_run_tokenizer(cfg, _given_tokenizer(argv))  # --resume: the run's own copy
     check_reporting_flags(cfg)
     if cfg.plan is not None:
         apply_plan_file(cfg)
@@ -440,6 +458,17 @@ def config_from_args(argv: list[str]) -> TrainConfig:
             "other; keep one of them."
         )
     return cfg
+
+
+def _given_tokenizer(argv: list[str]) -> str | None:
+    """The ``--tokenizer`` this invocation gives: on the command line, else in ``--config``."""
+    from nnx_mpmd.apps.train_config import config_keys, read_config_file
+
+    parser = build_parser()
+    given = parser.parse_args(argv)
+    if given.tokenizer is not None or given.config is None:
+        return given.tokenizer
+    return read_config_file(given.config, config_keys(parser)).get("tokenizer")
 
 
 def _saved_config_path(cfg: TrainConfig) -> pathlib.Path | None:
@@ -498,160 +527,6 @@ def set_cpu_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if DEVICE_COUNT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
-
-
-RUNS_ROOT = pathlib.Path("runs")
-
-
-def resolve_run_dir(cfg: TrainConfig) -> pathlib.Path:
-    """The run directory of ``cfg``; creates nothing.
-
-    Without ``--run-dir`` a new run goes to ``runs/TIME`` and ``--resume``
-    takes the newest run under ``runs/`` that has checkpoints.
-
-    Args:
-      cfg: the configuration.
-
-    Returns:
-      The directory (it need not exist yet for a new run).
-
-    Raises:
-      CheckpointError: ``--resume`` without an earlier run to continue.
-
-    Example:
-      >>> resolve_run_dir(config_from_args(["--run-dir", "my_run"]))
-      PosixPath('my_run')
-    """
-    from nnx_mpmd.errors import CheckpointError
-
-    if not cfg.resume:
-        if cfg.run_dir:
-            return pathlib.Path(cfg.run_dir)
-        return RUNS_ROOT / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if cfg.run_dir:
-        run_dir = pathlib.Path(cfg.run_dir)
-        if not (run_dir / "checkpoints").is_dir():
-            raise CheckpointError(
-                f"--resume: {run_dir} holds no checkpoints/ directory, so there is no earlier "
-                "run to continue there; run without --resume to start one, or point --run-dir "
-                "at a run that saved checkpoints."
-            )
-        return run_dir
-    runs = sorted(p for p in RUNS_ROOT.glob("*") if (p / "checkpoints").is_dir())
-    if not runs:
-        raise CheckpointError(
-            f"--resume: no earlier run with checkpoints under {RUNS_ROOT.resolve()}; run "
-            "without --resume to start one, or pass --run-dir with a run that saved checkpoints."
-        )
-    return runs[-1]
-
-
-def join_processes() -> Any:
-    """Joins the multi-process run the environment describes (one process otherwise).
-
-    Under ``nnx-mpmd launch`` or a cluster launcher, every process of the job
-    calls it before JAX starts its backends (`nnx_mpmd.distributed.initialize`).
-
-    Returns:
-      The `nnx_mpmd.distributed.ProcessInfo`.
-
-    Example:
-      >>> join_processes().num_processes  # no launcher, no cluster: one process
-      1
-    """
-    from nnx_mpmd.distributed import initialize
-
-    return initialize()
-
-
-RUN_DIR_KEY = "train/run_dir"
-
-
-def agree_on_run_dir(run_dir: pathlib.Path) -> pathlib.Path:
-    """Process 0's run directory, on every process (each may have timed its own name).
-
-    Args:
-      run_dir: this process's choice (`resolve_run_dir`).
-
-    Returns:
-      ``run_dir`` on one process; process 0's choice in a multi-process run.
-
-    Raises:
-      DistributedError: process 0 died or did not say in time.
-
-    Example:
-      >>> agree_on_run_dir(pathlib.Path("runs/x"))  # one process: its own choice
-      PosixPath('runs/x')
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return run_dir
-    from nnx_mpmd.runtime.coordination import get_coordination
-
-    coordination = get_coordination()
-    if jax.process_index() == 0:
-        coordination.publish(RUN_DIR_KEY, str(run_dir))
-        return run_dir
-    return pathlib.Path(coordination.fetch(RUN_DIR_KEY, 0, "agreeing on the run directory"))
-
-
-FINISHED_KEY = "train/finished"
-#: How long the other processes wait for process 0's validation and sample (while it lives).
-FINISH_WAIT_S = 6 * 3600.0
-
-
-def finish_together() -> None:
-    """Keeps every process until process 0 has scored, sampled and written its outputs.
-
-    Only process 0 computes the validation loss and the sample, which can take
-    longer than the bounded barrier every process meets at exit. The others wait
-    for its word here, as long as it lives (at most `FINISH_WAIT_S`); then every
-    process meets at a barrier, so that a process that died at the end is named.
-
-    Raises:
-      DistributedError: a process died, or process 0 did not finish within `FINISH_WAIT_S`.
-
-    Example:
-      >>> finish_together()  # one process: nothing to wait for
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    from nnx_mpmd.runtime.coordination import get_coordination
-
-    coordination = get_coordination()
-    if jax.process_index() == 0:
-        coordination.publish(FINISHED_KEY, True)
-    else:
-        where = "finishing the run (waiting for process 0's validation loss and sample)"
-        coordination.fetch(FINISHED_KEY, 0, where, timeout_s=FINISH_WAIT_S)
-    # A process that died at the very end is named here, not lost in the exit hook.
-    coordination.barrier("train/finished", "finishing the run (every process done)")
-
-
-def leave_after_dead_peer(status: int) -> None:
-    """Ends a multi-process run's process with ``status`` now, once a peer died.
-
-    Its other threads may still wait for the dead peer (orbax's background
-    save, a barrier): a normal exit would join them, print their errors and
-    run the exit barrier, all for a run that cannot continue. The error was
-    printed already; on one process this returns.
-
-    Args:
-      status: the exit status.
-
-    Example:
-      >>> leave_after_dead_peer(2)  # one process: returns
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _fail(message: str) -> int:

@@ -1,9 +1,9 @@
 """The training loop behind ``nnx-mpmd train``: set-up, steps, checkpoints, outputs.
 
 `Trainer` builds the data, the model, the optimizer, the `MpmdMesh` and the
-pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a checkpoint
-if asked, runs the steps under a rich progress bar and writes the run
-directory. In a multi-process run every process builds and steps alike (the
+pipelined step from a `nnx_mpmd.apps.train.TrainConfig`, resumes from a
+checkpoint if asked (`nnx_mpmd.apps.train_resume`), runs the steps under a rich
+progress bar and writes the run directory. In a multi-process run every process builds and steps alike (the
 steps and checkpoints are collective); only process 0 prints and writes the
 run's files. `nnx_mpmd.apps.train` imports this module only after it has set the
 simulated CPU device count, since importing it starts JAX.
@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_model
+from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_max_len, pretrained_model
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.local_batches import process_local_batches
@@ -40,11 +40,18 @@ from nnx_mpmd.apps.train_display import (
     step_status,
 )
 from nnx_mpmd.apps.train_metrics import TrainReporting, tensorboard_scalars
-from nnx_mpmd.apps.validate_args import checked_metadata
+from nnx_mpmd.apps.train_resume import (
+    ARITHMETIC_KEYS,
+    LAYOUT_KEYS,
+    RESUME_KEYS,
+    STRUCTURE_KEYS,
+    restore_or_start,
+    run_settings,
+    save_checkpoint,
+)
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.distributed import gather
 from nnx_mpmd.errors import (
-    CheckpointError,
     DistributedError,
     MeshError,
     MpmdError,
@@ -75,18 +82,6 @@ __all__ = [
     "train_step",
 ]
 
-#: Settings that fix the parameters' shapes: a resumed run can never change them.
-STRUCTURE_KEYS = ("model", "preset", "layers")
-STRUCTURE_KEYS += ("param_dtype",)  # --- precision (issue 48): the stored arrays' dtype ---
-#: Settings that change the numbers a resumed run computes: changing one needs
-#: ``--allow-changed-settings``.
-ARITHMETIC_KEYS = ("lr", "warmup", "steps", "batch_size", "seq_len", "seed", "corpus_bytes")
-ARITHMETIC_KEYS += ("dtype",)  # --- precision (issue 48) ---
-#: Settings that must equal the checkpoint's for a resumed run to continue it as is.
-RESUME_KEYS = STRUCTURE_KEYS + ARITHMETIC_KEYS
-#: Settings of the pipeline layout: they may change on resume (same numbers up to
-#: float rounding), and the log says which did.
-LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches", "scan_layers")
 SAMPLE_PROMPT = "def "
 VAL_FRACTION = DEFAULT_VAL_FRACTION
 DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
@@ -238,9 +233,12 @@ class Trainer:
                 f"precision: compute {self.precision.compute_dtype.name}, parameters and "
                 f"optimizer state {self.precision.param_dtype.name}"
             )
-        preset_len = int(preset_fields(cfg.model, cfg.preset)["max_len"])
+        if getattr(cfg, "init_from", None):  # the checkpoint's context, not the preset's
+            context = pretrained_max_len(cfg.init_from)
+        else:
+            context = int(preset_fields(cfg.model, cfg.preset)["max_len"])
         shown = self.writes_outputs
-        self.data = build_data(cfg, self.run_dir, cfg.seq_len or preset_len, show_progress=shown)
+        self.data = build_data(cfg, self.run_dir, cfg.seq_len or context, show_progress=shown)
         if self.data is None:
             text = stdlib_corpus(cfg.corpus_bytes)
             self.tokenizer = CharTokenizer.from_text(text)
@@ -337,128 +335,26 @@ class Trainer:
         )
         return self.num_stages, [note]
 
-    # -- run configuration saved with every checkpoint --------------------------------
+    # -- checkpoints: the settings saved with each, resuming (`nnx_mpmd.apps.train_resume`) --
 
     def settings(self) -> dict[str, Any]:
-        """The JSON configuration saved in checkpoint metadata."""
-        cfg = self.cfg
-        return {
-            "model": cfg.model,
-            "preset": cfg.preset,
-            "layers": self.num_layers,
-            "scan_layers": bool(getattr(cfg, "scan_layers", False)),
-            "seq_len": self.seq_len,
-            "batch_size": cfg.batch_size,
-            "seed": cfg.seed,
-            "corpus_bytes": cfg.corpus_bytes,
-            "schedule": cfg.schedule,
-            "meshes": cfg.meshes,
-            "data": cfg.data,
-            "stages": self.num_stages,
-            "microbatches": cfg.microbatches,
-            "steps": cfg.steps,
-            "lr": cfg.lr,
-            "warmup": cfg.warmup,
-            "dtype": self.precision.compute_dtype.name,
-            "param_dtype": self.precision.param_dtype.name,
-            "model_config": self.model.config.to_dict(),
-        }
-
-    def _check_resumable(self, saved: dict[str, Any], where: pathlib.Path) -> bool:
-        """Compares the saved settings with this run's; returns whether any arithmetic differs.
-
-        Raises:
-          CheckpointError: the parameters' shapes or the vocabulary differ, or an
-            arithmetic setting differs without ``--allow-changed-settings``.
-        """
-        mine = self.settings()
-        config = dict(saved.get("config", {}))
-        if config.get("layers") is None:  # older checkpoints saved None for the preset's
-            config["layers"] = config.get("model_config", {}).get("n_layers")
-        config.setdefault("scan_layers", False)  # saved before --scan-layers existed
-        config.setdefault("dtype", "float32")  # saved before --dtype existed
-        config.setdefault("param_dtype", "float32")
-
-        def changes(keys: tuple[str, ...]) -> list[str]:
-            return [
-                f"{key}: saved {config.get(key)!r}, now {mine[key]!r}"
-                for key in keys
-                if config.get(key) != mine[key]
-            ]
-
-        structure = changes(STRUCTURE_KEYS)
-        if saved.get("tokenizer") != self.tokenizer.to_dict():
-            structure.append("the character vocabulary differs (another corpus or Python)")
-        if structure:
-            raise CheckpointError(
-                f"the checkpoint in {where} does not fit this run ({'; '.join(structure)}): "
-                "the parameters would not match; resume with the saved --model, --preset, "
-                "--layers, --param-dtype and --corpus-bytes, or start a new --run-dir."
-            )
-        arithmetic = changes(ARITHMETIC_KEYS)
-        if arithmetic and not getattr(self.cfg, "allow_changed_settings", False):
-            raise CheckpointError(
-                f"the checkpoint in {where} does not fit this run: settings that change its "
-                f"numbers differ ({'; '.join(arithmetic)}); resume with the saved values, pass "
-                "--allow-changed-settings to continue with the new ones, or start a new "
-                "--run-dir."
-            )
-        since = f"since the checkpoint of step {saved.get('step')}"
-        if arithmetic:
-            self.notes.append(f"settings changed {since} (accepted): {'; '.join(arithmetic)}")
-        layout = changes(LAYOUT_KEYS)
-        if layout:
-            self.notes.append(f"layout changed {since}: {'; '.join(layout)}")
-        return bool(arithmetic)
+        """The JSON configuration saved in checkpoint metadata (`run_settings`)."""
+        return run_settings(self)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
         """Resumes from the newest intact checkpoint (``--resume``, at or before
-        ``--resume-step``) or checks the run dir is fresh; damaged newer steps are skipped
-        with a warning."""
-        where = self.run_dir / "checkpoints"
-        latest = manager.latest_step() if manager is not None else None
-        if not self.cfg.resume:
-            if latest is not None:
-                raise CheckpointError(
-                    f"{where} already holds checkpoints (latest step {latest}); pass --resume "
-                    "to continue that run, or choose a new --run-dir."
-                )
-            return
-        if latest is None:
-            raise CheckpointError(
-                f"--resume: no finished checkpoint in {where}; run without --resume to "
-                "start, or point --run-dir at a run that saved one."
-            )
-        changed: list[bool] = []
-        notes_before = len(self.notes)
+        ``--resume-step``) or checks the run dir is fresh (`restore_or_start`)."""
+        restore_or_start(self, manager)
 
-        def check(step: int, saved: dict[str, Any]) -> None:
-            del self.notes[notes_before:]  # keep the notes of the step restored only
-            changed.append(self._check_resumable(checked_metadata(saved, where, step), where))
+    def save_checkpoint(self, manager: CheckpointManager, step: int) -> None:
+        """Saves the model, the optimizer, the data position, the settings and the
+        tokenizer as checkpoint ``step`` of ``manager`` (`save_checkpoint`).
 
-        restored = manager.restore_newest_intact(
-            {"model": self.model, "optimizer": self.optimizer},
-            before=getattr(self.cfg, "resume_step", None),
-            check=check,
-        )
-        self._set_aside_later_steps(manager, restored)
-        saved = restored.metadata
-        # Accepted changes (seed, batch size, ...) keep only the saved data position.
-        data = {"position": saved["data"]["position"]} if changed[-1] else saved["data"]
-        self.batches.load_state_dict(data)
-        self.start_step = int(saved["step"])
-
-    def _set_aside_later_steps(self, manager: CheckpointManager, restored: Any) -> None:
-        """Warns about skipped steps and renames every step after the resumed one, so the
-        resumed run saves those step numbers afresh (the old files stay for inspection)."""
-        self.notes.extend(f"warning: {line}" for line in restored.skipped)
-        later = [s for s in manager.all_steps() if s > restored.step]
-        if later:
-            moved = manager.set_aside(later)
-            self.notes.append(
-                f"resuming from step {restored.step}: set aside later steps {later} as "
-                f"{', '.join(p.name for p in moved)}"
-            )
+        Args:
+          manager: the run's `nnx_mpmd.checkpoint.CheckpointManager`.
+          step: the step number the checkpoint gets.
+        """
+        save_checkpoint(self, manager, step)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -474,12 +370,13 @@ class Trainer:
             title = f"{cfg.model} from {cfg.init_from}"
         elif self.num_layers != preset_layers:
             layers += f" (the preset has {preset_layers})"
+        unit = "chars" if isinstance(self.tokenizer, CharTokenizer) else "tokens"
         return (
             f"{title}: {layers}, {count_params(self.model):,} parameters, "
             f"{self.num_stages} stages on {cfg.meshes} meshes x {cfg.data} data "
             f"({jax.devices()[0].platform}{across}), schedule {schedule_label(self.schedule)}, "
             f"{cfg.microbatches} microbatches (simulated bubble "
-            f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} chars; "
+            f"{tl.bubble_fraction:.1%}); batch {cfg.batch_size} x {self.seq_len} {unit}; "
             f"run dir {self.run_dir}; compile cache {_compile_cache_text()}"
         )
 
@@ -545,18 +442,6 @@ class Trainer:
             "stopped_at": step,
             "stop_signal": signum,
         }
-
-    def _save(self, manager: CheckpointManager, step: int) -> None:
-        manager.save(
-            step,
-            {"model": self.model, "optimizer": self.optimizer},
-            {
-                "step": step,
-                "data": self.batches.state_dict(),
-                "config": self.settings(),
-                "tokenizer": self.tokenizer.to_dict(),
-            },
-        )
 
     def _loop(
         self,
@@ -648,12 +533,12 @@ class Trainer:
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s{shown}")
                 saves = manager is not None and bool(cfg.ckpt_every)
                 if saves and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-                    self._save(manager, step)
+                    self.save_checkpoint(manager, step)
                     saved_at = step
                 # Every process asks after every step: the stop step is agreed on.
                 if stop is not None and stop.should_stop(step):
                     if saves and saved_at != step:
-                        self._save(manager, step)
+                        self.save_checkpoint(manager, step)
                         saved_at = step
                     self.stopped = (step, int(stop.signum), saved_at == step)
                     break
@@ -702,7 +587,7 @@ class Trainer:
         if not batches:
             return None
         it = BatchIterator(self.val_tokens, self.cfg.batch_size, self.seq_len, seed=1)
-        loss_fn = nnx.jit(lm_loss)
+        loss_fn = nnx.jit(self.precision.wrap(lm_loss) if self.precision.is_mixed else lm_loss)
         return float(np.mean([float(loss_fn(self.model, next(it))) for _ in range(batches)]))
 
     def _finish(self, metrics: list[dict[str, Any]], losses: list[float]) -> dict[str, Any]:
