@@ -126,6 +126,9 @@ def test_the_spmd_alternatives_are_ranked_verified_and_saved(tmp_path):
     rigged = dataclasses.replace(planned, spmd=(first, *planned.spmd[1:]))
     checked = verify(rigged, model, loss_fn, batch, mesh, optax.sgd(0.1), top=2, steps=1)
     assert [type(v.candidate) for v in checked] == [SpmdCandidate, Candidate]
+    # Code that prints a pipeline's fields over verify's results reads both kinds.
+    assert checked[0].candidate.schedule in ("data parallel", "FSDP")
+    assert (checked[0].candidate.num_stages, checked[0].candidate.remat) == (1, ())
     assert all(v.measured_step_s > 0 for v in checked)
     assert "| FSDP over 4 devices |" in plan_app._verification_table(checked) or (
         "| data parallel over 4 devices |" in plan_app._verification_table(checked)

@@ -61,8 +61,9 @@ class SpmdCandidate:
         (the devices are alike).
 
     Example:
-      >>> SpmdCandidate("fsdp", 8, 2, 0.01, (100,)).label
-      'FSDP over 8 devices, m=2'
+      >>> c = SpmdCandidate("fsdp", 8, 2, 0.01, (100,))
+      >>> c.label, c.schedule, c.num_stages
+      ('FSDP over 8 devices, m=2', 'FSDP', 1)
     """
 
     kind: str
@@ -70,6 +71,23 @@ class SpmdCandidate:
     num_microbatches: int
     step_s: float
     peak_bytes: tuple[int, ...]
+
+    # Where code prints a pipelined `Candidate`'s fields over `verify`'s results, an
+    # SPMD alternative reads as one stage over all devices, never rematted.
+    @property
+    def schedule(self) -> str:
+        """Its name where a pipeline's schedule goes (``"data parallel"``, ``"FSDP"``)."""
+        return _NAMES.get(self.kind, self.kind)
+
+    @property
+    def num_stages(self) -> int:
+        """1: every device runs the whole model."""
+        return 1
+
+    @property
+    def remat(self) -> tuple[bool, ...]:
+        """``()``: no stage recomputes its forward."""
+        return ()
 
     @property
     def label(self) -> str:
@@ -208,8 +226,8 @@ def predict_spmd(
       ...     kept_bytes=(10, 10), split_bytes=(0, 0), state_bytes=(300, 300),
       ...     param_bytes=(100, 100))
       >>> c = predict_spmd("dp", unit, 2, 2, 2, LinkCosts(0.0, 100.0))
-      >>> c.step_s, c.peak_bytes  # 2 x (F + B) x 2 units, plus 2 x 200 bytes at 100 B/s
-      (12.0, (1420,))
+      >>> c.step_s, c.peak_bytes  # 2 microbatches x 2 units x (F + B), 2 all-reduces of 200 B
+      (16.0, (1400,))
     """
     if kind not in SPMD_KINDS:
         raise PlanError(f"unknown SPMD alternative {kind!r}; use one of {list(SPMD_KINDS)}.")
