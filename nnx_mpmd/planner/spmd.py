@@ -155,7 +155,7 @@ def measure_link(mesh: MpmdMesh, nbytes: int, repeats: int = 5) -> LinkCosts:
     Args:
       mesh: the pipeline's mesh (all of its devices take part).
       nbytes: the large buffer's bytes per device (the model's gradient bytes
-        is a fair size; at least 64 KiB is used).
+        is a fair size; clipped to 64 KiB .. 16 MiB).
       repeats: timed runs per size (medians are kept).
 
     Returns:
@@ -183,7 +183,7 @@ def measure_link(mesh: MpmdMesh, nbytes: int, repeats: int = 5) -> LinkCosts:
         x = jax.device_put(np.ones((n * count,), np.float32), NamedSharding(flat, P(_AXIS)))
         return _timed(lambda: reduce(x), repeats)
 
-    large = max(int(nbytes), 1 << 16)
+    large = min(max(int(nbytes), 1 << 16), 1 << 24)  # 64 KiB .. 16 MiB per device
     small_s, large_s = seconds(4), seconds(large)
     moved = 2 * (n - 1) / n * (large - 4)
     return LinkCosts(small_s, moved / max(large_s - small_s, 1e-9))
