@@ -12,11 +12,12 @@ them, `spmd`) are predicted and measured too and ranked with the pipelined
 configurations, so that `Plan.verdict` can say whether pipelining pays.
 """
 
-from nnx_mpmd.planner.plan import Plan, Verification, plan, verify
+from nnx_mpmd.planner.plan import Plan, plan
 from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
 from nnx_mpmd.planner.search import Candidate, predict, search
 from nnx_mpmd.planner.spmd import LinkCosts, SpmdCandidate, spmd_step
 from nnx_mpmd.planner.units import restage, stage_units
+from nnx_mpmd.planner.verification import Verification, verify
 
 __all__ = [
     "Candidate",

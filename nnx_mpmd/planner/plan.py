@@ -5,7 +5,7 @@ the stage of every unit, remat per stage), its predicted step time and peak
 memory per device, and the runners-up. It saves to JSON (``nnx-mpmd train
 --plan FILE`` loads it), applies itself to a model (`Plan.apply`), builds the
 schedule (`Plan.schedule`), and `verify` runs the top configurations and
-reports predicted against measured.
+reports predicted against measured (`nnx_mpmd.planner.verification`).
 """
 
 from __future__ import annotations
@@ -14,34 +14,34 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
 from flax import nnx
 
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
 from nnx_mpmd.frontend.stage import Stage
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.planner.profile_units import UnitCosts, profile_units, train_step_of
+from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
 from nnx_mpmd.planner.search import Candidate, search
 from nnx_mpmd.planner.spmd import (
     SPMD_KINDS,
     LinkCosts,
     SpmdCandidate,
     measure_link,
-    measure_spmd,
     spmd_candidates,
 )
 from nnx_mpmd.planner.units import restage
 from nnx_mpmd.schedules import Schedule, get_schedule
 
-__all__ = ["Plan", "Verification", "plan", "verify"]
+if TYPE_CHECKING:
+    from nnx_mpmd.planner.verification import Verification
+
+__all__ = ["Plan", "plan"]
 
 _FORMAT = "nnx-mpmd-plan/1"
 
@@ -646,102 +646,3 @@ def _one_chunk_per_layer(model: Any) -> tuple[Any, dict[str, str]]:
         prefix = ".".join(map(str, path))
         renamed.update({f"{prefix}.chunks.{i}": f"{prefix}.{i}" for i in range(len(layer_stages))})
     return copy, renamed
-
-
-@dataclasses.dataclass(frozen=True)
-class Verification:
-    """A configuration's predicted and measured step time and peak memory.
-
-    Attributes:
-      candidate: the configuration run: a pipelined `Candidate` or an SPMD
-        alternative (`nnx_mpmd.planner.spmd.SpmdCandidate`).
-      measured_step_s: the median of the timed steps.
-      measured_peak_bytes: per mesh, the peak live bytes per device
-        (`memory=True`); for an SPMD alternative, one entry: XLA's memory
-        analysis of its compiled step (0 where the backend gives none).
-    """
-
-    candidate: Candidate | SpmdCandidate
-    measured_step_s: float
-    measured_peak_bytes: tuple[int, ...]
-
-    @property
-    def time_error(self) -> float:
-        """(predicted - measured) / measured step time."""
-        return self.candidate.step_s / self.measured_step_s - 1.0
-
-    @property
-    def memory_error(self) -> float:
-        """(predicted - measured) / measured, of the highest peak over meshes."""
-        return max(self.candidate.peak_bytes) / max(max(self.measured_peak_bytes), 1) - 1.0
-
-
-def _own_copy(model: Any) -> Any:
-    """``model`` cloned with its own buffers: a donating step deletes the ones it reads
-    (`nnx.clone` shares them with ``model``)."""
-    copy = nnx.clone(model)
-    nnx.update(
-        copy, jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, nnx.state(copy))
-    )
-    return copy
-
-
-def verify(
-    planned: Plan,
-    model: Any,
-    loss_fn: Callable[[Any, Any], Any],
-    batch: Any,
-    mesh: MpmdMesh,
-    tx: optax.GradientTransformation,
-    *,
-    top: int = 3,
-    steps: int = 5,
-) -> list[Verification]:
-    """Runs the plan's ``top`` configurations and measures them.
-
-    The top of `Plan.ranking` is run: pipelined configurations and SPMD
-    alternatives alike. Each runs on a copy of ``model``: one step to compile,
-    ``steps`` timed steps (the median counts), and (pipelined) one with
-    ``memory=True``. The step donates the copy's state when the plan was made
-    for a donating step (`Plan.donate`).
-
-    Args:
-      planned: the `Plan`.
-      model: the model given to `plan` (it is not changed).
-      loss_fn: the loss given to `plan`.
-      batch: one step's batch.
-      mesh: the `MpmdMesh` planned for.
-      tx: the optimizer's transformation.
-      top: how many configurations to run (the best first).
-      steps: timed steps per configuration.
-
-    Returns:
-      One `Verification` per configuration run.
-    """
-    results = []
-    for candidate, _, _ in planned.ranking()[:top]:
-        if isinstance(candidate, SpmdCandidate):
-            seconds, peaks = measure_spmd(
-                candidate, model, loss_fn, batch, mesh, tx, steps=steps, donate=planned.donate
-            )
-            results.append(Verification(candidate, seconds, peaks))
-            continue
-        copy = planned.apply(_own_copy(model), candidate)
-        optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
-        step = jit(
-            train_step_of(loss_fn),
-            mesh=mesh,
-            schedule=get_schedule(candidate.schedule),
-            num_microbatches=candidate.num_microbatches,
-            donate_argnums=(0, 1) if planned.donate else (),
-        )
-        jax.block_until_ready(step(copy, optimizer, batch))
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(step(copy, optimizer, batch))
-            times.append(time.perf_counter() - start)
-        jax.block_until_ready(step(copy, optimizer, batch, memory=True))
-        peaks = tuple(int(b) for b in step.last_memory["peak_bytes"])
-        results.append(Verification(candidate, statistics.median(times), peaks))
-    return results
