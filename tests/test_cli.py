@@ -351,6 +351,9 @@ def test_plan_says_what_it_does_before_it_profiles_and_where_it_writes(
         def summary(self):
             return "| summary |"
 
+        def verdict(self):
+            return "do not pipeline: the verdict line"
+
         def save(self, path):
             pathlib.Path(path).write_text("{}")
 
@@ -371,6 +374,7 @@ def test_plan_says_what_it_does_before_it_profiles_and_where_it_writes(
     assert f"the plan goes to {where}" in said_before[0]
     assert "profiling every layer on one submesh" in said_before[0]
     assert "profiled and searched in" in out and f"wrote {where}: 1f1b" in out
+    assert "do not pipeline: the verdict line\n" in out
     assert where.exists()
 
 

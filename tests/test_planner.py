@@ -200,13 +200,13 @@ def test_a_donating_step_holds_no_second_copy_of_the_state_at_the_update():
     assert max(search([unit], 2, 8, donate=True, **kwargs)[0].peak_bytes) == 170
 
 
-def _plan_mlp(mesh, num_microbatches=(2, 4), opt_name="sgd", donate=False):
+def _plan_mlp(mesh, num_microbatches=(2, 4), opt_name="sgd", donate=False, spmd=False):
     model, _, loss_fn, kind = build("mlp", opt_name, 4)
     batch = make_batch(kind, 16)
     planned = plan(
         model, loss_fn, batch, mesh, _TX[opt_name],
         schedules=["gpipe", "1f1b", "zb-h1"], num_microbatches=num_microbatches, repeats=1,
-        donate=donate,
+        donate=donate, spmd=spmd,
     )  # fmt: skip
     return model, loss_fn, batch, planned
 
@@ -427,6 +427,9 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     )  # fmt: skip
     assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-3000:]
     assert "| schedule | stages | m | predicted ms | measured ms" in planned.stdout
+    # One line says whether pipelining pays against data parallel / FSDP over 2 devices.
+    verdicts = [line for line in planned.stdout.splitlines() if "faster than the best" in line]
+    assert len(verdicts) == 1 and verdicts[0].startswith(("pipelining pays", "do not pipeline"))
     assert "--batch-size 8 --layers 2 --seq-len 16\n" in planned.stdout  # the model's options
     assert not [p.name for p in (tmp_path / "tmp").glob("nnx-mpmd-plan-*")]
     data = json.loads((tmp_path / "p.json").read_text())

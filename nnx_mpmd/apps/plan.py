@@ -4,9 +4,12 @@ Takes the options of ``nnx-mpmd train`` (model, preset, meshes, data, batch
 size, ...), builds that run's model, mesh, optimizer and first batch, and
 runs `nnx_mpmd.planner.plan` on them: every layer is timed and measured on one
 submesh, then the split, schedule, microbatches and remat are searched with
-the simulator. It prints the best configurations, optionally runs the top K
+the simulator. The SPMD alternatives on the same devices (data parallel and
+FSDP over all of them, with microbatch accumulation) are predicted too and
+ranked with the pipelines. It prints the ranking, optionally runs the top K
 (``--verify K``: predicted against measured, and the fastest measured comes
-first), and writes the plan for ``nnx-mpmd train --plan FILE``.
+first), states in one line whether pipelining pays, and writes the plan for
+``nnx-mpmd train --plan FILE``.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-remat", action="store_true", help="never recompute a stage's forward")
     g.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K and compare")
     g.add_argument("--repeats", type=int, default=3, help="timed runs per layer profile")
+    g.add_argument(
+        "--no-spmd",
+        action="store_true",
+        help="do not rank data parallel and FSDP over all devices beside the pipelines",
+    )
     return p
 
 
@@ -96,6 +104,8 @@ def _say(text: str) -> None:
 
 
 def _verification_table(verifications: list[Any]) -> str:
+    from nnx_mpmd.planner import SpmdCandidate
+
     lines = [
         "| schedule | stages | m | predicted ms | measured ms | time error | predicted peak MiB "
         "| measured peak MiB | memory error |",
@@ -103,8 +113,12 @@ def _verification_table(verifications: list[Any]) -> str:
     ]
     for v in verifications:
         c = v.candidate
+        if isinstance(c, SpmdCandidate):
+            name, stages = c.label.split(", m=")[0], "-"
+        else:
+            name, stages = c.schedule, str(c.num_stages)
         lines.append(
-            f"| {c.schedule} | {c.num_stages} | {c.num_microbatches} | {1e3 * c.step_s:.2f} | "
+            f"| {name} | {stages} | {c.num_microbatches} | {1e3 * c.step_s:.2f} | "
             f"{1e3 * v.measured_step_s:.2f} | {v.time_error:+.0%} | "
             f"{max(c.peak_bytes) / 2**20:.2f} | {max(v.measured_peak_bytes) / 2**20:.2f} | "
             f"{v.memory_error:+.0%} |"
@@ -157,7 +171,7 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
         schedules=_names(cfg.schedules),
         num_microbatches=None if counts is None else [int(c) for c in counts],
         memory_budget=budget, remat=not cfg.no_remat, repeats=cfg.repeats,
-        donate=not cfg.no_donate,
+        donate=not cfg.no_donate, spmd=not cfg.no_spmd,
     )  # fmt: skip
     _say(f"profiled and searched in {time.perf_counter() - started:.0f} s")
     _say(planned.summary())
@@ -166,6 +180,7 @@ def _plan_and_save(cfg: Any, trainer: Any) -> Any:
         checked = verify(planned, trainer.model, lm_loss, batch, trainer.mesh, tx, top=cfg.verify)
         _say(_verification_table(checked))
         planned = planned.with_measurements(checked)
+    _say(planned.verdict())
     planned.save(cfg.out)
     best = planned.best
     print(

@@ -5,7 +5,7 @@ the stage of every unit, remat per stage), its predicted step time and peak
 memory per device, and the runners-up. It saves to JSON (``nnx-mpmd train
 --plan FILE`` loads it), applies itself to a model (`Plan.apply`), builds the
 schedule (`Plan.schedule`), and `verify` runs the top configurations and
-reports predicted against measured.
+reports predicted against measured (`nnx_mpmd.planner.verification`).
 """
 
 from __future__ import annotations
@@ -14,26 +14,34 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
 from flax import nnx
 
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.jit import jit
 from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
 from nnx_mpmd.frontend.stage import Stage
 from nnx_mpmd.placement.mesh import MpmdMesh
-from nnx_mpmd.planner.profile_units import UnitCosts, profile_units, train_step_of
+from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
 from nnx_mpmd.planner.search import Candidate, search
+from nnx_mpmd.planner.spmd import (
+    SPMD_KINDS,
+    LinkCosts,
+    SpmdCandidate,
+    measure_link,
+    spmd_candidates,
+)
 from nnx_mpmd.planner.units import restage
 from nnx_mpmd.schedules import Schedule, get_schedule
 
-__all__ = ["Plan", "Verification", "plan", "verify"]
+if TYPE_CHECKING:
+    from nnx_mpmd.planner.verification import Verification
+
+__all__ = ["Plan", "plan"]
 
 _FORMAT = "nnx-mpmd-plan/1"
 
@@ -61,6 +69,19 @@ class Plan:
         ``nnx-mpmd train`` does); `verify` runs the step so.
       model: the class name of the model it was planned for (`Plan.apply`
         refuses another); None in plans written before it was recorded.
+      spmd: the SPMD alternatives on the same devices (data parallel and
+        FSDP over all of them, with microbatch accumulation), fastest
+        predicted first (`nnx_mpmd.planner.spmd`); ranked with the pipelined
+        configurations by `ranking`, compared by `verdict`.
+      spmd_measured: measured step seconds of SPMD alternatives run by
+        `verify`, as ``(candidate, seconds)`` pairs.
+      link: the measured cost of a collective over all devices, the SPMD
+        predictions' communication (None: not measured).
+      spmd_calibration: measured / predicted step time of the SPMD
+        alternatives `verify` ran (the median); None: none ran, and their
+        predictions are scaled by ``calibration``. The two cost models miss
+        different things (a pipeline's dispatch per task, XLA's overlap of
+        collectives), so each is calibrated on its own runs.
 
     Example:
       >>> best = Candidate("1f1b", 2, 4, (0, 1), (False, False), 0.5, (10, 10))
@@ -80,6 +101,10 @@ class Plan:
     calibration: float = 1.0
     donate: bool = False
     model: str | None = None
+    spmd: tuple[SpmdCandidate, ...] = ()
+    spmd_measured: tuple[tuple[SpmdCandidate, float], ...] = ()
+    link: LinkCosts | None = None
+    spmd_calibration: float | None = None
 
     @property
     def num_stages(self) -> int:
@@ -200,20 +225,97 @@ class Plan:
             "model architecture it was made for."
         )
 
+    def ranking(self) -> list[tuple[Candidate | SpmdCandidate, float, bool]]:
+        """The pipelined configurations and the SPMD alternatives, ranked together.
+
+        Those measured (by `verify`) come first, fastest measured first; the
+        others follow by predicted step time scaled by ``calibration`` (an
+        SPMD alternative's by ``spmd_calibration`` where some ran).
+
+        Returns:
+          ``(candidate, seconds, measured)`` triples: a `Candidate` or an
+          `nnx_mpmd.planner.spmd.SpmdCandidate`, its measured or calibrated
+          predicted step seconds, and whether they were measured.
+
+        Example:
+          >>> best = Candidate("1f1b", 1, 1, (0,), (False,), 0.5, (10,))
+          >>> dp = SpmdCandidate("dp", 2, 1, 0.25, (10,))
+          >>> [seconds for _, seconds, _ in Plan(best, (), ("a",), 1, 8, spmd=(dp,)).ranking()]
+          [0.25, 0.5]
+        """
+        measured = {**dict(self.measured), **dict(self.spmd_measured)}
+        everything = (self.best, *self.runners_up, *self.spmd)
+        ran = sorted((c for c in everything if c in measured), key=lambda c: measured[c])
+        rest = sorted(
+            (
+                (c, c.step_s * self._calibration_of(c), False)
+                for c in everything
+                if c not in measured
+            ),
+            key=lambda r: r[1],
+        )
+        return [(c, measured[c], True) for c in ran] + rest
+
+    def _calibration_of(self, c: Candidate | SpmdCandidate) -> float:
+        if isinstance(c, SpmdCandidate) and self.spmd_calibration is not None:
+            return self.spmd_calibration
+        return self.calibration
+
+    def verdict(self) -> str:
+        """One line: whether pipelining pays against the best SPMD alternative, and by how much.
+
+        The first pipelined configuration and the first SPMD alternative of
+        `ranking` are compared, measured where `verify` ran them.
+
+        Example:
+          >>> best = Candidate("1f1b", 4, 8, (0, 1, 2, 3), (False,) * 4, 0.1, (10,) * 4)
+          >>> fsdp = SpmdCandidate("fsdp", 8, 2, 0.18, (10,))
+          >>> Plan(best, (), ("a", "b", "c", "d"), 4, 32, spmd=(fsdp,)).verdict()
+          'pipelining pays: 1f1b with 4 stages, m=8 is 1.80x faster than the best SPMD (FSDP over 8 devices, m=2) (both predicted)'
+        """
+        ranked = self.ranking()
+        pipes = [r for r in ranked if isinstance(r[0], Candidate)]
+        alternatives = [r for r in ranked if isinstance(r[0], SpmdCandidate)]
+        if not alternatives:
+            return (
+                "no SPMD alternative was profiled (plan with spmd=True, or nnx-mpmd plan without "
+                "--no-spmd, to learn whether pipelining pays)"
+            )
+        (pipe, pipe_s, pipe_ran), (alt, alt_s, alt_ran) = pipes[0], alternatives[0]
+        basis = {
+            (True, True): "both measured",
+            (False, False): "both predicted",
+            (True, False): "pipeline measured, SPMD predicted",
+            (False, True): "pipeline predicted, SPMD measured",
+        }[(pipe_ran, alt_ran)]
+        if pipe_s <= alt_s:
+            return (
+                f"pipelining pays: {pipeline_label(pipe)} is {alt_s / pipe_s:.2f}x faster than "
+                f"the best SPMD ({alt.label}) ({basis})"
+            )
+        return (
+            f"do not pipeline: {alt.label} is {pipe_s / alt_s:.2f}x faster than the best "
+            f"pipeline ({pipeline_label(pipe)}) ({basis})"
+        )
+
     def summary(self) -> str:
-        """The best configuration and the runners-up as a small table."""
-        measured = dict(self.measured)
+        """Every configuration, pipelined and SPMD, as a small table in `ranking` order."""
+        measured = {**dict(self.measured), **dict(self.spmd_measured)}
         lines = [
             "| rank | schedule | stages | m | remat stages | predicted ms | calibrated ms "
             "| measured ms | predicted peak MiB/device |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for rank, c in enumerate((self.best, *self.runners_up), start=1):
-            remat = ",".join(str(s) for s, r in enumerate(c.remat) if r) or "-"
+        for rank, (c, _, _) in enumerate(self.ranking(), start=1):
+            if isinstance(c, SpmdCandidate):
+                name, stages, remat = c.label.split(", m=")[0], "-", "-"
+            else:
+                name, stages = c.schedule, str(c.num_stages)
+                remat = ",".join(str(s) for s, r in enumerate(c.remat) if r) or "-"
             ran = f"{1e3 * measured[c]:.2f}" if c in measured else "-"
             lines.append(
-                f"| {rank} | {c.schedule} | {c.num_stages} | {c.num_microbatches} | {remat} | "
-                f"{1e3 * c.step_s:.2f} | {1e3 * c.step_s * self.calibration:.2f} | {ran} | "
+                f"| {rank} | {name} | {stages} | {c.num_microbatches} | {remat} | "
+                f"{1e3 * c.step_s:.2f} | {1e3 * c.step_s * self._calibration_of(c):.2f} | {ran} | "
                 f"{max(c.peak_bytes) / 2**20:.2f} |"
             )
         return "\n".join(lines)
@@ -221,10 +323,13 @@ class Plan:
     def with_measurements(self, verifications: Sequence[Verification]) -> Plan:
         """The plan closed over measurements: the fastest *measured* configuration first.
 
-        The configurations `verify` ran are ranked by their measured step time
-        and put first (fastest measured becomes ``best``); the others follow
-        in predicted order. The measured times are kept (``measured``), and
-        ``calibration`` becomes the median of measured / predicted.
+        The pipelined configurations `verify` ran are ranked by their measured
+        step time and put first (fastest measured becomes ``best``); the
+        others follow in predicted order. The SPMD alternatives it ran are
+        kept in ``spmd_measured``, and put first in ``spmd`` likewise. The
+        measured times are kept (``measured``); ``calibration`` becomes the
+        median of measured / predicted over the pipelined configurations run,
+        ``spmd_calibration`` the same over the SPMD alternatives run.
 
         Args:
           verifications: from `verify`.
@@ -233,17 +338,26 @@ class Plan:
           The re-ranked plan.
         """
         ran = sorted(verifications, key=lambda v: v.measured_step_s)
-        order = [v.candidate for v in ran]
+        pipes = [v for v in ran if isinstance(v.candidate, Candidate)]
+        alternatives = [v for v in ran if isinstance(v.candidate, SpmdCandidate)]
+        order = [v.candidate for v in pipes]
         rest = [c for c in (self.best, *self.runners_up) if c not in order]
         ranked = order + rest
-        measured = tuple((v.candidate, v.measured_step_s) for v in ran)
-        ratios = [v.measured_step_s / v.candidate.step_s for v in ran if v.candidate.step_s > 0]
+        spmd_order = [v.candidate for v in alternatives]
+        spmd = spmd_order + [c for c in self.spmd if c not in spmd_order]
+        ratios = _ratios(pipes)
+        spmd_ratios = _ratios(alternatives)
         return dataclasses.replace(
             self,
             best=ranked[0],
             runners_up=tuple(ranked[1:]),
-            measured=measured,
+            measured=tuple((v.candidate, v.measured_step_s) for v in pipes),
+            spmd=tuple(spmd),
+            spmd_measured=tuple((v.candidate, v.measured_step_s) for v in alternatives),
             calibration=statistics.median(ratios) if ratios else self.calibration,
+            spmd_calibration=(
+                statistics.median(spmd_ratios) if spmd_ratios else self.spmd_calibration
+            ),
         )
 
     def to_json(self) -> str:
@@ -261,6 +375,10 @@ class Plan:
             "calibration": self.calibration,
             "donate": self.donate,
             "model": self.model,
+            "spmd": [c.to_dict() for c in self.spmd],
+            "spmd_measured": [[c.to_dict(), seconds] for c, seconds in self.spmd_measured],
+            "link": None if self.link is None else self.link.to_dict(),
+            "spmd_calibration": self.spmd_calibration,
         }
         return json.dumps(data, indent=1)
 
@@ -289,6 +407,13 @@ class Plan:
                 calibration=float(data.get("calibration", 1.0)),
                 donate=bool(data.get("donate", False)),  # plans written before it: no
                 model=data.get("model"),  # plans written before it: None
+                # Plans written before the SPMD alternatives were profiled have none.
+                spmd=tuple(SpmdCandidate.from_dict(c) for c in data.get("spmd", [])),
+                spmd_measured=tuple(
+                    (SpmdCandidate.from_dict(c), float(t)) for c, t in data.get("spmd_measured", [])
+                ),
+                link=None if data.get("link") is None else LinkCosts(**data["link"]),
+                spmd_calibration=data.get("spmd_calibration"),
             )
             plan.check_types()
             return plan
@@ -314,6 +439,8 @@ class Plan:
             raise ValueError(f"model must be a class name, not {self.model!r}")
         for name, c in [("best", self.best)] + [("runners_up", c) for c in self.runners_up]:
             _check_candidate(c, len(self.unit_paths), name)
+        for c in (*self.spmd, *(c for c, _ in self.spmd_measured)):
+            _check_spmd_candidate(c)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes `to_json` to ``path``."""
@@ -367,6 +494,26 @@ def _check_candidate(c: Candidate, num_units: int, where: str) -> None:
         raise ValueError(f"{where}.remat must be {c.num_stages} true/false values, not {remat!r}")
 
 
+def _ratios(verifications: Sequence[Verification]) -> list[float]:
+    """Measured / predicted step time of each verification."""
+    return [v.measured_step_s / v.candidate.step_s for v in verifications if v.candidate.step_s > 0]
+
+
+def _check_spmd_candidate(c: SpmdCandidate) -> None:
+    """Raises ValueError when an SPMD alternative read from JSON has fields of the wrong type."""
+    counts = (c.num_devices, c.num_microbatches)
+    if c.kind not in SPMD_KINDS or not all(_is_int(n) and n >= 1 for n in counts):
+        raise ValueError(
+            f"spmd: kind must be one of {list(SPMD_KINDS)} and num_devices, num_microbatches "
+            f"integers >= 1, not {c!r}"
+        )
+
+
+def pipeline_label(c: Candidate) -> str:
+    """A pipelined configuration in words (``1f1b with 4 stages, m=8``)."""
+    return f"{c.schedule} with {c.num_stages} stages, m={c.num_microbatches}"
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -390,6 +537,7 @@ def plan(
     keep: int = 5,
     repeats: int = 3,
     donate: bool = False,
+    spmd: bool = True,
 ) -> Plan:
     """Chooses the split, schedule, microbatches and remat for ``model`` on ``mesh``.
 
@@ -417,6 +565,10 @@ def plan(
         optimizer's state (``mp.jit(..., donate_argnums=(0, 1))``, the default
         of ``nnx-mpmd train``): the optimizer update then holds no second copy
         of them, so more configurations fit a budget.
+      spmd: also predict the SPMD alternatives on the same devices (data
+        parallel and FSDP over all of them, accumulating over ``m / meshes``
+        microbatches for each pipeline count ``m``), from the same profiles
+        and an all-reduce timed over all devices (`Plan.spmd`, `Plan.verdict`).
 
     Returns:
       The `Plan`.
@@ -451,6 +603,10 @@ def plan(
         costs, mesh.num_meshes, batch_size, schedules=schedules,
         num_microbatches=counts, memory_budget=memory_budget, donate=donate,
     )  # fmt: skip
+    link, alternatives = None, []
+    if spmd:
+        link = measure_link(mesh, sum(costs[0].param_bytes), repeats=max(5, repeats))
+        alternatives = spmd_candidates(costs, mesh, batch_size, counts, link, donate=donate)
     return Plan(
         best=found[0],
         runners_up=tuple(found[1 : 1 + keep]),
@@ -461,6 +617,8 @@ def plan(
         costs=tuple(costs),
         donate=donate,
         model=type(model).__name__,
+        spmd=tuple(alternatives),
+        link=link,
     )
 
 
@@ -488,91 +646,3 @@ def _one_chunk_per_layer(model: Any) -> tuple[Any, dict[str, str]]:
         prefix = ".".join(map(str, path))
         renamed.update({f"{prefix}.chunks.{i}": f"{prefix}.{i}" for i in range(len(layer_stages))})
     return copy, renamed
-
-
-@dataclasses.dataclass(frozen=True)
-class Verification:
-    """A configuration's predicted and measured step time and peak memory.
-
-    Attributes:
-      candidate: the configuration run.
-      measured_step_s: the median of the timed steps.
-      measured_peak_bytes: per mesh, the peak live bytes per device (`memory=True`).
-    """
-
-    candidate: Candidate
-    measured_step_s: float
-    measured_peak_bytes: tuple[int, ...]
-
-    @property
-    def time_error(self) -> float:
-        """(predicted - measured) / measured step time."""
-        return self.candidate.step_s / self.measured_step_s - 1.0
-
-    @property
-    def memory_error(self) -> float:
-        """(predicted - measured) / measured, of the highest peak over meshes."""
-        return max(self.candidate.peak_bytes) / max(self.measured_peak_bytes) - 1.0
-
-
-def _own_copy(model: Any) -> Any:
-    """``model`` cloned with its own buffers: a donating step deletes the ones it reads
-    (`nnx.clone` shares them with ``model``)."""
-    copy = nnx.clone(model)
-    nnx.update(
-        copy, jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, nnx.state(copy))
-    )
-    return copy
-
-
-def verify(
-    planned: Plan,
-    model: Any,
-    loss_fn: Callable[[Any, Any], Any],
-    batch: Any,
-    mesh: MpmdMesh,
-    tx: optax.GradientTransformation,
-    *,
-    top: int = 3,
-    steps: int = 5,
-) -> list[Verification]:
-    """Runs the plan's ``top`` configurations and measures them.
-
-    Each runs on a copy of ``model``: one step to compile, ``steps`` timed
-    steps (the median counts), and one with ``memory=True``. The step donates
-    the copy's state when the plan was made for a donating step (`Plan.donate`).
-
-    Args:
-      planned: the `Plan`.
-      model: the model given to `plan` (it is not changed).
-      loss_fn: the loss given to `plan`.
-      batch: one step's batch.
-      mesh: the `MpmdMesh` planned for.
-      tx: the optimizer's transformation.
-      top: how many configurations to run (the best first).
-      steps: timed steps per configuration.
-
-    Returns:
-      One `Verification` per configuration run.
-    """
-    results = []
-    for candidate in (planned.best, *planned.runners_up)[:top]:
-        copy = planned.apply(_own_copy(model), candidate)
-        optimizer = nnx.Optimizer(copy, tx, wrt=nnx.Param)
-        step = jit(
-            train_step_of(loss_fn),
-            mesh=mesh,
-            schedule=get_schedule(candidate.schedule),
-            num_microbatches=candidate.num_microbatches,
-            donate_argnums=(0, 1) if planned.donate else (),
-        )
-        jax.block_until_ready(step(copy, optimizer, batch))
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(step(copy, optimizer, batch))
-            times.append(time.perf_counter() - start)
-        jax.block_until_ready(step(copy, optimizer, batch, memory=True))
-        peaks = tuple(int(b) for b in step.last_memory["peak_bytes"])
-        results.append(Verification(candidate, statistics.median(times), peaks))
-    return results
