@@ -97,7 +97,9 @@ def main() -> None:
     model = build_model("gpt", args.preset, num_stages=4, rngs=nnx.Rngs(0), vocab_size=64)
 
     start = time.perf_counter()
-    plan = mp.plan(model, lm_loss, batch, mesh, tx, repeats=args.repeats, donate=args.donate)
+    plan = mp.plan(
+        model, lm_loss, batch, mesh, tx, repeats=args.repeats, donate=args.donate, spmd=False
+    )
     plan_s = time.perf_counter() - start
     checked = mp.planner.verify(plan, model, lm_loss, batch, mesh, tx, top=args.verify,
                                 steps=args.steps)  # fmt: skip
