@@ -199,11 +199,13 @@ def plot_lines(
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="best", framealpha=0.6)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)

@@ -122,6 +122,33 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
     }, replay
 
 
+def copy_floor(batch_sizes: tuple[int, ...] = (1, 16), repeats: int = 200) -> dict[str, float]:
+    """µs per array of JAX's batched copy alone (16 floats, CPU device 0 -> 1), no nnx_mpmd.
+
+    The floor under a transfer's host cost: what one array moved between two
+    devices costs in JAX itself, per batch size (arrays moved in one call).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from nnx_mpmd._jax_compat import batched_copy, sharding_device_list
+
+    source, target = jax.devices()[:2]
+    out = {}
+    for k in batch_sizes:
+        values = [jax.device_put(jnp.full((common.WIDTH,), float(i)), source) for i in range(k)]
+        targets = [SingleDeviceSharding(target)] * k
+        device_lists = [sharding_device_list(t) for t in targets]
+        times = []
+        for _ in range(repeats):
+            t, moved = common.seconds(lambda: batched_copy(values, device_lists, targets))  # noqa: B023
+            jax.block_until_ready(moved)
+            times.append(t)
+        out[f"{k} per call"] = statistics.median(times) / k * 1e6
+    return out
+
+
 def sweeps(rows: list[dict]) -> dict[str, list[dict]]:
     """The rows of each sweep: microbatches at the most stages, stages at the most microbatches."""
     max_s = max(r["stages"] for r in rows)
@@ -219,6 +246,7 @@ def report(rows: list[dict], fits: dict[str, dict]) -> str:
                 r["tasks"],
                 r["instructions"],
                 r["host_ms_per_step"],
+                r["host_ms_per_step_min"],
                 r["us_per_task"],
                 r["copy_us_per_task"],
                 r["outside_copies_us_per_task"],
@@ -246,7 +274,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot-dir", default=None, help="write the PNG figures here")
     parser.add_argument("--out", default=None, help="write the rows and the fit here (JSON)")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
+    parser.add_argument("--replot", default=None, help="tables and figures from this --out file")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        print(report(result["rows"], result["fits"]))
+        if args.plot_dir:
+            print("wrote", ", ".join(plots(result["rows"], args.plot_dir)))
+        return result
     stages = [int(x) for x in args.stages.split(",")]
     microbatches = [int(x) for x in args.microbatches.split(",")]
     common.setup_devices(max(stages))
@@ -257,9 +293,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(row), flush=True)
         if largest is None or row["tasks"] >= largest[0]:
             largest = (row["tasks"], replay)
+    floor = copy_floor()
+    print("JAX's batched copy alone, µs per array:", json.dumps(floor))
     fits = {name: linear_fit(rs) for name, rs in sweeps(rows).items() if len(rs) > 1}
     print(report(rows, fits))
-    result = {"rows": rows, "fits": fits, "goal_us_per_task": GOAL_US_PER_TASK, "time": time.time()}
+    result = {
+        "rows": rows,
+        "fits": fits,
+        "copy_floor_us_per_array": floor,
+        "goal_us_per_task": GOAL_US_PER_TASK,
+        "time": time.time(),
+    }
     if args.profile and largest is not None:
         result["profile"] = profile_replay(largest[1])
         print(result["profile"])
