@@ -6,7 +6,7 @@ Four parts, each a table (and a PNG with ``--plot-dir``):
   lowering pass, no XLA compile of the stage programs) for a toy pipeline of
   ``S`` stages at ``m`` microbatches, with each pass timed on its own (its time
   less the passes it calls) by wrapping the pass functions where the
-  compiler's pass managers (`compile_step`, `plan_region`, `plan_outer_problem`)
+  compiler's pass managers (`compile_step`, `build_region_program`, `plan_outer_problem`)
   call them. Each pass's growth exponent over the sizes is fitted; an n log n
   pass shows about ``nlogn_exponent`` (printed), a quadratic one 2.
 * **layers**: the first step's ``lower().compile()`` seconds against layers on
@@ -21,6 +21,8 @@ Run (32 simulated CPU devices)::
     .venv/bin/python benchmarks/scaling_compile_bench.py [--parts lowering,layers,stages,partitioner]
         [--lowering-sizes 4x8,8x16,...] [--layers 4,8,16,32,64] [--stages 2,4,8,16,32]
         [--partition-sizes 1000,10000,100000] [--plot-dir docs/img] [--out results.json]
+
+``--replot FILE`` prints the tables and draws the figures again from an ``--out`` file.
 """
 
 from __future__ import annotations

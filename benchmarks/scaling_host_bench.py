@@ -3,23 +3,26 @@
 For each (stages, microbatches) the step of a toy pipeline (one Linear+tanh per
 stage, one CPU device per stage, 1F1B) is compiled and run once; then its
 instruction list is replayed with every program replaced by its recorded
-result (`nnx_mpmd.apps.bench_probes.measure_overhead`, the no-op replay of
-`nnx-mpmd bench`), so what is timed is the runtime's own host work: arguments,
+result (the no-op replay of `nnx-mpmd bench`, as ``host_overhead_bench.py``
+builds it), so what is timed is the runtime's own host work: arguments,
 results, transfers, frees. Reported per row: stage tasks, instructions, ms of
-host time per step, µs per task, and a real step's dispatch time per task.
+host time per step (median and fastest), µs per task, and how much of it is
+spent inside JAX's batched copy (the transfers between meshes) and outside it.
 
 The sweep is a cross by default: microbatches at the largest stage count and
 stages at the largest microbatch count (``--grid full`` runs every pair). A
-straight line through (tasks, host time) gives the marginal µs per task; the
-growth exponent of the fit says whether the time is linear in tasks (1.0).
+straight line through (tasks, host time) per sweep gives the marginal µs per
+task; the growth exponent says whether the time is linear in tasks (1.0).
 ``--profile`` adds a cProfile of the largest replay (the top functions by own
-time), which says where the time goes.
+time), which says where the time goes; the copy floor line times JAX's batched
+copy alone, without nnx_mpmd. ``--replot FILE`` prints the tables and draws
+the figures again from an ``--out`` file.
 
 Run (32 simulated CPU devices)::
 
     .venv/bin/python benchmarks/scaling_host_bench.py [--stages 2,4,8,16,32]
         [--microbatches 8,16,32,64,128,256] [--grid cross|full] [--repeats 10]
-        [--plot-dir docs/img] [--out results.json] [--profile]
+        [--plot-dir docs/img] [--out results.json] [--profile] [--replot results.json]
 """
 
 from __future__ import annotations
