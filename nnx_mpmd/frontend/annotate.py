@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from nnx_mpmd.errors import PartitionError
@@ -87,7 +88,8 @@ def balanced_partition(weights: list[float] | tuple[float, ...], num_stages: int
 
     Every stage gets at least one item (so ``len(weights) >= num_stages``). Among
     optimal splits the earliest boundaries win, which makes the result stable.
-    It takes O(stages * items) time, so 100,000 layers split in well under a second.
+    It takes O(stages * items * log(items)) time in numpy: 100,000 layers into 32
+    stages split in a fraction of a second.
 
     Args:
       weights: the cost of each item (e.g. parameter bytes of each layer); not negative.
@@ -106,56 +108,82 @@ def balanced_partition(weights: list[float] | tuple[float, ...], num_stages: int
             f"cannot split {n} layers into {num_stages} non-empty stages; use at most "
             f"{n} stages or add layers."
         )
-    prefix = [0.0]
-    for index, w in enumerate(weights):
-        if not float(w) >= 0.0:
+    values = [float(w) for w in weights]
+    for index, w in enumerate(values):
+        if not w >= 0.0:
             raise PartitionError(
-                f"layer {index} has weight {w}; stage balancing needs weights >= 0 "
+                f"layer {index} has weight {weights[index]}; stage balancing needs weights >= 0 "
                 "(costs such as bytes or FLOPs)."
             )
-        prefix.append(prefix[-1] + float(w))
+    # Sequential sums (np.add.accumulate adds in order), as the scalar programme had.
+    prefix = np.concatenate(([0.0], np.add.accumulate(np.asarray(values, dtype=np.float64))))
     # best[i]: minimal heaviest stage when the first i items form k stages (k grows per pass).
-    best = [prefix[i] - prefix[0] for i in range(n + 1)]
-    cuts = [[0] * (n + 1)]
+    best = prefix - prefix[0]
+    cuts = [np.zeros(n + 1, dtype=np.int64)]
     for k in range(2, num_stages + 1):
         best, cut = _next_stage(prefix, best, k, n - (num_stages - k))
         cuts.append(cut)
     stages = [0] * n
     i = n
     for k in range(num_stages, 0, -1):
-        j = cuts[k - 1][i]
+        j = int(cuts[k - 1][i])
         stages[j:i] = [k - 1] * (i - j)
         i = j
     return stages
 
 
+def _first_true(predicate: Any, guess: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per entry, the first index in ``[lo, hi)`` where a monotone predicate holds (else hi).
+
+    Starts from ``guess`` (a searchsorted estimate, off by rounding at most) and steps
+    until the predicate itself agrees, so the result is exact.
+    """
+    at = np.clip(guess, lo, hi)
+    while True:
+        back = at > lo
+        back[back] = predicate(at[back] - 1, back)
+        ahead = at < hi
+        ahead[ahead] = ~predicate(at[ahead], ahead)
+        if not (back.any() or ahead.any()):
+            return at
+        at = at - back + ahead
+
+
 def _next_stage(
-    prefix: list[float], previous: list[float], k: int, last: int
-) -> tuple[list[float], list[int]]:
-    """One step of the split's dynamic programme, from k - 1 stages to k, in linear time.
+    prefix: np.ndarray, previous: np.ndarray, k: int, last: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One step of the split's dynamic programme, from k - 1 stages to k, for every i at once.
 
     ``previous[j]`` (k - 1 stages over the first j items) grows with j and the last
     stage's weight ``prefix[i] - prefix[j]`` shrinks with j, so the best cut lies
-    where they cross; that crossing only moves right as i grows (two pointers).
-    Ties go to the earliest cut, as in the plain O(items^2) programme.
+    where they cross, found by bisection over all i together (O(items log items)
+    in numpy, not a Python loop per item). The comparisons are the scalar
+    programme's own, so the split is the same; ties go to the earliest cut.
     """
-    inf = float("inf")
-    best = [inf] * len(prefix)
-    cut = [0] * len(prefix)
-    cross = k - 1  # first j with previous[j] >= prefix[i] - prefix[j]
-    for i in range(k, last + 1):
-        total = prefix[i]
-        while cross < i and previous[cross] < total - prefix[cross]:
-            cross += 1
-        # Left of the crossing the last stage dominates; at and right of it, previous does.
-        value, j = (previous[cross], cross) if cross < i else (inf, i)
-        if cross > k - 1:
-            left = total - prefix[cross - 1]
-            if left <= value:
-                value, j = left, cross - 1
-                while j > k - 1 and total - prefix[j - 1] == value:
-                    j -= 1
-        best[i], cut[i] = value, j
+    best = np.full(len(prefix), np.inf)
+    cut = np.zeros(len(prefix), dtype=np.int64)
+    if last < k:
+        return best, cut
+    i = np.arange(k, last + 1)
+    total = prefix[i]
+    first = np.full(i.shape, k - 1)
+    # cross: the first j >= k - 1 with previous[j] >= prefix[i] - prefix[j], or i when none.
+    key = previous[k - 1 :] + prefix[k - 1 :]
+    guess = np.searchsorted(key, total, side="left") + (k - 1)
+    cross = _first_true(lambda j, rows: previous[j] >= total[rows] - prefix[j], guess, first, i)
+    # At and right of the crossing previous dominates; left of it the last stage.
+    value = np.where(cross < i, previous[np.minimum(cross, len(prefix) - 1)], np.inf)
+    j = np.where(cross < i, cross, i)
+    left = total - prefix[np.maximum(cross - 1, 0)]
+    take = (cross > k - 1) & (left <= value)
+    value = np.where(take, left, value)
+    # Ties: the earliest cut m with prefix[i] - prefix[m] equal to that value (these
+    # differences shrink with m, so the equal ones are the m just before cross).
+    before = np.maximum(cross - 1, first)
+    guess = np.searchsorted(prefix, prefix[before], side="left")
+    tied = _first_true(lambda m, rows: total[rows] - prefix[m] <= value[rows], guess, first, before)
+    j = np.where(take, tied, j)
+    best[i], cut[i] = value, j
     return best, cut
 
 
