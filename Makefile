@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 DOCSTAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test test-fast lint format bench docs clean
+.PHONY: demo test test-fast lint format bench bench-peers docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m nnx_mpmd bench $(BENCH_ARGS)
+
+# nnx_mpmd beside JaxPP (when .peers/jaxpp-venv exists; `bash ../shared/peers/setup_jaxpp.sh
+# .peers/jaxpp-venv` builds it) and a hand-written jax.jit + device_put floor, alternated in
+# fresh processes; PEERS_ARGS="--rows overhead,gpt --rounds 3" narrows or widens it.
+bench-peers: $(STAMP)
+	$(BIN)/python benchmarks/peers_bench.py $(PEERS_ARGS)
 
 docs: $(DOCSTAMP)
 	$(BIN)/mkdocs build --strict
