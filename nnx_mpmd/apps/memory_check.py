@@ -22,8 +22,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nnx_mpmd.annotate.stage import variable_stage
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.stage import variable_stage
 from nnx_mpmd.planner.profile_units import UnitCosts
 from nnx_mpmd.planner.search import predict
 

@@ -23,10 +23,10 @@ import jax
 import optax
 from flax import nnx
 
+from nnx_mpmd.annotate.scan_stack import ScanStack, stage_ranges
+from nnx_mpmd.annotate.stage import Stage
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.jit import jit
-from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
-from nnx_mpmd.frontend.stage import Stage
+from nnx_mpmd.jit.jit import jit
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.profile_units import UnitCosts, profile_units, train_step_of
 from nnx_mpmd.planner.search import Candidate, search
