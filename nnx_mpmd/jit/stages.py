@@ -131,7 +131,7 @@ class Lowered:
     def ir_text(self) -> str:
         """The whole instruction list in the IR's text form, one instruction a line.
 
-        ``compiler.instructions.parse_instructions(text, lowered.programs)`` reads it
+        ``compiler.ir.parse_instructions(text, lowered.programs)`` reads it
         back: every `Call` names its program (``F0``, ``init1``, ``post.L0.mesh2``).
         """
         return format_instructions(self.compiled.instructions)
