@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from nnx_mpmd.apps import schedule_cli as schedule_cli
+from nnx_mpmd.apps import schedule_cli
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.schedules import (
     Costs,
