@@ -3,7 +3,7 @@
 Runs each variant as fresh processes: first with an empty cache directory
 (cold), then twice again with the cache the runs before filled (warm, warm2;
 the pipelined warm runs load the step the cold run stored in it,
-`nnx_mpmd.runtime.step_store`, and trace no program):
+`nnx_mpmd.aot.step_store`, and trace no program):
 
 * ``pipelined``: ``nnx-mpmd train`` (GPT ``tiny`` by default, 4 meshes x 2 data,
   1F1B, 8 microbatches), one step; its first step's time from ``metrics.jsonl``;
@@ -43,7 +43,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, numpy as np, optax
 from flax import nnx
-from nnx_mpmd.runtime.compile_cache import enable_compile_cache
+from nnx_mpmd.aot.compile_cache import enable_compile_cache
 enable_compile_cache(sys.argv[1])
 import nnx_mpmd as mp
 from nnx_mpmd.models import build_model, lm_loss

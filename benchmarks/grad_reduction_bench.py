@@ -103,7 +103,7 @@ def worker(steps: int, microbatches: int, config: str = "gpt") -> dict:
     from flax import nnx
 
     import nnx_mpmd as mp
-    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.compiler.ir import Call
 
     model, loss_fn, batch = (_fsdp if config == "fsdp" else _gpt)(microbatches)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)

@@ -42,7 +42,7 @@ def _replay(variant):
     import dataclasses
 
     from nnx_mpmd.apps.bench_probes import _compiled_and_inputs, block
-    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.compiler.ir import Call
     from nnx_mpmd.runtime import executor
 
     compiled, inputs = _compiled_and_inputs(variant)

@@ -44,7 +44,7 @@ def _variant(settings, preset, overlap, batches):
 
 def _counts(variant):
     from nnx_mpmd.apps.bench_probes import _compiled_and_inputs
-    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.compiler.ir import Call
 
     compiled, _ = _compiled_and_inputs(variant)
     calls = [ins for ins in compiled.instructions if isinstance(ins, Call)]

@@ -36,7 +36,7 @@ from nnx_mpmd.models import build_model, lm_loss
 from nnx_mpmd.models.presets import preset_fields
 variant, preset = sys.argv[1], sys.argv[2]
 if variant == "separate":
-    from nnx_mpmd.runtime import program_sharing
+    from nnx_mpmd.aot import program_sharing
     program_sharing.share_key = lambda *args, **kwargs: None
 compile_s = []
 def listen(event, duration, **kwargs):

@@ -46,16 +46,16 @@ import scaling_common as common
 #: Where each pass is called: (module, function names). Modules or names a later
 #: version moved are skipped (the pass then counts in its caller's time).
 PASS_SITES = {
-    "nnx_mpmd.compiler.step": [
+    "nnx_mpmd.compiler.final.step": [
         "trace_step", "cut_stages", "schedule_tasks", "describe_inputs", "insert_frees",
         "donate_dead_arguments", "donate_step_inputs", "schedule_ticks", "batch_transfers",
         "merge_frees", "dedupe_programs",
     ],
-    "nnx_mpmd.compiler.region_plan": [
+    "nnx_mpmd.compiler.region.region_plan": [
         "compile_stage_programs", "lower_schedule", "overlap_tasks", "fuse_forward_backward",
         "reduce_gradients_once", "insert_transfers", "region_outputs", "assign_slots",
     ],
-    "nnx_mpmd.compiler.mesh_inference": [
+    "nnx_mpmd.compiler.outer.mesh_inference": [
         "locate_region", "needed_meshes", "assign_meshes", "level_equations",
         "defer_equations", "pack_transfers", "kept_values", "drop_unread_equations",
         "split_common_parts", "emit_outer_program", "report_transfers",
@@ -186,7 +186,7 @@ def pass_growth(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def compile_one(stages: int, per_stage: int, scan: bool) -> dict:
     """The first step's ``lower()`` and ``compile()`` seconds, in this (fresh) process."""
-    from nnx_mpmd.compiler.stats import count_compilations
+    from nnx_mpmd.aot.stats import count_compilations
 
     step, (model, optimizer), batch = common.pipelined(stages, 4, per_stage, scan=scan)
     with count_compilations() as counter:
@@ -223,7 +223,7 @@ def compile_rows(counts: list[int], *, vary: str) -> list[dict]:
 
 def partition_rows(sizes: list[int], stage_counts: tuple[int, ...] = (32, 64)) -> list[dict]:
     """`balanced_partition` seconds for random weights, per (layers, stages)."""
-    from nnx_mpmd.frontend.annotate import balanced_partition
+    from nnx_mpmd.annotate.annotate import balanced_partition
 
     rows = []
     rng = random.Random(0)

@@ -298,7 +298,7 @@ def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Se
     )
 
 
-# -- Loading one compiled executable on other devices (runtime/program_sharing.py) ----
+# -- Loading one compiled executable on other devices (aot/program_sharing.py) ----
 
 
 def compile_options_for_devices(devices: Sequence[Any]) -> Any:

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_mpmd.errors import DistributedError
-from nnx_mpmd.frontend.batch_placement import batch_shardings
+from nnx_mpmd.jit.batch_placement import batch_shardings
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.process_batch import (

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.frontend.annotate import logical_paths, variable_stage
+from nnx_mpmd.annotate.annotate import logical_paths, variable_stage
 from nnx_mpmd.placement.mesh import MpmdMesh
 
 WIDTH = 8

@@ -44,7 +44,7 @@ if not os.path.isdir(_run_dir):
 # Many tests compile the same stage programs (the same model and schedule with a
 # different optimizer, say). A compilation cache shared by this test run (and its
 # xdist workers) turns those repeats into cache hits. A cache hit still counts as
-# a compilation in nnx_mpmd.compiler.stats, so recompilation tests stay exact.
+# a compilation in nnx_mpmd.aot.stats, so recompilation tests stay exact.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = os.path.join(_run_dir, "jax-cache")
     # Private, as nnx_mpmd makes its own (stored steps load only from such a cache).
@@ -67,7 +67,7 @@ def _no_executables_kept_by_earlier_tests(monkeypatch):
     """
     import uuid
 
-    from nnx_mpmd.runtime import program_sharing, step_store
+    from nnx_mpmd.aot import program_sharing, step_store
 
     program_sharing.forget_kept()
     monkeypatch.setattr(program_sharing, "_STORE_FOLDER", f"nnx_mpmd_shared-{uuid.uuid4().hex}")
@@ -85,7 +85,7 @@ def _every_call_runs_an_executable_made_for_it(monkeypatch, request):
     the ahead-of-time pass did not predict. Results stay right; the first step
     pays a compile. ``@pytest.mark.fallback_compiles`` allows it in a test.
     """
-    from nnx_mpmd.runtime import program_sharing
+    from nnx_mpmd.aot import program_sharing
 
     missed = []
     choose = program_sharing.SharedProgram._choose

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.annotate import (
+from nnx_mpmd.annotate.annotate import (
     PipelinedModel,
     Stage,
     assign_stages,
@@ -26,6 +25,7 @@ from nnx_mpmd.frontend.annotate import (
     validate_stages,
     variable_stage,
 )
+from nnx_mpmd.errors import PartitionError
 
 
 class Block(nnx.Module):

@@ -21,8 +21,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.region_aux import aux_modes
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
+from nnx_mpmd.compiler.trace.region_aux import aux_modes
 
 MODES = {"outputs": "concat", "per_example": "concat", "worst": "mean"}
 

@@ -20,13 +20,13 @@ import jax
 import pytest
 from flax import nnx
 
+from nnx_mpmd.aot import program_sharing, step_store
+from nnx_mpmd.aot.compile_cache import check_cache_dir, enable_compile_cache
 from nnx_mpmd.apps import cli, train
 from nnx_mpmd.apps.validate_args import check_output_dir, checked_metadata
 from nnx_mpmd.errors import CheckpointError, CompileError, MpmdError, PlanError
 from nnx_mpmd.planner.plan import Plan
 from nnx_mpmd.planner.search import Candidate
-from nnx_mpmd.runtime import program_sharing, step_store
-from nnx_mpmd.runtime.compile_cache import check_cache_dir, enable_compile_cache
 
 # Small enough that the few cases that build the model do so in a second.
 SMALL = ["--meshes", "1", "--data", "1", "--batch-size", "4", "--microbatches", "2"]

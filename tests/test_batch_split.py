@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 from nnx_mpmd.runtime import batch_split
 from nnx_mpmd.runtime.batch_split import MicrobatchSplitter, microbatched_shape
 

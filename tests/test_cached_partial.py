@@ -12,8 +12,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler import trace_step
-from nnx_mpmd.frontend import jit as api
+from nnx_mpmd.compiler.trace import trace_step
+from nnx_mpmd.jit import jit as api
 
 STEPS = 3
 

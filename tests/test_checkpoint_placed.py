@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_mpmd.annotate.annotate import Stage
 from nnx_mpmd.checkpoint import CheckpointManager, restore, save
-from nnx_mpmd.frontend.annotate import Stage
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.place import gather, place
 

@@ -18,8 +18,7 @@ import jax
 import pytest
 
 import nnx_mpmd
-from nnx_mpmd.apps import cli
-from nnx_mpmd.schedules import cli as schedule_cli
+from nnx_mpmd.apps import cli, schedule_cli
 from nnx_mpmd.schedules.draw import PLOTS_INSTALL, time_axis_label
 from nnx_mpmd.schedules.registry import SCHEDULES
 from nnx_mpmd.schedules.simulate import Costs

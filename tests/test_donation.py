@@ -19,9 +19,9 @@ from flax import nnx
 from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.donate_inputs import donate_step_inputs, transfer_sources
-from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey, Transfer, slots_in
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
+from nnx_mpmd.compiler.final.donate_inputs import donate_step_inputs, transfer_sources
+from nnx_mpmd.compiler.ir import Call, Free, ProgramKey, Transfer, slots_in
 from nnx_mpmd.errors import CompileError
 
 CASES = [

@@ -18,8 +18,7 @@ from pipeline_models import build, make_batch, make_mesh, params_of, train_step_
 
 import nnx_mpmd as mp
 from nnx_mpmd import schedules
-from nnx_mpmd.compiler import region_plan
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.ir import (
     Call,
     Donatable,
     Free,
@@ -30,6 +29,7 @@ from nnx_mpmd.compiler.instructions import (
     parse_instructions,
     slots_in,
 )
+from nnx_mpmd.compiler.region import region_plan
 from nnx_mpmd.runtime import executor, interpreter
 
 B1 = ProgramKey("B", stage=1)
@@ -127,7 +127,7 @@ def _run(schedule_cls, data, donate, monkeypatch, steps=2):
     return step, losses, params_of(model)
 
 
-@pytest.mark.filterwarnings("ignore::nnx_mpmd.compiler.trace_step.ReplicatedBatchWarning")
+@pytest.mark.filterwarnings("ignore::nnx_mpmd.compiler.trace.trace_step.ReplicatedBatchWarning")
 @pytest.mark.parametrize("data", [1, 2])
 @pytest.mark.parametrize("schedule_cls", [schedules.OneFOneB, schedules.ZeroBubbleH1])
 def test_donating_cotangents_gives_the_same_bits(schedule_cls, data, monkeypatch):
@@ -154,7 +154,7 @@ class _Consumed(interpreter.Observer):
         self.deleted += [a.is_deleted() for a in self.args]
 
 
-@pytest.mark.filterwarnings("ignore::nnx_mpmd.compiler.trace_step.ReplicatedBatchWarning")
+@pytest.mark.filterwarnings("ignore::nnx_mpmd.compiler.trace.trace_step.ReplicatedBatchWarning")
 @pytest.mark.parametrize("data", [1, 2])
 @pytest.mark.parametrize("schedule_cls", [schedules.OneFOneB, schedules.ZeroBubbleH1])
 def test_the_middle_stages_backwards_consume_the_cotangents_they_receive(

@@ -10,7 +10,7 @@ the same model under ``nnx.jit`` on one device, inside ``jax.set_mesh`` of a
 one-device mesh with the submesh's axis names, as a user writes it.
 
 ``compile_step`` traces the step inside
-``nnx_mpmd.compiler.stage_programs.submesh_tracing(mesh)`` and ``MpmdMesh``
+``nnx_mpmd.compiler.trace.stage_programs.submesh_tracing(mesh)`` and ``MpmdMesh``
 keeps the user's axis types on its submeshes. Ordinary (unannotated) model code
 with data parallelism inside a stage is covered at the end: on an Explicit batch
 axis each microbatch is traced sharded, and code that JAX's Explicit rules reject
@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning
+from nnx_mpmd.compiler.trace.trace_step import ReplicatedBatchWarning
 
 WIDTH = 8
 MICROBATCHES = 4
@@ -265,7 +265,7 @@ def test_reshard_over_auto_axes_fails_as_under_jax_jit():
 
 
 def test_submesh_tracing_resolves_partition_specs_on_the_submesh():
-    from nnx_mpmd.compiler.stage_programs import submesh_tracing
+    from nnx_mpmd.compiler.trace.stage_programs import submesh_tracing
 
     mesh = pipeline_mesh(AxisType.Explicit)
     with submesh_tracing(mesh):
@@ -283,7 +283,7 @@ def test_submesh_tracing_resolves_partition_specs_on_the_submesh():
 
 
 def test_state_outputs_are_resharded_on_explicit_axes_and_constrained_on_auto_axes():
-    from nnx_mpmd.compiler.mesh_inference import constrain_to
+    from nnx_mpmd.compiler.outer.mesh_inference import constrain_to
 
     mixed = jax.make_mesh(
         (2, 2),

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.trace_step import ReplicatedBatchWarning
+from nnx_mpmd.compiler.trace.trace_step import ReplicatedBatchWarning
 
 WIDTH = 4
 CACHE = 8

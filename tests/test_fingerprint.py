@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.fingerprint import jaxpr_fingerprint, value_fingerprint
+from nnx_mpmd.aot.fingerprint import jaxpr_fingerprint, value_fingerprint
 
 
 def _text(fn, *args):
@@ -141,7 +141,7 @@ def test_the_text_is_the_same_in_another_process():
     code = textwrap.dedent(
         """
         import hashlib, jax, jax.numpy as jnp
-        from nnx_mpmd.compiler.fingerprint import jaxpr_fingerprint
+        from nnx_mpmd.aot.fingerprint import jaxpr_fingerprint
         def fn(a, w):
             return jax.nn.relu(a @ w).sum() * 0.5
         j = jax.make_jaxpr(jax.grad(fn))(jnp.ones((4, 3)), jnp.ones((3, 2)))
@@ -176,7 +176,7 @@ def test_a_primitive_with_rules_of_the_users_has_no_text():
 
 
 def test_a_rule_nested_too_deep_to_read_is_not_trusted():
-    from nnx_mpmd.compiler.fingerprint import LIBRARY_MODULES, _modules_of
+    from nnx_mpmd.aot.fingerprint import LIBRARY_MODULES, _modules_of
 
     rule = jnp.sin  # library code, nested deeper than is read
     for _ in range(12):

@@ -8,7 +8,7 @@ from flax import nnx
 from pipeline_models import make_mesh
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 from nnx_mpmd.models import build_model
 
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""One data-parallel gradient reduction per step (nnx_mpmd.compiler.grad_reduction).
+"""One data-parallel gradient reduction per step (nnx_mpmd.compiler.trace.grad_reduction).
 
 A stage on a submesh with a data axis of 2 accumulates its gradients unreduced
 over the microbatches and reduces them once per step. Counted from the
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.grad_reduction import (
+from nnx_mpmd.compiler.trace.grad_reduction import (
     GradientReduction,
     all_reduce_bytes,
     program_calls,

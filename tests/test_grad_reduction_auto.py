@@ -1,4 +1,4 @@
-"""One gradient reduction per step on Auto data axes (nnx_mpmd.compiler.grad_reduction_auto).
+"""One gradient reduction per step on Auto data axes (nnx_mpmd.compiler.trace.grad_reduction_auto).
 
 On a 2-stage x 2-data mesh of Auto axes, a stage accumulates its gradients as
 stacked per-device partial sums (``[2, *param.shape]``, sharded over the data
@@ -23,8 +23,12 @@ from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, trai
 from test_grad_reduction import MICROBATCHES, SCHEDULES, TiedNormModel, _param_bytes
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.grad_reduction import all_reduce_bytes, program_calls, step_all_reduce_bytes
-from nnx_mpmd.compiler.grad_reduction_auto import StackedReduction, run_stacking, split_dims
+from nnx_mpmd.compiler.trace.grad_reduction import (
+    all_reduce_bytes,
+    program_calls,
+    step_all_reduce_bytes,
+)
+from nnx_mpmd.compiler.trace.grad_reduction_auto import StackedReduction, run_stacking, split_dims
 
 
 def _step(loss_fn, schedule_cls, axis_type=AxisType.Auto):

@@ -1,4 +1,4 @@
-"""One reduce-scatter per step for FSDP parameters (nnx_mpmd.compiler.grad_reduction).
+"""One reduce-scatter per step for FSDP parameters (nnx_mpmd.compiler.trace.grad_reduction).
 
 A parameter whose ``out_sharding`` names the stage's data axis (FSDP) on an
 Explicit submesh keeps its gradient unreduced at full size over the
@@ -33,7 +33,7 @@ from pipeline_models import (
 from test_grad_reduction import AXIS_TYPES, MICROBATCHES, SCHEDULES
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.grad_reduction import (
+from nnx_mpmd.compiler.trace.grad_reduction import (
     GradientReduction,
     all_reduce_bytes,
     program_calls,

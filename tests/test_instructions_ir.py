@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.ir import (
     Call,
     Free,
     ProgramKey,

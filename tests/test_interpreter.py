@@ -19,18 +19,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.aot.precompile import precompile
+from nnx_mpmd.aot.stats import count_compilations
+from nnx_mpmd.compiler.ir import (
     Call,
     ProgramKey,
     Transfer,
     format_instructions,
     parse_instructions,
 )
-from nnx_mpmd.compiler.stats import count_compilations
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.executor import DeviceOperations, Shardings, execute
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler
-from nnx_mpmd.runtime.precompile import precompile
 
 
 @pytest.fixture(scope="module")

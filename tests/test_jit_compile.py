@@ -10,8 +10,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
-from nnx_mpmd.runtime import program_sharing
+from nnx_mpmd.aot import program_sharing
+from nnx_mpmd.aot.stats import count_compilations
 
 
 def _first_step_compilations(num_microbatches: int, schedule) -> int:
@@ -166,7 +166,7 @@ def test_a_wrong_sharding_guess_only_costs_compilations(monkeypatch):
     from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
-    from nnx_mpmd.runtime import precompile
+    from nnx_mpmd.aot import precompile
 
     auto = AxisType.Auto
     _, _, expected = _compilations(mp.OneFOneB(), 2, compile_threads=1, axis_types=auto)
@@ -190,7 +190,7 @@ def test_explicit_axes_need_no_sharding_guess(monkeypatch):
     # compiled for them, and a guess (here always wrong) is never consulted.
     from jax.sharding import PartitionSpec as P
 
-    from nnx_mpmd.runtime import precompile
+    from nnx_mpmd.aot import precompile
 
     monkeypatch.setattr(precompile._Guess, "spec", lambda self, shape: P(*[None] * len(shape)))
     lowered, ran, _ = _compilations(mp.OneFOneB(), 2, compile_threads=2)
@@ -210,8 +210,8 @@ def test_compile_threads_must_be_a_positive_int(bad):
 
 
 def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypatch, compiled_here):
-    from nnx_mpmd.compiler.instructions import Call
-    from nnx_mpmd.runtime import precompile
+    from nnx_mpmd.aot import precompile
+    from nnx_mpmd.compiler.ir import Call
 
     events = []
     wait_for, finish = precompile.Precompiling.wait_for, precompile.Precompiling.finish

@@ -9,7 +9,7 @@ from pipeline_models import build, make_batch, make_mesh, params_of, train_step_
 
 import nnx_mpmd as mp
 from nnx_mpmd import schedules
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 # (schedule, meshes, stages, microbatches, data)
 CONFIGS = [

@@ -168,7 +168,7 @@ class _PairState(nnx.Variable):
 
 
 def test_variable_holding_a_pytree_is_written_back_through_nnx_update():
-    from nnx_mpmd.compiler.trace_step import flatten_args
+    from nnx_mpmd.compiler.trace.trace_step import flatten_args
 
     model, opt = _build(2)
     model.pair = _PairState((jnp.zeros(3), jnp.ones(3)))

@@ -3,7 +3,7 @@
 A bridged Linen module has no variables until ``nnx.bridge.lazy_init`` (or its
 first call) makes them, so a `Stage` built around it cannot tag them when it is
 constructed; placement tags them with the stage of the Stage that holds them
-(`nnx_mpmd.frontend.stage.tag_variables_created_later`). They once failed with
+(`nnx_mpmd.annotate.stage.tag_variables_created_later`). They once failed with
 "parameter(s) have no stage ... Wrap the modules that own them in Stage",
 though they were wrapped.
 """
@@ -19,7 +19,7 @@ from flax.nnx import bridge
 from pipeline_models import WIDTH, make_batch, make_mesh, mlp_loss, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 
 class LinenBlock(linen.Module):

@@ -11,7 +11,7 @@ from flax import nnx
 from pipeline_models import SEQ, VOCAB, build, make_batch, make_mesh, params_of
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.grad_reduction import step_all_reduce_bytes
+from nnx_mpmd.compiler.trace.grad_reduction import step_all_reduce_bytes
 
 BATCH = 16
 

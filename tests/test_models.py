@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import nnx_mpmd as mp
-from nnx_mpmd.frontend.annotate import STAGE_KEY, STAGES_KEY
+from nnx_mpmd.annotate.annotate import STAGE_KEY, STAGES_KEY
 from nnx_mpmd.models import (
     GPT,
     MODELS,

@@ -27,7 +27,7 @@ from flax import nnx
 from pipeline_models import WIDTH, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 
 class Ensemble(nnx.Module):

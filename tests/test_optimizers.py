@@ -3,7 +3,7 @@
 The outer passes place each optimizer equation on the meshes that read its
 result, pack the per-leaf partial sums of global norms, drop what no mesh reads
 and split the update into a part common to several meshes and a rest
-(`nnx_mpmd.compiler.outer_parts`). None of that may change what an optimizer
+(`nnx_mpmd.compiler.outer.outer_parts`). None of that may change what an optimizer
 computes: per-leaf trust ratios (LAMB), factored moments (Adafactor), masks
 and labels (`multi_transform`, masked weight decay), chained clipping and EMA,
 random noise from a key in the optimizer state (`add_noise`), injected
@@ -39,7 +39,7 @@ from pipeline_models import (
 )
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 
 def _kernels_only(params):

@@ -18,11 +18,11 @@ from pipeline_models import lm_on_four_meshes, make_batch, params_of, train_step
 from test_outer_passes import _assign, _problem, _run
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import Call, SlotTable
-from nnx_mpmd.compiler.mesh_inference import plan_outer_problem
-from nnx_mpmd.compiler.outer_emit import Part, kept_values, level_equations
-from nnx_mpmd.compiler.outer_parts import drop_unread_equations, split_common_parts
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
+from nnx_mpmd.compiler.ir import Call, SlotTable
+from nnx_mpmd.compiler.outer.mesh_inference import plan_outer_problem
+from nnx_mpmd.compiler.outer.outer_emit import Part, kept_values, level_equations
+from nnx_mpmd.compiler.outer.outer_parts import drop_unread_equations, split_common_parts
 
 
 def _adam_like(x, g, count, norm):

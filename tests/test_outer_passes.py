@@ -19,15 +19,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.ir import (
     Call,
     ProgramKey,
     SlotTable,
     Transfer,
     format_instructions,
 )
-from nnx_mpmd.compiler.mesh_inference import OuterPlan, plan_outer_problem
-from nnx_mpmd.compiler.outer_assign import (
+from nnx_mpmd.compiler.outer.mesh_inference import OuterPlan, plan_outer_problem
+from nnx_mpmd.compiler.outer.outer_assign import (
     HOST,
     BatchOnMesh,
     OuterProblem,
@@ -39,7 +39,7 @@ from nnx_mpmd.compiler.outer_assign import (
     locate_region,
     needed_meshes,
 )
-from nnx_mpmd.compiler.outer_emit import (
+from nnx_mpmd.compiler.outer.outer_emit import (
     CrossMeshTransfer,
     OuterGroup,
     OuterTransfer,
@@ -49,8 +49,8 @@ from nnx_mpmd.compiler.outer_emit import (
     level_equations,
     report_transfers,
 )
-from nnx_mpmd.compiler.outer_packing import PackedTransfer, pack_transfers
-from nnx_mpmd.compiler.region import region_p
+from nnx_mpmd.compiler.outer.outer_packing import PackedTransfer, pack_transfers
+from nnx_mpmd.compiler.trace.region import region_p
 
 MESHES = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:3]]
 
@@ -559,7 +559,7 @@ def test_a_pack_on_auto_axes_is_moved_as_replicated():
 
 
 def _unpacked_plan(problem):
-    import nnx_mpmd.compiler.mesh_inference as mesh_inference
+    import nnx_mpmd.compiler.outer.mesh_inference as mesh_inference
 
     original = mesh_inference.pack_transfers
     mesh_inference.pack_transfers = lambda levels, kept: levels
@@ -639,7 +639,7 @@ def test_large_or_sharded_values_move_on_their_own(monkeypatch):
     problem = _problem(
         _column_norms, COLUMN_ARGS, [{0}, {1}, {1}], targets=[{0}, {0}], names=["a", "b0", "b1"]
     )
-    import nnx_mpmd.compiler.outer_packing as outer_packing
+    import nnx_mpmd.compiler.outer.outer_packing as outer_packing
 
     monkeypatch.setattr(outer_packing, "PACK_MAX_BYTES", 12)  # c0 fits, c1 (16 B) does not
     deferred, packed = _packed(problem)

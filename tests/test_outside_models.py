@@ -23,7 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 WIDTH = 8
 CALLS = 5

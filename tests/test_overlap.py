@@ -17,14 +17,14 @@ from test_jit_equivalence import run_equivalence
 from test_region_passes import chain
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.ir import (
     Call,
     ProgramKey,
     format_instructions,
     parse_instructions,
 )
-from nnx_mpmd.compiler.overlap import overlap_tasks
-from nnx_mpmd.compiler.schedule_lowering import dispatch_order, lower_schedule
+from nnx_mpmd.compiler.region.overlap import overlap_tasks
+from nnx_mpmd.compiler.region.schedule_lowering import dispatch_order, lower_schedule
 from nnx_mpmd.schedules import Custom, Task, parse_tasks
 
 # 2 stages on 2 meshes, 3 microbatches: 1F1B with a backward and the next

@@ -10,8 +10,8 @@ from flax.nnx.training.optimizer import OptVariable
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_mpmd.annotate.annotate import PipelinedModel, Stage, assign_stages, variable_stage
 from nnx_mpmd.errors import PartitionError, PlacementError
-from nnx_mpmd.frontend.annotate import PipelinedModel, Stage, assign_stages, variable_stage
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray, normalize_spec
 from nnx_mpmd.placement.partition import (

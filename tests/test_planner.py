@@ -18,8 +18,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
+from nnx_mpmd.annotate.stage import variable_stage
 from nnx_mpmd.apps.train import config_from_args
-from nnx_mpmd.frontend.stage import variable_stage
 from nnx_mpmd.models import build_model, lm_loss
 from nnx_mpmd.planner import (
     Candidate,

@@ -20,13 +20,13 @@ from jax.sharding import PartitionSpec as P
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
+from nnx_mpmd.aot.stats import count_compilations
 from nnx_mpmd.apps import local_batches
 from nnx_mpmd.apps.data import BatchIterator
 from nnx_mpmd.apps.local_batches import ProcessLocalBatches, leaf_rows
-from nnx_mpmd.compiler.instructions import Transfer
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.compiler.ir import Transfer
 from nnx_mpmd.errors import MpmdError, PlacementError
-from nnx_mpmd.frontend.batch_placement import batch_shardings
+from nnx_mpmd.jit.batch_placement import batch_shardings
 from nnx_mpmd.placement.process_batch import (
     MicrobatchedArray,
     make_microbatched_array,

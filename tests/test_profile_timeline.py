@@ -10,7 +10,7 @@ import pytest
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import Call, ProgramKey, Transfer
+from nnx_mpmd.compiler.ir import Call, ProgramKey, Transfer
 from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
 from nnx_mpmd.schedules import (
     Costs,

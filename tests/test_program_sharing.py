@@ -22,9 +22,9 @@ from pipeline_models import (
 )
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
-from nnx_mpmd.runtime import program_sharing
-from nnx_mpmd.runtime.program_sharing import SharedProgram, load_for_devices, share_key
+from nnx_mpmd.aot import program_sharing
+from nnx_mpmd.aot.program_sharing import SharedProgram, load_for_devices, share_key
+from nnx_mpmd.aot.stats import count_compilations
 
 
 def _submesh(ids, names=("data",)):
@@ -168,7 +168,7 @@ def _counting_stage_traces(monkeypatch):
     """Counts, per (program kind, stage), how often a stage program is traced."""
     from collections import Counter
 
-    from nnx_mpmd.compiler.stage_programs import StageFunctions
+    from nnx_mpmd.compiler.trace.stage_programs import StageFunctions
 
     traced = Counter()
     for method in ("forward", "backward", "fused", "init"):
@@ -251,7 +251,7 @@ def test_stages_that_differ_only_inside_are_not_twins(monkeypatch, acts, remat):
 
 def _dualpipev_first_step(monkeypatch, twins):
     """(traces of stage functions, loss, model) of DualPipeV's first step, 8 stages."""
-    from nnx_mpmd.compiler.stage_programs import StageFunctions
+    from nnx_mpmd.compiler.trace.stage_programs import StageFunctions
 
     with monkeypatch.context() as patch:
         if not twins:
@@ -290,7 +290,7 @@ def test_equal_overlapped_pairs_are_traced_once(monkeypatch, compiled_here):
 def test_a_backward_traced_before_any_forward_of_its_stage_finds_its_residual_layout():
     # A backward whose forward ran an equal stage's executable (never traced for
     # this stage's StageFunctions) traces the forward abstractly for the layout.
-    from nnx_mpmd.compiler.stage_programs import StageFunctions
+    from nnx_mpmd.compiler.trace.stage_programs import StageFunctions
 
     model, opt, loss_fn, kind = build("mlp", "sgd", 2)
     step = mp.jit(
@@ -434,8 +434,8 @@ def test_a_later_process_loads_a_stored_module_instead_of_compiling_it(tmp_path)
     # later process that meets mesh2's module first loads the copy stored beside it.
     from jax.experimental.compilation_cache import compilation_cache
 
+    from nnx_mpmd.aot.compile_jobs import ProgramCompiler, abstract
     from nnx_mpmd.compiler.jaxpr_utils import named_jit
-    from nnx_mpmd.runtime.compile_jobs import ProgramCompiler, abstract
 
     def outputs(compiler, label, mesh):
         args = abstract(_args(mesh))
@@ -482,7 +482,7 @@ class _TraceCounter:
 
 
 def _twins(structure=("reduce",)):
-    from nnx_mpmd.runtime.compile_jobs import ProgramCompiler, abstract
+    from nnx_mpmd.aot.compile_jobs import ProgramCompiler, abstract
 
     compiler = ProgramCompiler(share=True)
     first, second = _submesh((0, 1)), _submesh((2, 3))

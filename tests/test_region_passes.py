@@ -17,7 +17,7 @@ import pytest
 from pipeline_models import make_mesh
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.ir import (
     Call,
     ProgramKey,
     SlotTable,
@@ -25,22 +25,22 @@ from nnx_mpmd.compiler.instructions import (
     format_instructions,
     slots_in,
 )
-from nnx_mpmd.compiler.region_outputs import (
+from nnx_mpmd.compiler.region.region_outputs import (
     carry_state_home,
     collect_results,
     reduce_shared_gradients,
     region_outputs,
 )
-from nnx_mpmd.compiler.region_plan import assign_slots, build_region_program
-from nnx_mpmd.compiler.region_transfers import insert_transfers
-from nnx_mpmd.compiler.region_values import RegionContext, RegionValue, region_values_in
-from nnx_mpmd.compiler.schedule_lowering import (
+from nnx_mpmd.compiler.region.region_plan import assign_slots, build_region_program
+from nnx_mpmd.compiler.region.region_transfers import insert_transfers
+from nnx_mpmd.compiler.region.region_values import RegionContext, RegionValue, region_values_in
+from nnx_mpmd.compiler.region.schedule_lowering import (
     dispatch_order,
     fuse_forward_backward,
     lower_schedule,
     lower_task,
 )
-from nnx_mpmd.compiler.stages import OutputSource
+from nnx_mpmd.compiler.trace.stages import OutputSource
 
 KINDS = ("F", "B", "FB", "BI", "BW", "Fwd", "init")
 PROGRAM_ATTRS = ("forward", "backward", "fused", "backward_input", "forward_only")

@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from pipeline_models import WIDTH, make_batch, make_mesh
 
 import nnx_mpmd as mp
-from nnx_mpmd.frontend.scan_stack import split_scan_stacks
+from nnx_mpmd.annotate.scan_stack import split_scan_stacks
 from nnx_mpmd.models import build_model, lm_loss
 
 NUM_LAYERS = 8

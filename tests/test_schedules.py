@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from nnx_mpmd.apps import schedule_cli
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.schedules import (
     Costs,
@@ -23,7 +24,6 @@ from nnx_mpmd.schedules import (
     v_placement,
     validate,
 )
-from nnx_mpmd.schedules import cli as schedule_cli
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "nnx_mpmd" / "schedules"
 

@@ -136,7 +136,7 @@ def test_costs_parse_names_the_form_of_a_bad_contention():
 
 
 def test_schedule_command_simulates_with_contention(capsys):
-    from nnx_mpmd.schedules.cli import main
+    from nnx_mpmd.apps.schedule_cli import main
 
     assert main(["--schedule", "gpipe", "--meshes", "2", "--microbatches", "2"]) == 0
     plain = capsys.readouterr().out

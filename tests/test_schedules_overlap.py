@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+from nnx_mpmd.apps.schedule_cli import main as schedule_main
 from nnx_mpmd.errors import ScheduleError
 from nnx_mpmd.schedules import (
     Costs,
@@ -21,7 +22,6 @@ from nnx_mpmd.schedules import (
     to_ascii,
     validate,
 )
-from nnx_mpmd.schedules.cli import main as schedule_main
 from nnx_mpmd.schedules.profile import compare_profile, fit_costs
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nnx_mpmd.compiler.split_backward import run_bi, run_bw, split_backward
+from nnx_mpmd.compiler.trace.split_backward import run_bi, run_bw, split_backward
 
 
 def _two_layers(params, xd):

@@ -135,7 +135,7 @@ def test_compiled_without_a_function_cannot_run():
 
 
 def test_instructions_list_a_receive_for_every_member_of_a_transfer_batch():
-    from nnx_mpmd.compiler.instructions import Transfer, TransferBatch
+    from nnx_mpmd.compiler.ir import Transfer, TransferBatch
 
     model = MLP(4, rngs=nnx.Rngs(0))  # 4 meshes: a tick moves activations and cotangents
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)

@@ -14,7 +14,7 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 SCHEDULES = {"gpipe": mp.GPipe(), "1f1b": mp.OneFOneB(), "zb-h1": mp.ZeroBubbleH1()}
 

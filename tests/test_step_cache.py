@@ -11,7 +11,7 @@ from flax import nnx
 from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss
 
 import nnx_mpmd as mp
-from nnx_mpmd.frontend import jit as api
+from nnx_mpmd.jit import jit as api
 
 
 def _step(model, opt, batch):

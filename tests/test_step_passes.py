@@ -1,4 +1,4 @@
-"""The step-level passes of `compiler/step.py` and `compiler/trace_step.py`, one by one."""
+"""The step-level passes of `compiler/final/step.py` and `compiler/trace/trace_step.py`, one by one."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from flax import nnx
 from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey
-from nnx_mpmd.compiler.stages import cut_stages
-from nnx_mpmd.compiler.step import dedupe_programs, describe_inputs, schedule_tasks
-from nnx_mpmd.compiler.trace_step import flatten_step_args, trace_step
+from nnx_mpmd.compiler.final.step import dedupe_programs, describe_inputs, schedule_tasks
+from nnx_mpmd.compiler.ir import Call, Free, ProgramKey
+from nnx_mpmd.compiler.trace.stages import cut_stages
+from nnx_mpmd.compiler.trace.trace_step import flatten_step_args, trace_step
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval, planned_avals
 
 

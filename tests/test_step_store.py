@@ -16,8 +16,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
-from nnx_mpmd.runtime import compile_jobs, step_store
+from nnx_mpmd.aot import compile_jobs, step_store
+from nnx_mpmd.aot.stats import count_compilations
 
 
 @pytest.fixture
@@ -279,7 +279,7 @@ def test_a_later_process_runs_the_stored_step(tmp_path, donate):
         jax.config.update("jax_compilation_cache_dir", sys.argv[1])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         import nnx_mpmd as mp
-        from nnx_mpmd.runtime import compile_jobs
+        from nnx_mpmd.aot import compile_jobs
         from pipeline_models import build, make_batch, make_mesh, train_step_fn
         traced = []
         original = compile_jobs.ProgramCompiler._trace_and_compile

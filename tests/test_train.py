@@ -283,7 +283,7 @@ def test_set_cpu_devices_keeps_an_existing_count(monkeypatch):
 
 
 def test_default_cache_dir_ignores_off_and_uses_a_named_directory(monkeypatch, tmp_path):
-    from nnx_mpmd.runtime.compile_cache import default_cache_dir
+    from nnx_mpmd.aot.compile_cache import default_cache_dir
 
     monkeypatch.setenv("NNX_MPMD_COMPILE_CACHE", "off")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -20,7 +20,7 @@ from nnx_mpmd.apps import convert, generate_cli, plan, sampling, train
 from nnx_mpmd.apps.data import stdlib_corpus
 from nnx_mpmd.checkpoint import CheckpointManager
 from nnx_mpmd.errors import CheckpointError, MpmdError
-from nnx_mpmd.frontend.precision import precision_from_names
+from nnx_mpmd.jit.precision import precision_from_names
 from nnx_mpmd.models import MODELS, lm_loss, load_pretrained
 
 tokenizers = pytest.importorskip("tokenizers")

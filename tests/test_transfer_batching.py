@@ -29,7 +29,13 @@ from pipeline_models import (
 )
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.instructions import (
+from nnx_mpmd.compiler.final.transfer_batching import (
+    batch_transfers,
+    merge_frees,
+    schedule_ticks,
+    ticks,
+)
+from nnx_mpmd.compiler.ir import (
     Call,
     Free,
     ProgramKey,
@@ -37,12 +43,6 @@ from nnx_mpmd.compiler.instructions import (
     TransferBatch,
     format_instructions,
     parse_instructions,
-)
-from nnx_mpmd.compiler.transfer_batching import (
-    batch_transfers,
-    merge_frees,
-    schedule_ticks,
-    ticks,
 )
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.batched_copy import FAST_COPY_AVAILABLE, BatchedCopier

@@ -16,7 +16,7 @@ from flax import nnx
 from pipeline_models import make_mesh
 
 import nnx_mpmd as mp
-from nnx_mpmd.compiler.stats import count_compilations
+from nnx_mpmd.aot.stats import count_compilations
 
 VOCAB, DIM, HEADS, WINDOW = 32, 16, 2, 16
 

@@ -109,7 +109,7 @@ def measure_overhead(variant: Variant, repeats: int) -> dict[str, Any]:
     ``_WARM_REPLAYS`` untimed replays, so the figure is the sustained loop's). ``dispatch_us_per_task`` is a real step's host time until
     `execute` returns (not blocked), per task.
     """
-    from nnx_mpmd.compiler.instructions import Call
+    from nnx_mpmd.compiler.ir import Call
     from nnx_mpmd.runtime.executor import execute
 
     compiled, inputs = _compiled_and_inputs(variant)

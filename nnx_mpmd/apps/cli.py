@@ -21,7 +21,7 @@ ENV_TRACEBACK = "NNX_MPMD_TRACEBACK"
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("nnx_mpmd.apps.train", "train a model-zoo language model with a pipeline schedule"),
     "generate": ("nnx_mpmd.apps.generate_cli", "continue a prompt with a trained run's model"),
-    "schedule": ("nnx_mpmd.schedules.cli", "print, simulate and draw a pipeline schedule"),
+    "schedule": ("nnx_mpmd.apps.schedule_cli", "print, simulate and draw a pipeline schedule"),
     "bench": ("nnx_mpmd.apps.bench", "benchmark pipelined steps against SPMD baselines"),
     "launch": ("nnx_mpmd.apps.launch", "start N local processes under jax.distributed"),
     "plan": ("nnx_mpmd.apps.plan", "choose split, schedule, microbatches and remat by measuring"),

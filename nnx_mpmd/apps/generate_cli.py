@@ -414,8 +414,8 @@ def run(
     """
     import numpy as np
 
-    from nnx_mpmd.frontend.generate import Generator
-    from nnx_mpmd.runtime.compile_cache import enable_compile_cache
+    from nnx_mpmd.aot.compile_cache import enable_compile_cache
+    from nnx_mpmd.jit.generate import Generator
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err

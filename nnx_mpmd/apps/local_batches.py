@@ -1,6 +1,6 @@
 """Each process of a multi-process ``nnx-mpmd train`` reads only its share of a batch.
 
-The step says where it reads each batch leaf (`nnx_mpmd.frontend.batch_placement.batch_shardings`):
+The step says where it reads each batch leaf (`nnx_mpmd.jit.batch_placement.batch_shardings`):
 for the language models, ``inputs`` on the first stage's submesh (the
 embedding) and ``targets`` on the last stage's (the loss), each microbatch
 split over the data axis. A process needs only the rows its devices hold
@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnx_mpmd.frontend.batch_placement import batch_shardings
+from nnx_mpmd.jit.batch_placement import batch_shardings
 from nnx_mpmd.placement.process_batch import make_microbatched_array, process_batch_rows
 
 __all__ = [

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_mpmd.annotate.stage import variable_stage
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.stage import variable_stage
 from nnx_mpmd.planner.profile_units import UnitCosts
 from nnx_mpmd.planner.search import predict
 

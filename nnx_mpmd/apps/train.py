@@ -32,7 +32,7 @@ directory:
 Compiled programs go to JAX's persistent compilation cache,
 ``~/.cache/nnx_mpmd/jax`` by default (``--compile-cache DIR`` or
 ``$NNX_MPMD_COMPILE_CACHE`` to move it, ``--no-compile-cache`` to turn it off;
-`nnx_mpmd.runtime.compile_cache`): a second run of the same configuration
+`nnx_mpmd.aot.compile_cache`): a second run of the same configuration
 loads its programs instead of compiling them. One directory serves all runs,
 since programs do not depend on the run.
 
@@ -403,7 +403,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.apps.train_metrics import check_reporting_flags
     from nnx_mpmd.apps.validate_args import check_seed
     from nnx_mpmd.errors import MpmdError
-    from nnx_mpmd.frontend.precision import precision_from_names
+    from nnx_mpmd.jit.precision import precision_from_names
 
     cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
     reuse_run_tokenizer(cfg, _given_tokenizer(argv))  # --resume: the run's own copy
@@ -506,7 +506,7 @@ def configure_compile_cache(cfg: TrainConfig) -> pathlib.Path | None:
     if cfg.no_compile_cache:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    from nnx_mpmd.runtime.compile_cache import enable_compile_cache
+    from nnx_mpmd.aot.compile_cache import enable_compile_cache
 
     return enable_compile_cache(cfg.compile_cache)
 

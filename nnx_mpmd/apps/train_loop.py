@@ -59,9 +59,9 @@ from nnx_mpmd.errors import (
     PartitionError,
     ScheduleError,
 )
-from nnx_mpmd.frontend.jit import jit
-from nnx_mpmd.frontend.losses import value_and_grad
-from nnx_mpmd.frontend.precision import Precision, precision_from_names
+from nnx_mpmd.jit.jit import jit
+from nnx_mpmd.jit.losses import value_and_grad
+from nnx_mpmd.jit.precision import Precision, precision_from_names
 from nnx_mpmd.models import MODELS, build_model, count_params, lm_loss, preset_names
 from nnx_mpmd.models.presets import preset_fields
 from nnx_mpmd.placement.mesh import MpmdMesh

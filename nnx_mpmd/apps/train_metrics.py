@@ -344,7 +344,7 @@ class TrainReporting:
         import numpy as np
 
         from nnx_mpmd.apps.data import BatchIterator
-        from nnx_mpmd.frontend.jit import jit
+        from nnx_mpmd.jit.jit import jit
         from nnx_mpmd.models import lm_loss
 
         if self._eval_fn is None:

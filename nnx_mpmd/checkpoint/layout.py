@@ -7,7 +7,7 @@ how to write restored values back into that tree.
 
 The logical path of a Variable is its graph path with the ``module`` component
 that a `Stage` wrapper adds removed (``model.blocks.3.module.kernel`` becomes
-``model.blocks.3.kernel``), see `nnx_mpmd.frontend.annotate.logical_paths`.
+``model.blocks.3.kernel``), see `nnx_mpmd.annotate.annotate.logical_paths`.
 
 Optimizer state holds no `Stage` nodes, yet its paths embed the model's
 physical paths (``optimizer.opt_state.0.mu.blocks.3.module.kernel``). The rule:
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnx_mpmd.annotate.annotate import array_attributes, logical_paths
 from nnx_mpmd.checkpoint.global_arrays import move_to
 from nnx_mpmd.errors import CheckpointError
-from nnx_mpmd.frontend.annotate import array_attributes, logical_paths
 from nnx_mpmd.placement.partition import MpmdArray
 
 __all__ = [

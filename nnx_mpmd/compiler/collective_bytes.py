@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from nnx_mpmd.compiler.instructions import Call, Instruction
+from nnx_mpmd.compiler.ir import Call, Instruction
 
 __all__ = [
     "all_reduce_bytes",

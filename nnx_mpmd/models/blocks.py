@@ -26,9 +26,9 @@ from typing import Any
 import jax
 from flax import nnx
 
+from nnx_mpmd.annotate.annotate import Stage, auto_stage
+from nnx_mpmd.annotate.scan_stack import ScanStack, stage_ranges
 from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.annotate import Stage, auto_stage
-from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
 
 __all__ = [
     "assign_block_stages",
@@ -53,7 +53,7 @@ def assign_block_stages(
 
     The embedding always runs on stage 0 and the head on the last stage, so
     their cost is added to the first and the last block before calling
-    `nnx_mpmd.frontend.annotate.auto_stage` on the blocks. Every stage thus gets at
+    `nnx_mpmd.annotate.annotate.auto_stage` on the blocks. Every stage thus gets at
     least one block, and the split minimises the heaviest stage.
 
     Args:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
+from nnx_mpmd.annotate.annotate import PipelinedModel, Stage
 from nnx_mpmd.models import blocks, kv_cache, layers
 from nnx_mpmd.models.presets import GPT_PRESETS
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_mpmd.errors import MpmdError, PartitionError
-from nnx_mpmd.models import kv_cache
+from nnx_mpmd.models import cache_ops
 from nnx_mpmd.models.blocks import assign_block_stages, count_params
 
 __all__ = [
@@ -492,7 +492,7 @@ class Attention(nnx.Module):
         q = self.query(x).reshape(batch, seq, self.n_heads, self.head_dim)
         k = self.key(x).reshape(batch, seq, self.n_kv_heads, self.head_dim)
         v = self.value(x).reshape(batch, seq, self.n_kv_heads, self.head_dim)
-        at = jnp.arange(seq) if positions is None else kv_cache.query_positions(positions, seq)
+        at = jnp.arange(seq) if positions is None else cache_ops.query_positions(positions, seq)
         if self.rope_theta is not None:
             q = apply_rope(q, at, self.rope_theta)
             k = apply_rope(k, at, self.rope_theta)
@@ -516,13 +516,13 @@ class Attention(nnx.Module):
                 "(cache_rows: the [batch] rows of the cache the call's rows use)."
             )
         first = at[:, 0]
-        self.cached_key[...], keys = kv_cache.write_cache(
+        self.cached_key[...], keys = cache_ops.write_cache(
             self.cached_key[...], cache_rows, first, k
         )
-        self.cached_value[...], values = kv_cache.write_cache(
+        self.cached_value[...], values = cache_ops.write_cache(
             self.cached_value[...], cache_rows, first, v
         )
-        return kv_cache.cached_attention(q, keys, values, at)
+        return cache_ops.cached_attention(q, keys, values, at)
 
 
 class GeluMLP(nnx.Module):

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import jax
 from flax import nnx
 
+from nnx_mpmd.annotate.annotate import PipelinedModel, Stage
 from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.annotate import PipelinedModel, Stage
 from nnx_mpmd.models import blocks, kv_cache, layers
 from nnx_mpmd.models.presets import LLAMA_PRESETS
 

@@ -207,7 +207,7 @@ def planned_avals(
     Example:
       >>> import jax
       >>> from flax import nnx
-      >>> from nnx_mpmd.frontend.stage import Stage
+      >>> from nnx_mpmd.annotate.stage import Stage
       >>> mesh = MpmdMesh(jax.make_mesh((2, 4), ("stage", "data")), "stage")
       >>> model = Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1)
       >>> _, state = nnx.split((model,))

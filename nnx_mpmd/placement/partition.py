@@ -9,7 +9,7 @@ submesh; a leaf every mesh needs (the optimizer step count) is an `MpmdArray`.
 Example:
     >>> import jax
     >>> from flax import nnx
-    >>> from nnx_mpmd.frontend.annotate import Stage
+    >>> from nnx_mpmd.annotate.annotate import Stage
     >>> from nnx_mpmd.placement.mesh import MpmdMesh
     >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=3))
@@ -30,8 +30,8 @@ from flax import nnx
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from nnx_mpmd.annotate.annotate import STAGE_KEY, variable_stage
 from nnx_mpmd.errors import PartitionError, PlacementError
-from nnx_mpmd.frontend.annotate import STAGE_KEY, variable_stage
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 
@@ -82,7 +82,7 @@ def partition(
 
     Example:
       >>> from flax import nnx
-      >>> from nnx_mpmd.frontend.annotate import Stage
+      >>> from nnx_mpmd.annotate.annotate import Stage
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> parts = partition(nnx.state(model), 2)
       >>> [len(nnx.to_flat_state(p)) for p in parts]
@@ -149,7 +149,7 @@ def merge_partitions(states: Sequence[nnx.State]) -> nnx.State:
 
     Example:
       >>> from flax import nnx
-      >>> from nnx_mpmd.frontend.annotate import Stage
+      >>> from nnx_mpmd.annotate.annotate import Stage
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> merged = merge_partitions(partition(nnx.state(model), 2))
       >>> merged["a"]["module"]["kernel"] is model["a"].module.kernel

@@ -7,7 +7,7 @@ only the leaves that are not already there.
 Example:
     >>> import jax
     >>> from flax import nnx
-    >>> from nnx_mpmd.frontend.annotate import Stage
+    >>> from nnx_mpmd.annotate.annotate import Stage
     >>> from nnx_mpmd.placement.partition import leaf_mesh_ids
     >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
     >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=3))
@@ -26,8 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_mpmd.errors import PlacementError
-from nnx_mpmd.frontend.annotate import (
+from nnx_mpmd.annotate.annotate import (
     STAGE_KEY,
     _variable_stages,
     array_attributes,
@@ -35,6 +34,7 @@ from nnx_mpmd.frontend.annotate import (
     tag_variables_created_later,
     variable_stage,
 )
+from nnx_mpmd.errors import PlacementError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.partition import Path, _path_text, placement_of
@@ -162,7 +162,7 @@ def placement_decisions(
     Example:
       >>> import jax
       >>> from flax import nnx
-      >>> from nnx_mpmd.frontend.annotate import Stage
+      >>> from nnx_mpmd.annotate.annotate import Stage
       >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> sorted({d[-1] for d in placement_decisions(model, mesh)})
@@ -275,7 +275,7 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     Example:
       >>> import jax, optax
       >>> from flax import nnx
-      >>> from nnx_mpmd.frontend.annotate import Stage
+      >>> from nnx_mpmd.annotate.annotate import Stage
       >>> mesh = MpmdMesh(jax.make_mesh((4, 2), ("stage", "data")), "stage")
       >>> model = nnx.Dict(a=Stage(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), stage=1))
       >>> opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)

@@ -22,9 +22,9 @@ import jax
 import optax
 from flax import nnx
 
+from nnx_mpmd.annotate.scan_stack import ScanStack, stage_ranges
+from nnx_mpmd.annotate.stage import Stage
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.scan_stack import ScanStack, stage_ranges
-from nnx_mpmd.frontend.stage import Stage
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.profile_units import UnitCosts, profile_units
 from nnx_mpmd.planner.search import Candidate, search

@@ -32,11 +32,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_mpmd.compiler.instructions import Call, Transfer, TransferBatch
+from nnx_mpmd.annotate.stage import variable_stage
+from nnx_mpmd.compiler.ir import Call, Transfer, TransferBatch
 from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.jit import jit
-from nnx_mpmd.frontend.losses import value_and_grad
-from nnx_mpmd.frontend.stage import variable_stage
+from nnx_mpmd.jit.jit import jit
+from nnx_mpmd.jit.losses import value_and_grad
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.units import restage, stage_units
 from nnx_mpmd.schedules import Custom, Task

@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nnx_mpmd.annotate.annotate import balanced_partition
 from nnx_mpmd.errors import PlanError, ScheduleError
-from nnx_mpmd.frontend.annotate import balanced_partition
 from nnx_mpmd.planner.profile_units import UnitCosts
 from nnx_mpmd.schedules import SCHEDULES, Costs, get_schedule, simulate
 

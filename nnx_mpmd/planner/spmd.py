@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.errors import PlanError
-from nnx_mpmd.frontend.losses import value_and_grad
+from nnx_mpmd.jit.losses import value_and_grad
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.profile_units import UnitCosts
 

@@ -17,8 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from nnx_mpmd.errors import PartitionError
-from nnx_mpmd.frontend.stage import (
+from nnx_mpmd.annotate.stage import (
     STAGE_KEY,
     STAGES_KEY,
     Stage,
@@ -26,6 +25,7 @@ from nnx_mpmd.frontend.stage import (
     recording_stage_calls,
     tag_stage,
 )
+from nnx_mpmd.errors import PartitionError
 
 __all__ = ["restage", "stage_units"]
 

@@ -18,7 +18,7 @@ import jax
 import optax
 from flax import nnx
 
-from nnx_mpmd.frontend.jit import jit
+from nnx_mpmd.jit.jit import jit
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.planner.profile_units import train_step_of
 from nnx_mpmd.planner.search import Candidate

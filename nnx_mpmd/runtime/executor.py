@@ -27,7 +27,7 @@ shardings built in, and the loop only calls them.
 
 Example:
   >>> import jax
-  >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey, Transfer
+  >>> from nnx_mpmd.compiler.ir import Call, ProgramKey, Transfer
   >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
   >>> ops = DeviceOperations(Shardings(meshes))
   >>> first = Call(0, ProgramKey("F", stage=0), abs, (0,), 1, "F0.0")
@@ -50,10 +50,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_mpmd.compiler.instructions import Call, Free, Transfer, TransferBatch
-from nnx_mpmd.compiler.mesh_inference import HOST
-from nnx_mpmd.compiler.stage_programs import check_mesh_context
-from nnx_mpmd.compiler.step import CompiledStep
+from nnx_mpmd.compiler.final.step import CompiledStep
+from nnx_mpmd.compiler.ir import Call, Free, Transfer, TransferBatch
+from nnx_mpmd.compiler.outer.mesh_inference import HOST
+from nnx_mpmd.compiler.trace.stage_programs import check_mesh_context
 from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.process_batch import MicrobatchedArray, take_microbatched
 from nnx_mpmd.runtime import interpreter
@@ -351,5 +351,5 @@ def execute(
     return outputs_of(step, store)
 
 
-#: The old private name of `Shardings` (``nnx_mpmd.frontend.jit`` imports it).
+#: The old private name of `Shardings` (``nnx_mpmd.jit.jit`` imports it).
 _Shardings = Shardings

@@ -38,15 +38,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, slots_in
-from nnx_mpmd.compiler.stages import _input_kind
+from nnx_mpmd.compiler.ir import Call, Instruction, slots_in
+from nnx_mpmd.compiler.trace.stages import _input_kind
 from nnx_mpmd.errors import NonFiniteError
 from nnx_mpmd.runtime.interpreter import Observer
 
 __all__ = ["FiniteCheck"]
 
 # Per stage task kind: which part of the program's results holds what. Results
-# follow `nnx_mpmd.compiler.stage_programs.StageFunctions`: F -> (sends, kept,
+# follow `nnx_mpmd.compiler.trace.stage_programs.StageFunctions`: F -> (sends, kept,
 # racc, carried); B -> (ct_xd, gacc); FB -> (sends, ct_xd, gacc, racc, carried);
 # BI -> (ct_xd, extras); BW -> gacc; Fwd -> (sends, outputs, carried).
 _PARTS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -63,7 +63,7 @@ class FiniteCheck(Observer):
     """Finds the first non-finite stage output, input cotangent or gradient of a step.
 
     Args:
-      step: the `nnx_mpmd.compiler.step.CompiledStep` (its stage plan names the
+      step: the `nnx_mpmd.compiler.final.step.CompiledStep` (its stage plan names the
         gradients by parameter path); None names them by position only.
 
     Example:

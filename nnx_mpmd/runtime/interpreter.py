@@ -10,7 +10,7 @@ has two phases:
    (`nnx_mpmd.runtime.executor.DeviceOperations`) run programs and
    ``jax.device_put`` transfers (in every process of a multi-process run, JAX's
    multi-controller model); the abstract operations of
-   `nnx_mpmd.runtime.precompile` compile programs ahead of time. An operation
+   `nnx_mpmd.aot.precompile` compile programs ahead of time. An operation
    may return None: the instruction has nothing to do here and leaves no step.
    A `TransferBatch` runs through ``operations.transfer_batch`` where the
    operations have it, else as its members' transfer steps one after another.
@@ -25,7 +25,7 @@ step (`prepared_for`) live here too.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from nnx_mpmd.compiler.instructions import Call, Free, ProgramKey
+  >>> from nnx_mpmd.compiler.ir import Call, Free, ProgramKey
   >>> class Plain:  # runs every Call; a transfer has nothing to do (no step)
   ...     def call(self, index, ins):
   ...         return call_step(ins)
@@ -46,8 +46,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer, TransferBatch
-from nnx_mpmd.compiler.mesh_inference import HOST
+from nnx_mpmd.compiler.ir import Call, Free, Instruction, Transfer, TransferBatch
+from nnx_mpmd.compiler.outer.mesh_inference import HOST
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.placement.abstract import PlacedAval
 from nnx_mpmd.placement.mpmd_array import MpmdArray
@@ -146,7 +146,7 @@ def prepare(instructions: Sequence[Instruction], operations: Operations) -> Prep
       CompileError: an instruction is not a `Call`, `Transfer` or `Free`.
 
     Example:
-      >>> from nnx_mpmd.compiler.instructions import Free
+      >>> from nnx_mpmd.compiler.ir import Free
       >>> class FreeOnly:
       ...     def free(self, index, ins):
       ...         return free_step(ins)
@@ -397,7 +397,7 @@ def call_step(ins: Call, fn: Callable[..., Any] | None = None) -> Step:
         results than ``ins.outs`` holds.
 
     Example:
-      >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey
+      >>> from nnx_mpmd.compiler.ir import Call, ProgramKey
       >>> key = ProgramKey("F", stage=0)
       >>> sum_and_product = Call(0, key, lambda a, b: (a + b, a * b), (0, 1), (2, 3), "F0.0")
       >>> store = [2, 3, None, None]

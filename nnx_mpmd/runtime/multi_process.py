@@ -17,8 +17,7 @@ it within about a second of the coordination service noticing
 (``heartbeat_timeout_seconds``), never a hang.
 
 The public entry points (``initialize``, ``gather``, ``global_view``,
-``is_remote``) live in `nnx_mpmd.distributed`; their old names here still work
-for one release and warn.
+``is_remote``) live in `nnx_mpmd.distributed`, a floor above this module.
 
 Example:
     >>> from nnx_mpmd.runtime.multi_process import ENV_NUM_PROCESSES, launch_env
@@ -33,7 +32,6 @@ import dataclasses
 import itertools
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,10 +40,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd import _jax_compat
-from nnx_mpmd.compiler.instructions import Transfer
-from nnx_mpmd.compiler.mesh_inference import HOST
-from nnx_mpmd.compiler.stage_programs import check_mesh_context
-from nnx_mpmd.compiler.step import CompiledStep
+from nnx_mpmd.compiler.final.step import CompiledStep
+from nnx_mpmd.compiler.ir import Transfer
+from nnx_mpmd.compiler.outer.mesh_inference import HOST
+from nnx_mpmd.compiler.trace.stage_programs import check_mesh_context
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.placement.partition import MpmdArray
@@ -542,27 +540,3 @@ def _replicated_on_own_mesh(x: jax.Array | MpmdArray) -> jax.Array | MpmdArray:
     if not isinstance(copy.sharding, NamedSharding):
         return copy
     return jax.device_put(copy, NamedSharding(copy.sharding.mesh, PartitionSpec()))
-
-
-# Public names that moved to `nnx_mpmd.distributed` (old name -> new name).
-_MOVED = {
-    "initialize_from_env": "initialize",
-    "gather": "gather",
-    "global_view": "global_view",
-    "is_remote": "is_remote",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        new = _MOVED[name]
-        warnings.warn(
-            f"nnx_mpmd.runtime.multi_process.{name} is deprecated and will be removed in the "
-            f"next release; use nnx_mpmd.distributed.{new} (mp.distributed.{new}) instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from nnx_mpmd import distributed
-
-        return getattr(distributed, new)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ steps with hooks instead of copying the loop. Both wait for what they measure
 Example:
   >>> import jax
   >>> import jax.numpy as jnp
-  >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey
+  >>> from nnx_mpmd.compiler.ir import Call, ProgramKey
   >>> from nnx_mpmd.runtime import interpreter
   >>> from nnx_mpmd.runtime.executor import DeviceOperations, Shardings
   >>> meshes = [jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])]
@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nnx_mpmd.compiler.instructions import Call, Free, Instruction, Transfer, TransferBatch
+from nnx_mpmd.compiler.ir import Call, Free, Instruction, Transfer, TransferBatch
 from nnx_mpmd.runtime.interpreter import Observer
 
 __all__ = ["MemoryRecorder", "Profiler", "TaskRecord"]

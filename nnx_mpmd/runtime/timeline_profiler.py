@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from nnx_mpmd.compiler.instructions import Call, Instruction, Transfer, TransferBatch
+from nnx_mpmd.compiler.ir import Call, Instruction, Transfer, TransferBatch
 from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.runtime.interpreter import Observer
 from nnx_mpmd.runtime.observers import TaskRecord
@@ -120,7 +120,7 @@ class TimelineProfiler(Observer):
     Example:
       >>> import jax
       >>> import jax.numpy as jnp
-      >>> from nnx_mpmd.compiler.instructions import Call, ProgramKey
+      >>> from nnx_mpmd.compiler.ir import Call, ProgramKey
       >>> from nnx_mpmd.runtime import interpreter
       >>> from nnx_mpmd.runtime.executor import DeviceOperations, Shardings
       >>> meshes = [jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])]

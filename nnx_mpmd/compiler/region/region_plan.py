@@ -1,0 +1,380 @@
+"""Turning a schedule into the region's instruction list: the region's passes, composed.
+
+`build_region_program` runs, in order (each pass a function IR -> IR with
+its own tests, its result kept in `RegionProgram.passes`):
+
+1. `schedule_lowering.lower_schedule`: accumulator ``init`` calls, then one
+   `Call` per task in `schedule_lowering.dispatch_order`, every argument a
+   `RegionValue` on the task's own mesh;
+2. `overlap.overlap_tasks`: each group of overlapped tasks (joined by ``+``
+   in the schedule) -> one call of one program;
+   `schedule_lowering.fuse_forward_backward`: ``F`` + ``B`` -> ``FB`` where
+   the backward directly follows;
+   `grad_reduction.reduce_gradients_once` (data-parallel stages only, on
+   Explicit or Auto data axes): one ``reduce`` call per stage after its last backward;
+3. `region_transfers.insert_transfers`: activations and cotangents copied to
+   the meshes that read them, right after they are made;
+4. `region_outputs.region_outputs`: loss/aux, gradients summed on their home
+   mesh, state carried home;
+5. `assign_slots`: every `RegionValue` gets a slot number from the step's
+   `SlotTable` (region inputs get the outer step's slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from nnx_mpmd.compiler.ir import (
+    Call,
+    Donatable,
+    Instruction,
+    ProgramKey,
+    SlotTable,
+    Transfer,
+)
+from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
+from nnx_mpmd.compiler.region.overlap import overlap_tasks
+from nnx_mpmd.compiler.region.region_outputs import OutputLocations, region_outputs
+from nnx_mpmd.compiler.region.region_transfers import insert_transfers
+from nnx_mpmd.compiler.region.region_values import RegionContext, RegionValue, region_values_in
+from nnx_mpmd.compiler.region.schedule_lowering import (
+    dispatch_order,
+    fuse_forward_backward,
+    lower_schedule,
+)
+from nnx_mpmd.compiler.trace.grad_reduction import reduce_gradients_once
+from nnx_mpmd.compiler.trace.grad_reduction_auto import StackedReduction
+from nnx_mpmd.compiler.trace.stage_programs import STAGE_PROGRAMS, StageFunctions
+from nnx_mpmd.compiler.trace.stages import StagePlan
+
+__all__ = [
+    "NumberedRegion",
+    "RegionProgram",
+    "assign_slots",
+    "build_region_program",
+    "compile_stage_programs",
+    "donatable_cotangents",
+    "dispatch_order",
+]
+
+
+@dataclasses.dataclass
+class RegionProgram:
+    """The region's instructions, where its outputs lie, and how they were made."""
+
+    instructions: list[Instruction]
+    output_slots: list[list[tuple[Any, Any]]]  # per region output: [(mesh, slot)]
+    constants: dict[int, Any]
+    compiled: dict[str, Any]  # label -> jitted program, for inspection
+    # (pass name, the region's instructions after it), in order; before
+    # assign_slots, slots are RegionValue keys.
+    passes: list[tuple[str, list[Instruction]]] = dataclasses.field(default_factory=list)
+    # Programs that could donate their received cotangents (`donatable_cotangents`).
+    donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
+
+
+class _LazyInit:
+    """Zero accumulators, compiled on first use with the parameters' shardings.
+
+    A gradient accumulator has its parameter's sharding, made unreduced over
+    the data axis where the stage accumulates unreduced (`grad_reduction`), or
+    is ``[n, *shape]`` sharded over it where the stage accumulates stacked
+    partials (`grad_reduction_auto`; the concrete parameters decide which).
+    """
+
+    def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
+        self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
+        self.reduction = getattr(f, "reduction", None)
+        # Each result accumulator (a mean, a concatenated aux value's buffer) as
+        # the stage programs return it (`StageFunctions.result_specs`).
+        self.result_specs = list(getattr(f, "result_specs", (None,) * self.num_acc))
+        self.label = self.__name__ = label
+
+    def _gradient_sharding(self, param: Any) -> Any:
+        red, sharding = self.reduction, param.sharding
+        if isinstance(red, StackedReduction):
+            return red.accumulator_sharding(param) if red.defers(param) else sharding
+        if red is None or not red.defers(param):
+            return sharding
+        # Unreduced over the data axis; a parameter sharded over it (FSDP) at full size.
+        return red.unreduced_sharding(sharding, len(param.shape))
+
+    def _jitted(self, params: tuple[Any, ...]) -> Any:
+        if self.jitted is None:
+            grads = tuple(self._gradient_sharding(p) for p in params)
+            results = tuple(
+                jax.sharding.NamedSharding(self.submesh, spec or jax.sharding.PartitionSpec())
+                for spec in self.result_specs
+            )
+            out = (grads, results)
+            fn = self.fn
+            if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
+                fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))
+            self.jitted = named_jit(fn, self.label, out_shardings=out)
+        return self.jitted
+
+    def __call__(self, params: tuple[Any, ...]) -> Any:
+        return self._jitted(params)(params)
+
+    def trace(self, params: tuple[Any, ...]) -> Any:
+        """``jax.jit``'s trace, for ahead-of-time compilation (abstract ``params``)."""
+        return self._jitted(params).trace(params)
+
+
+class _LazyReduce:
+    """The ``reduce`` program, jitted on first use: it donates the accumulators
+    unless it reduce-scatters one (an FSDP parameter's gradient, whose result is
+    smaller than its full-size accumulator: XLA could not reuse that buffer) or
+    sums stacked partials (`grad_reduction_auto`)."""
+
+    def __init__(self, f: StageFunctions, label: str) -> None:
+        self.fn, self.reduction, self.jitted = f.reduce, f.reduction, None
+        self.label = self.__name__ = label
+
+    def _jitted(self, params: tuple[Any, ...]) -> Any:
+        if self.jitted is None:
+            # Stacked partials ([n, *shape]) and reduce-scattered gradients are
+            # larger than their results: XLA could not reuse those buffers.
+            red = self.reduction
+            shrinks = isinstance(red, StackedReduction) or any(map(red.sharded_over, params))
+            donate = {} if shrinks else {"donate_argnums": (0,)}
+            self.jitted = named_jit(self.fn, self.label, **donate)
+        return self.jitted
+
+    def __call__(self, gacc: tuple[Any, ...], params: tuple[Any, ...]) -> Any:
+        return self._jitted(params)(gacc, params)
+
+    def trace(self, gacc: tuple[Any, ...], params: tuple[Any, ...]) -> Any:
+        """``jax.jit``'s trace, for ahead-of-time compilation (abstract arguments)."""
+        return self._jitted(params).trace(gacc, params)
+
+
+def compile_stage_programs(
+    fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
+) -> dict[ProgramKey, Callable[..., Any]]:
+    """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init (and reduce).
+
+    Accumulators and other per-step buffers are donated (the forward's loss/aux
+    accumulator, the backward's and ``reduce``'s gradient accumulator, the latter
+    only where no gradient is reduce-scattered or stacked: see `_LazyReduce`).
+    ``reduce`` exists for stages that accumulate unreduced or stacked gradients
+    (`grad_reduction`, `grad_reduction_auto`).
+    """
+    programs: dict[ProgramKey, Callable[..., Any]] = {}
+    for k, f in enumerate(fns):
+        for kind, (method, donated) in STAGE_PROGRAMS.items():
+            fn = getattr(f, method)
+            programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", donate_argnums=donated)
+        if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
+            programs[ProgramKey("reduce", k)] = _LazyReduce(f, f"reduce{k}")
+        submesh = submeshes[stage_mesh[k]]
+        programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}")
+    return programs
+
+
+# The backward kinds' cotangent argument, the ct_xd result it can alias, and the
+# arguments each always donates (as in compile_stage_programs).
+_COTANGENTS: dict[str, tuple[int, int, tuple[int, ...]]] = {
+    "B": (2, 0, (3,)),
+    "BI": (2, 0, ()),
+    "FB": (6, 1, (7, 8)),
+}
+
+
+class _Donating:
+    """``donating(argnums)`` of a `Donatable`: the program jitted to donate those too."""
+
+    def __init__(self, fn: Callable[..., Any], label: str, always: tuple[int, ...]) -> None:
+        self.fn, self.label, self.always = fn, label, always
+        self.made: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, argnums: tuple[int, ...]) -> Any:
+        donate = tuple(sorted({*self.always, *argnums}))
+        if donate not in self.made:
+            self.made[donate] = named_jit(self.fn, self.label, donate_argnums=donate)
+        return self.made[donate]
+
+
+def donatable_cotangents(fns: Sequence[StageFunctions]) -> dict[ProgramKey, Donatable]:
+    """The backward programs (B, BI, FB) that could donate the cotangents they receive.
+
+    A stage qualifies when its cotangents have its input cotangents' types
+    (`StageFunctions.cotangents_fit_inputs`), so XLA writes ``ct_xd`` into the
+    received cotangents' buffers instead of allocating (and the host frees
+    nothing). `nnx_mpmd.compiler.ir.donate_dead_arguments` decides
+    per program whether its calls allow it.
+    """
+    donatable: dict[ProgramKey, Donatable] = {}
+    for k, f in enumerate(fns):
+        if not f.cotangents_fit_inputs():
+            continue
+        for kind, fn in (("B", f.backward), ("BI", f.backward_input), ("FB", f.fused)):
+            argnum, out_index, always = _COTANGENTS[kind]
+            donating = _Donating(fn, f"{kind}{k}", always)
+            donatable[ProgramKey(kind, k)] = Donatable(argnum, out_index, donating)
+    return donatable
+
+
+@dataclasses.dataclass
+class NumberedRegion:
+    """The result of `assign_slots`: instructions and outputs over slot numbers."""
+
+    instructions: list[Instruction]
+    output_slots: list[list[tuple[Any, Any]]]
+    constants: dict[int, Any]  # slot -> microbatch index constant
+
+
+# Results numbered before a call's arguments, by program kind: sent activations
+# (and a forward-only task's outputs), a zero gradient. That is the order slots
+# have always been numbered in, so the instruction text stays the same.
+_RESULTS_FIRST: dict[str, Callable[[Any], Any]] = {
+    "F": lambda outs: outs[0],
+    "FB": lambda outs: outs[0],
+    "Fwd": lambda outs: outs[:2],
+    "zeros": lambda outs: outs,
+}
+
+
+def _numbering_order(ins: Instruction) -> list[RegionValue]:
+    """The values of ``ins`` in the order their slots are numbered."""
+    if isinstance(ins, Call):
+        first = _RESULTS_FIRST.get(ins.program.kind, lambda outs: ())(ins.outs)
+        return region_values_in((first, ins.args, ins.outs))
+    if isinstance(ins, Transfer):
+        return region_values_in((ins.src, ins.dst))
+    return []
+
+
+def _renamed(tree: Any, numbers: dict[RegionValue, int]) -> Any:
+    if isinstance(tree, RegionValue):
+        return numbers[tree]
+    if isinstance(tree, tuple | list):
+        return type(tree)(_renamed(t, numbers) for t in tree)
+    return tree
+
+
+def _renumbered(ins: Instruction, numbers: dict[RegionValue, int]) -> Instruction:
+    if isinstance(ins, Call):
+        args, outs = _renamed(ins.args, numbers), _renamed(ins.outs, numbers)
+        return dataclasses.replace(ins, args=args, outs=outs)
+    if isinstance(ins, Transfer):
+        return dataclasses.replace(
+            ins, src=_renamed(ins.src, numbers), dst=_renamed(ins.dst, numbers)
+        )
+    return ins
+
+
+def assign_slots(
+    program: Sequence[Instruction],
+    locations: OutputLocations,
+    slots: SlotTable,
+    input_slot: Callable[[int, int], int],
+    submeshes: Sequence[Any],
+) -> NumberedRegion:
+    """Numbers every `RegionValue` of the region: the last of the region's passes.
+
+    Values are numbered in order of first appearance (a forward's sent values,
+    a forward-only task's outputs and a zero gradient before the call's
+    arguments). A region input takes the slot the outer step gives
+    it; a microbatch index becomes a constant on its mesh.
+
+    Args:
+      program: the region's instructions over `RegionValue` keys.
+      locations: per region output, ``[(mesh, value)]`` (or input/literal).
+      slots: the step's slot table (numbers are allocated from it).
+      input_slot: ``(region input index, mesh) -> slot`` from the outer step.
+      submeshes: the jax Mesh of each mesh id (for the constants).
+
+    Returns:
+      The `NumberedRegion`.
+    """
+    numbers: dict[RegionValue, int] = {}
+    constants: dict[int, Any] = {}
+    values = [v for ins in program for v in _numbering_order(ins)]
+    values += [v for locs in locations for _, v in locs if isinstance(v, RegionValue)]
+    for value in values:
+        if value in numbers:
+            continue
+        if value.kind == "input":
+            numbers[value] = input_slot(value.ident[0], value.mesh)  # type: ignore[arg-type]
+            continue
+        numbers[value] = slots(value)
+        if value.kind == "idx":
+            sharding = jax.sharding.NamedSharding(
+                submeshes[value.mesh], jax.sharding.PartitionSpec()
+            )
+            constants[numbers[value]] = put_scalar(np.int32(value.microbatch), sharding)
+    output_slots = [[(place, _renamed(v, numbers)) for place, v in locs] for locs in locations]
+    instructions = [_renumbered(ins, numbers) for ins in program]
+    return NumberedRegion(instructions, output_slots, constants)
+
+
+def _compiled(
+    programs: dict[ProgramKey, Callable[..., Any]], program: Sequence[Instruction]
+) -> dict[str, Any]:
+    """Name -> callable: the stage programs, then the region-output programs called."""
+    compiled = {str(key): fn for key, fn in programs.items()}
+    for ins in program:
+        if isinstance(ins, Call):
+            compiled.setdefault(str(ins.program), ins.fn)
+    return compiled
+
+
+def build_region_program(
+    plan: StagePlan,
+    fns: list[StageFunctions],
+    tasks: Any,
+    stage_mesh: list[int],
+    submeshes: list[Any],
+    slots: SlotTable,
+    input_slot: Callable[[int, int], int],
+    home_mesh: Callable[[int], int],
+) -> RegionProgram:
+    """Emits the region's instructions for one schedule: the region's passes in order.
+
+    Args:
+      plan: the region cut into stages.
+      fns: one `StageFunctions` per stage.
+      tasks: per-mesh task lists (from the schedule).
+      stage_mesh: the mesh of each stage.
+      submeshes: the jax Mesh of each mesh id.
+      slots: slot allocator shared with the rest of the step.
+      input_slot: ``(region input index, mesh) -> slot`` where the outer step
+        makes that input available (batch inputs already reshaped).
+      home_mesh: ``region input index -> mesh`` of a parameter's home copy.
+
+    Returns:
+      The `RegionProgram`, with the instructions after each pass in ``passes``.
+    """
+    programs = compile_stage_programs(fns, stage_mesh, submeshes)
+    ctx = RegionContext.build(plan, fns, stage_mesh, programs)
+    passes: list[tuple[str, list[Instruction]]] = []
+    ir = lower_schedule(ctx, tasks)
+    passes.append(("lower_schedule", ir))
+    ir = overlap_tasks(ir, ctx)
+    passes.append(("overlap_tasks", ir))
+    ir = fuse_forward_backward(ir, ctx)
+    passes.append(("fuse_forward_backward", ir))
+    if getattr(plan.info, "reduces_once", False):
+        ir = reduce_gradients_once(ir, ctx)
+        passes.append(("reduce_gradients_once", ir))
+    ir = insert_transfers(ir, ctx)
+    passes.append(("insert_transfers", ir))
+    ir, locations = region_outputs(ir, ctx, home_mesh)
+    passes.append(("region_outputs", ir))
+    numbered = assign_slots(ir, locations, slots, input_slot, submeshes)
+    passes.append(("assign_slots", numbered.instructions))
+    return RegionProgram(
+        numbered.instructions,
+        numbered.output_slots,
+        numbered.constants,
+        _compiled(programs, ir),
+        passes,
+        donatable_cotangents(fns),
+    )
