@@ -32,14 +32,29 @@ def _is_module(name: str) -> bool:
     return relative.with_suffix(".py").is_file() or (relative / "__init__.py").is_file()
 
 
-def _imports_of(source: str) -> list[str]:
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:`` (imports that never run)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(test):
+            skipped |= {id(inner) for part in node.body for inner in ast.walk(part)}
+    return skipped
+
+
+def _imports_of(source: str, *, run_time_only: bool = False) -> list[str]:
     """Every module the source imports, at any depth (function bodies included).
 
     ``from a.b import c`` is module ``a.b.c`` when ``c`` is a module, else ``a.b``:
     ``import nnx_mpmd`` and ``from nnx_mpmd import x`` name the package's ``__init__``.
+    ``run_time_only`` leaves out the imports under ``if TYPE_CHECKING:``.
     """
     names = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skipped = _type_checking_only(tree) if run_time_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -178,8 +193,9 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for path in _modules():
         name = _name(path).removesuffix(".__init__")
+        imported = _imports_of(path.read_text(), run_time_only=True)  # a cycle needs both to run
         graph[name] = {
-            n for n in _imports(path) if n.startswith("nnx_mpmd") and n != name and _is_module(n)
+            n for n in imported if n.startswith("nnx_mpmd") and n != name and _is_module(n)
         }
     return graph
 
@@ -227,6 +243,12 @@ KNOWN_APP_CYCLE = {
     "nnx_mpmd.apps.train_config",
     "nnx_mpmd.apps.train_loop",
 }
+
+
+def test_imports_for_type_checking_only_make_no_cycle():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import nnx_mpmd.errors\n"
+    assert _imports_of(source) == ["typing", "nnx_mpmd.errors"]
+    assert _imports_of(source, run_time_only=True) == ["typing"]
 
 
 def test_no_import_cycles():
