@@ -204,7 +204,10 @@ def test_batch_at_rows_builds_exactly_those_rows_of_the_batch():
     for key in ("inputs", "targets"):
         np.testing.assert_array_equal(part[key], whole[key][rows])
     assert batches.batch_at(5, rows=np.array([], int))["inputs"].shape == (0, 6)
-    with pytest.raises(MpmdError, match=r"rows must lie in \[0, 8\), got \[8\]"):
+    with pytest.raises(
+        MpmdError,
+        match=r"PackedBatches.batch_at: rows must lie in \[0, 8\) \(the batch size\), got min 8 max 8",
+    ):
         batches.batch_at(0, rows=[8])
 
 

@@ -29,6 +29,7 @@ from nnx_mpmd.errors import MpmdError
 
 __all__ = [
     "BatchIterator",
+    "ResumableBatches",
     "CharTokenizer",
     "stdlib_corpus",
     "train_val_split",
@@ -203,7 +204,69 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.n
     return tokens[:cut], tokens[cut:]
 
 
-class BatchIterator:
+class ResumableBatches:
+    """What the main job's batch sources share: iteration by ``position`` and a checked resume.
+
+    A source implements ``batch_at(index, rows=None)`` and ``state_dict()``, names in
+    ``SETTINGS`` the state keys a resume must match, and says what a mismatch means in
+    ``_mismatch``.
+    """
+
+    position: int
+    batch_size: int
+    SETTINGS: tuple[str, ...] = ()
+
+    def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _mismatch(self, key: str, saved: Any, mine: Any) -> str:
+        return (
+            f"{type(self).__name__}.load_state_dict: saved {key}={saved} but this iterator has "
+            f"{key}={mine}; resume with the same data settings."
+        )
+
+    def _checked_rows(self, rows: Any) -> np.ndarray:
+        """``rows`` as a 1-D int64 array of global row indices in ``[0, batch_size)``."""
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+            raise MpmdError(
+                f"{type(self).__name__}.batch_at: rows must be a 1-D array of ints, got shape "
+                f"{rows.shape} dtype {rows.dtype}; pass global row indices of the batch."
+            )
+        rows = rows.astype(np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.batch_size):
+            raise MpmdError(
+                f"{type(self).__name__}.batch_at: rows must lie in [0, {self.batch_size}) (the batch "
+                f"size), got min {rows.min()} max {rows.max()}."
+            )
+        return rows
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes at ``state["position"]`` after checking the state fits this source."""
+        mine = self.state_dict()
+        for key in self.SETTINGS:
+            if key in state and state[key] != mine[key]:
+                raise MpmdError(self._mismatch(key, state[key], mine[key]))
+        position = state.get("position")
+        if not isinstance(position, int) or position < 0:
+            raise MpmdError(
+                f"{type(self).__name__}.load_state_dict: position={position!r} must be an int >= 0."
+            )
+        self.position = position
+
+
+class BatchIterator(ResumableBatches):
     """Deterministic, resumable iterator of language-model batches.
 
     Batch ``i`` holds ``batch_size`` windows starting at offsets drawn by
@@ -226,6 +289,8 @@ class BatchIterator:
       >>> bool((next(it2)["inputs"] == second["inputs"]).all())
       True
     """
+
+    SETTINGS = ("seed", "batch_size", "seq_len", "num_tokens")
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0) -> None:
         self.tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -269,29 +334,6 @@ class BatchIterator:
         chunk = self.tokens[windows]
         return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
 
-    def _checked_rows(self, rows: Any) -> np.ndarray:
-        rows = np.asarray(rows)
-        if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
-            raise MpmdError(
-                f"BatchIterator.batch_at: rows must be a 1-D array of ints, got shape "
-                f"{rows.shape} dtype {rows.dtype}; pass global row indices of the batch."
-            )
-        rows = rows.astype(np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.batch_size):
-            raise MpmdError(
-                f"BatchIterator.batch_at: rows must lie in [0, {self.batch_size}) (the batch "
-                f"size), got min {rows.min()} max {rows.max()}."
-            )
-        return rows
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
-
     def state_dict(self) -> dict[str, int]:
         """JSON-serialisable state; `load_state_dict` resumes from it."""
         return {
@@ -301,19 +343,3 @@ class BatchIterator:
             "seq_len": self.seq_len,
             "num_tokens": len(self.tokens),
         }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resumes at ``state["position"]`` after checking the state fits this iterator."""
-        mine = self.state_dict()
-        for key in ("seed", "batch_size", "seq_len", "num_tokens"):
-            if key in state and state[key] != mine[key]:
-                raise MpmdError(
-                    f"BatchIterator.load_state_dict: saved {key}={state[key]} but this "
-                    f"iterator has {key}={mine[key]}; resume with the same data settings."
-                )
-        position = state.get("position")
-        if not isinstance(position, int) or position < 0:
-            raise MpmdError(
-                f"BatchIterator.load_state_dict: position={position!r} must be an int >= 0."
-            )
-        self.position = position

@@ -42,7 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
+from nnx_mpmd.apps.data import (
+    BatchIterator,
+    CharTokenizer,
+    ResumableBatches,
+    stdlib_corpus,
+    train_val_split,
+)
 from nnx_mpmd.apps.text_tokenizers import (
     DATA_INSTALL,
     EOD_CHAR,
@@ -241,7 +247,7 @@ def _shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
-class PackedBatches:
+class PackedBatches(ResumableBatches):
     """Batches of packed sequences drawn in grain's shuffled, per-epoch order.
 
     Args:
@@ -300,25 +306,12 @@ class PackedBatches:
         Returns:
           ``{"inputs", "targets"}`` int32 arrays ``[len(rows), seq_len]``.
         """
-        rows = np.arange(self.batch_size) if rows is None else np.asarray(rows).reshape(-1)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.batch_size):
-            raise MpmdError(
-                f"PackedBatches.batch_at: rows must lie in [0, {self.batch_size}), got "
-                f"{rows.tolist()}."
-            )
+        rows = np.arange(self.batch_size) if rows is None else self._checked_rows(rows)
         first = int(index) * self.batch_size
         chunk = np.stack([self.examples[first + int(r)] for r in rows]) if rows.size else None
         if chunk is None:
             chunk = np.zeros((0, self.seq_len + 1), np.int32)
         return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state (saved as checkpoint metadata ``"data"``)."""
@@ -332,20 +325,14 @@ class PackedBatches:
             "data_key": self.data_key,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes at ``state["position"]`` after checking the state fits these batches."""
-        mine = self.state_dict()
-        for key in ("seed", "batch_size", "seq_len", "num_tokens", "data_key"):
-            if key in state and state[key] != mine[key]:
-                raise MpmdError(
-                    f"the saved data state has {key}={state[key]!r} but this run's dataset has "
-                    f"{key}={mine[key]!r} (another --dataset, --tokenizer or changed files); "
-                    "resume with the same data, or start a new --run-dir."
-                )
-        position = state.get("position")
-        if not isinstance(position, int) or position < 0:
-            raise MpmdError(f"the saved data position={position!r} must be an int >= 0.")
-        self.position = position
+    SETTINGS = ("seed", "batch_size", "seq_len", "num_tokens", "data_key")
+
+    def _mismatch(self, key: str, saved: Any, mine: Any) -> str:
+        return (
+            f"the saved data state has {key}={saved!r} but this run's dataset has "
+            f"{key}={mine!r} (another --dataset, --tokenizer or changed files); "
+            "resume with the same data, or start a new --run-dir."
+        )
 
 
 @dataclasses.dataclass
