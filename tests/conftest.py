@@ -102,6 +102,30 @@ def _every_call_runs_an_executable_made_for_it(monkeypatch, request):
         pytest.fail(f"calls matched no executable compiled ahead of time for them: {missed}")
 
 
+_CACHE_SETTINGS = (
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_settings_restored():
+    """An in-process ``nnx-mpmd train`` (``--no-compile-cache``, ``--compile-cache DIR``)
+    sets JAX's persistent cache for the whole process; the tests after it get this run's
+    settings back, or whether they hit the cache would depend on which tests ran before."""
+    before = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+    yield
+    changed = {name: v for name, v in before.items() if getattr(jax.config, name) != v}
+    if changed:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in changed.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def compiled_here():
     """XLA compiles in this process: JAX's persistent cache, which the test workers

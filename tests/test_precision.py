@@ -215,7 +215,9 @@ def test_train_dtype_bfloat16_runs_with_float32_state_and_refuses_a_float32_resu
     assert trainer.model.config.dtype == jnp.bfloat16  # the zoo's layers compute in bf16
     assert _floating_dtypes(trainer.model) == {"float32"}
     assert _floating_dtypes(trainer.optimizer) == {"float32"}
-    argv = [*TINY, "--run-dir", str(run_dir), "--resume", "--steps", "3"]
+    # A bare --resume continues with the saved configuration (RUN/config.toml): ask
+    # for float32 compute explicitly.
+    argv = [*TINY, "--run-dir", str(run_dir), "--resume", "--steps", "3", "--dtype", "float32"]
     assert train.main(argv) == 2  # float32 compute: a numeric setting, refused ...
     err = capsys.readouterr().err
     assert "dtype: saved 'bfloat16', now 'float32'" in err, err
