@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import pathlib
 import sysconfig
 from collections.abc import Iterator, Sequence
@@ -204,7 +205,7 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.n
     return tokens[:cut], tokens[cut:]
 
 
-class ResumableBatches:
+class ResumableBatches(abc.ABC):
     """What the main job's batch sources share: iteration by ``position`` and a checked resume.
 
     A source implements ``batch_at(index, rows=None)`` and ``state_dict()``, names in
@@ -216,11 +217,13 @@ class ResumableBatches:
     batch_size: int
     SETTINGS: tuple[str, ...] = ()
 
+    @abc.abstractmethod
     def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """The batch number ``index``, or only its global ``rows``."""
 
+    @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """JSON-serialisable state; `load_state_dict` resumes from it."""
 
     def _mismatch(self, key: str, saved: Any, mine: Any) -> str:
         return (
