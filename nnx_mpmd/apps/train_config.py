@@ -280,7 +280,7 @@ def _toml_value(value: Any) -> str:
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
         return repr(value)
-    # JSON's escapes (\\ \" \n \t \uXXXX ...) are TOML's basic-string escapes too.
+    # JSON's escapes (\\ \" \n \t and \u with four hex digits) are TOML's basic-string escapes too.
     return json.dumps(str(value))
 
 
