@@ -70,13 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
       >>> build_parser().parse_args(["--run-dir", "r", "--prompt", "x"]).max_tokens
       100
     """
-    from nnx_mpmd.apps.train import DEVICE_COUNT_FLAG, _HelpFormatter
+    from nnx_mpmd.apps.train_args import DEVICE_COUNT_FLAG, HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="nnx-mpmd generate",
         description="Continue a prompt with the model of an nnx-mpmd train run, restored "
         "from its checkpoint into any layout; the text streams to stdout.",
-        formatter_class=_HelpFormatter,  # "(default: X)" once, never for None
+        formatter_class=HelpFormatter,  # "(default: X)" once, never for None
     )
     p.add_argument("--run-dir", required=True, help="the run directory of nnx-mpmd train")
     p.add_argument(
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
       2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    from nnx_mpmd.apps.train import set_cpu_devices
+    from nnx_mpmd.apps.train_args import set_cpu_devices
     from nnx_mpmd.errors import MpmdError
 
     try:
