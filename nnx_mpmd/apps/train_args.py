@@ -17,7 +17,7 @@ import argparse
 import os
 import pathlib
 import sys
-from typing import Any
+from typing import Any, cast
 
 from nnx_mpmd.apps.run_dir import resolve_run_dir, reuse_run_tokenizer
 from nnx_mpmd.apps.train_config import (
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_plan_file(cfg: TrainConfig) -> None:
-    """Takes the schedule, stages and microbatches of ``cfg.plan`` (a plan's JSON).
+    """Takes the schedule, stages and microbatches of ``cfg.plan`` (a plan's JSON), if given.
 
     The layer split and remat are applied to the model later, by the trainer.
 
@@ -303,6 +303,8 @@ def apply_plan_file(cfg: TrainConfig) -> None:
     from nnx_mpmd.apps.validate_args import read_plan_settings
     from nnx_mpmd.errors import MpmdError
 
+    if cfg.plan is None:
+        return
     data = read_plan_settings(cfg.plan)
     planned = (data["num_meshes"], data["batch_size"])
     if planned != (cfg.meshes, cfg.batch_size):
@@ -344,7 +346,7 @@ def config_from_args(argv: list[str]) -> TrainConfig:
     from nnx_mpmd.errors import MpmdError
     from nnx_mpmd.jit.precision import precision_from_names
 
-    cfg = parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path)
+    cfg = cast(TrainConfig, parse_layered(build_parser(), argv, TrainConfig(), _saved_config_path))
     reuse_run_tokenizer(cfg, _given_tokenizer(argv))  # --resume: the run's own copy
     check_reporting_flags(cfg)
     if cfg.plan is not None:
@@ -408,7 +410,7 @@ def _given_tokenizer(argv: list[str]) -> str | None:
     return read_config_file(given.config, config_keys(parser)).get("tokenizer")
 
 
-def _saved_config_path(cfg: TrainConfig) -> pathlib.Path | None:
+def _saved_config_path(cfg: argparse.Namespace) -> pathlib.Path | None:
     """The saved ``config.toml`` of the run ``--resume`` continues (None: no such run yet;
     `run` says so)."""
     from nnx_mpmd.errors import MpmdError
