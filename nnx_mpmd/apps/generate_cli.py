@@ -11,7 +11,9 @@ asked for, whatever layout trained it:
 - ``--meshes 1 --data 1``: on one device, the same decoding under ``nnx.jit``.
 
 The prompt is encoded, and the output decoded, with the tokenizer saved in
-the metadata (`nnx_mpmd.apps.text_tokenizers.tokenizer_from_dict`). The text
+the metadata (`nnx_mpmd.apps.text_tokenizers.tokenizer_from_dict`); only ids
+the tokenizer has are chosen, even when the model's vocabulary is larger (a run
+made with ``--init-from``). The text
 (the prompt, then the new tokens) streams to stdout as every token is chosen;
 the speed goes to stderr at the end. ``--temperature 0`` decodes greedily, and
 greedy text is the same in every layout; sampled text depends on ``--seed``
@@ -429,6 +431,7 @@ def run(
         window=model.config.max_len,
         temperature=cfg.temperature,
         top_k=cfg.top_k,
+        vocab_size=tokenizer.vocab_size,  # an --init-from model's table may hold more ids
     )
     prompt = _encode_prompt(cfg, tokenizer, model)
     rows = cfg.microbatches * cfg.data
