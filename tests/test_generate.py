@@ -156,6 +156,36 @@ def test_a_scanned_zoo_model_decodes_with_stacked_caches():
     np.testing.assert_array_equal(got, window)
 
 
+# (vocab_size, temperature, top_k, KV cache): a limit below the model's 64 ids, greedy
+# and sampled; a limit of all 64 ids.
+LIMIT_CASES = [(40, 0.0, None, True), (40, 2.0, 50, False), (VOCAB, 0.8, 5, True)]
+
+
+@pytest.mark.parametrize(
+    "limit,temperature,top_k,kv_cache",
+    LIMIT_CASES,
+    ids=["greedy-40", "sampled-40-window", "sampled-all"],
+)
+def test_vocab_size_limits_the_ids_chosen(limit, temperature, top_k, kv_cache):
+    """A tokenizer of 40 ids for a model of 64: no id >= 40 is ever chosen, pipelined or
+    under nnx.jit; a limit of the whole vocabulary gives the unlimited tokens."""
+    settings = dict(mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2,
+                    window=64, temperature=temperature, top_k=top_k, kv_cache=kv_cache)  # fmt: skip
+    prompts = _prompts(4)  # ids of all 64: the limit is on the ids chosen
+    limited = mp.Generator(**settings, vocab_size=limit)
+    got = limited(_model(2), prompts, 10, seed=7)
+    unlimited = mp.Generator(**settings).reference(_model(2), prompts, 10, seed=7)
+    if limit == VOCAB:
+        np.testing.assert_array_equal(got, unlimited)
+        return
+    assert (unlimited[:, 6:] >= limit).any()  # without the limit the model picks them
+    assert (got[:, 6:] < limit).all()
+    np.testing.assert_array_equal(got, limited.reference(_model(2), prompts, 10, seed=7))
+    if not temperature:  # greedy: the first new token is the argmax over the allowed ids
+        logits = nnx.jit(lambda model, x: model(x))(_model(2), prompts)
+        np.testing.assert_array_equal(got[:, 6], np.argmax(logits[:, -1, :limit], axis=-1))
+
+
 @pytest.mark.parametrize(
     "prompts,new,match",
     [
@@ -190,6 +220,8 @@ def test_window_longer_than_the_cache_is_an_error():
         ({"top_k": 0}, r"top_k=0\): use an int >= 1"),
         ({"window": 0}, r"window=0\): use the model's context length"),
         ({"kv_cache": "yes"}, r"kv_cache='yes'\): use True, False or None"),
+        ({"vocab_size": 0}, r"vocab_size=0\): use the tokenizer's vocab_size"),
+        ({"vocab_size": 40.0}, r"vocab_size=40.0\): use the tokenizer's vocab_size"),
     ],
 )
 def test_bad_settings_are_errors(kwargs, match):

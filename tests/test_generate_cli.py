@@ -112,6 +112,44 @@ def test_sampled_text_is_the_same_in_every_layout_with_the_same_rows(run_dir):
     assert generate_cli.run(cfg, out=io.StringIO(), err=io.StringIO())["text"] != expected
 
 
+class _FewerIds:
+    """The run's tokenizer as if it had only its first ``vocab_size`` ids: the
+    ``tokenizer.json`` of an ``--init-from`` run, smaller than the checkpoint's vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def encode(self, text: str) -> np.ndarray:
+        return self._tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids)
+        if ids.size and ids.max() >= self.vocab_size:
+            raise MpmdError(f"id {int(ids.max())} is not one of my {self.vocab_size} tokens")
+        return self._tokenizer.decode(ids)
+
+
+def test_only_ids_the_tokenizer_has_are_chosen(run_dir, monkeypatch):
+    cfg = generate_cli.config_from_args(
+        _args(run_dir, "--temperature", "1.5", "--seed", "5", "--meshes", "1")
+    )
+    unlimited = generate_cli.run(cfg, out=io.StringIO(), err=io.StringIO())["tokens"]
+    _, tokenizer = _restored(run_dir, 2)
+    limit = int(np.max(tokenizer.encode(PROMPT))) + 1  # the prompt's ids, and fewer others
+    assert limit < tokenizer.vocab_size and unlimited.max() >= limit  # it draws ids past it
+    restore_run = generate_cli.restore_run
+
+    def restore_with_fewer_ids(*args, **kwargs):
+        model, run_tokenizer, step = restore_run(*args, **kwargs)
+        return model, _FewerIds(run_tokenizer, limit), step
+
+    monkeypatch.setattr(generate_cli, "restore_run", restore_with_fewer_ids)
+    out = io.StringIO()
+    summary = generate_cli.run(cfg, out=out, err=io.StringIO())
+    assert summary["tokens"].max() < limit and len(summary["tokens"]) == len(PROMPT) + NEW_TOKENS
+    assert out.getvalue() == summary["text"] + "\n"
+
+
 class _Recorder(io.StringIO):
     """Records the text written before each flush, and what ``progress()`` said then."""
 

@@ -235,16 +235,6 @@ def test_cycle_finder_finds_a_cycle_through_a_function_level_import():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-# The command-line apps still have one cycle (train ↔ convert ↔ train_config ↔ train_loop,
-# through function-level imports), being reworked with issue 48; no other may appear.
-KNOWN_APP_CYCLE = {
-    "nnx_mpmd.apps.convert",
-    "nnx_mpmd.apps.train",
-    "nnx_mpmd.apps.train_config",
-    "nnx_mpmd.apps.train_loop",
-}
-
-
 def test_imports_for_type_checking_only_make_no_cycle():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import nnx_mpmd.errors\n"
     assert _imports_of(source) == ["typing", "nnx_mpmd.errors"]
@@ -252,7 +242,7 @@ def test_imports_for_type_checking_only_make_no_cycle():
 
 
 def test_no_import_cycles():
-    cycles = [c for c in _cycles(_graph()) if not set(c) <= KNOWN_APP_CYCLE]
+    cycles = _cycles(_graph())
     assert not cycles, f"import cycles (function-level imports included): {cycles}"
 
 

@@ -16,11 +16,9 @@ run's checkpoint (the latest, or ``--step N``) as a Hugging Face directory that
 ``transformers`` loads; a run that started from a Hugging Face directory also
 gets its ``tokenizer.json`` back.
 
-The ``train`` side lives here too: `apply_init_from` takes the model family and
-depth from the directory's ``config.json``, `pretrained_model` builds and loads
-the model, and `keep_pretrained_config` keeps ``config.json`` (and
-``tokenizer.json``) in ``R/pretrained/``, so that a resumed run rebuilds the
-same architecture without ``--init-from``.
+The ``train`` side (``--init-from``: `apply_init_from`, `pretrained_model`,
+`keep_pretrained_config`) lives in `nnx_mpmd.apps.pretrained`, which the trainer
+imports without this command; this module re-exports it.
 
 Bad input (a missing file, an architecture the zoo lacks, a tokenizer larger
 than the checkpoint's vocabulary, a run without checkpoints) prints one line
@@ -33,7 +31,15 @@ import argparse
 import pathlib
 import shutil
 import sys
-from typing import Any
+
+# The train side (``--init-from``) lives in nnx_mpmd.apps.pretrained; its names stay importable here.
+from nnx_mpmd.apps.pretrained import (
+    PRETRAINED_DIR,
+    apply_init_from,
+    keep_pretrained_config,
+    pretrained_max_len,
+    pretrained_model,
+)
 
 __all__ = [
     "PRETRAINED_DIR",
@@ -46,10 +52,6 @@ __all__ = [
     "pretrained_max_len",
     "pretrained_model",
 ]
-
-#: Where a run keeps the ``config.json`` (and ``tokenizer.json``) it started from.
-PRETRAINED_DIR = "pretrained"
-KEPT_FILES = ("config.json", "tokenizer.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,131 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- the train side ----------------------------------------------------------------------
-
-
-def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
-    """Sets ``cfg.model`` and ``cfg.layers`` from a Hugging Face ``config.json``.
-
-    The directory is ``cfg.init_from``, or, for ``--resume`` of a run that started
-    from one, its copy ``run_dir/pretrained`` (then ``cfg.init_from`` is set to it). With a
-    ``tokenizer.json`` there and no ``--tokenizer``, ``cfg.tokenizer`` is set to it.
-
-    Args:
-      cfg: the `nnx_mpmd.apps.train.TrainConfig`.
-      run_dir: the run directory.
-
-    Raises:
-      MpmdError: a missing or unsupported ``config.json``, or ``--layers`` that
-        differs from the checkpoint's depth.
-    """
-    from nnx_mpmd.errors import MpmdError
-    from nnx_mpmd.models.hf_config import read_hf_config, zoo_config_from_hf
-
-    kept = run_dir / PRETRAINED_DIR
-    if cfg.resume and (kept / "config.json").is_file():
-        cfg.init_from = str(kept)  # the run's own copy: the original may have moved
-    if not getattr(cfg, "init_from", None):
-        return
-    source = pathlib.Path(cfg.init_from)
-    family, model_cfg = zoo_config_from_hf(
-        read_hf_config(source), where=f"--init-from {source / 'config.json'}"
-    )
-    if cfg.layers is not None and cfg.layers != model_cfg.n_layers:
-        raise MpmdError(
-            f"--layers {cfg.layers} differs from the {model_cfg.n_layers} layers of "
-            f"--init-from {source}; drop --layers (a pretrained model keeps its depth)."
-        )
-    cfg.model = family
-    cfg.layers = model_cfg.n_layers
-    tokenizer_file = source / "tokenizer.json"
-    if tokenizer_file.is_file() and hasattr(cfg, "tokenizer") and cfg.tokenizer is None:
-        cfg.tokenizer = str(tokenizer_file)
-
-
-def pretrained_max_len(init_from: str | pathlib.Path) -> int:
-    """The context length of a Hugging Face directory's model (its ``config.json``).
-
-    Args:
-      init_from: the directory.
-
-    Returns:
-      The model's ``max_len`` (GPT-2's ``n_positions``, Llama's
-      ``max_position_embeddings``): the default ``--seq-len`` of a run from it.
-
-    Raises:
-      MpmdError: a missing or unsupported ``config.json``.
-    """
-    from nnx_mpmd.models.hf_config import read_hf_config, zoo_config_from_hf
-
-    source = pathlib.Path(init_from)
-    _, model_cfg = zoo_config_from_hf(
-        read_hf_config(source), where=f"--init-from {source / 'config.json'}"
-    )
-    return int(model_cfg.max_len)
-
-
-def pretrained_model(
-    init_from: str | pathlib.Path, *, num_stages: int, vocab_size: int, **overrides: Any
-) -> Any:
-    """The zoo model of a Hugging Face directory, with its weights when it has them.
-
-    Args:
-      init_from: the directory (``config.json``; ``model.safetensors`` if the weights
-        are to be loaded: a run's ``pretrained/`` keeps the config only).
-      num_stages: pipeline stages.
-      vocab_size: the tokenizer's vocabulary; must not exceed the checkpoint's.
-      **overrides: other zoo config fields (``scan_layers``).
-
-    Returns:
-      The `GPT` or `Llama`.
-
-    Raises:
-      MpmdError: the tokenizer does not fit the checkpoint's vocabulary, or the
-        directory cannot be read.
-    """
-    from flax import nnx
-
-    from nnx_mpmd.errors import MpmdError
-    from nnx_mpmd.models import MODELS, load_pretrained
-    from nnx_mpmd.models.hf_config import read_hf_config, zoo_config_from_hf
-
-    source = pathlib.Path(init_from)
-    where = f"--init-from {source / 'config.json'}"
-    family, cfg = zoo_config_from_hf(
-        read_hf_config(source), num_stages=num_stages, where=where, **overrides
-    )
-    if vocab_size > cfg.vocab_size:
-        raise MpmdError(
-            f"the tokenizer has {vocab_size} tokens but {where} has a vocabulary of "
-            f"{cfg.vocab_size}: its ids would not fit the embedding table. Train with the "
-            f"checkpoint's own tokenizer ({source / 'tokenizer.json'}), or one of at most "
-            f"{cfg.vocab_size} tokens."
-        )
-    has_weights = any(
-        (source / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
-    )
-    if has_weights:
-        return load_pretrained(source, num_stages=num_stages, **overrides)
-    return MODELS[family][0](cfg, rngs=nnx.Rngs(0))  # its values come from the checkpoint
-
-
-def keep_pretrained_config(init_from: str | pathlib.Path, run_dir: pathlib.Path) -> None:
-    """Copies ``config.json`` (and ``tokenizer.json``) of ``init_from`` into ``run_dir/pretrained``.
-
-    Args:
-      init_from: the Hugging Face directory the run starts from.
-      run_dir: the run directory (exists).
-    """
-    source, kept = pathlib.Path(init_from), run_dir / PRETRAINED_DIR
-    if source.resolve() == kept.resolve():
-        return
-    kept.mkdir(exist_ok=True)
-    for name in KEPT_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, kept / name)
-
-
 # -- the two directions of nnx-mpmd convert -------------------------------------------------
 
 
@@ -228,7 +105,7 @@ def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[s
       MpmdError: bad options, an unsupported or unreadable directory, or a run
         directory that already holds checkpoints.
     """
-    from nnx_mpmd.apps.train import config_from_args, set_cpu_devices
+    from nnx_mpmd.apps.train_args import config_from_args, set_cpu_devices, train_config_values
     from nnx_mpmd.apps.validate_args import check_output_dir
     from nnx_mpmd.errors import CheckpointError
 
@@ -241,7 +118,7 @@ def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[s
             f"--run-dir {run_dir} already holds checkpoints/; choose a new run directory."
         )
     apply_init_from(cfg, run_dir)
-    from nnx_mpmd.apps.train_config import train_config_values, write_run_config
+    from nnx_mpmd.apps.train_config import write_run_config
     from nnx_mpmd.apps.train_loop import Trainer
     from nnx_mpmd.checkpoint import CheckpointManager
     from nnx_mpmd.models import count_params

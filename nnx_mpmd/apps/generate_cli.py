@@ -11,7 +11,9 @@ asked for, whatever layout trained it:
 - ``--meshes 1 --data 1``: on one device, the same decoding under ``nnx.jit``.
 
 The prompt is encoded, and the output decoded, with the tokenizer saved in
-the metadata (`nnx_mpmd.apps.text_tokenizers.tokenizer_from_dict`). The text
+the metadata (`nnx_mpmd.apps.text_tokenizers.tokenizer_from_dict`); only ids
+the tokenizer has are chosen, even when the model's vocabulary is larger (a run
+made with ``--init-from``). The text
 (the prompt, then the new tokens) streams to stdout as every token is chosen;
 the speed goes to stderr at the end. ``--temperature 0`` decodes greedily, and
 greedy text is the same in every layout; sampled text depends on ``--seed``
@@ -70,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
       >>> build_parser().parse_args(["--run-dir", "r", "--prompt", "x"]).max_tokens
       100
     """
-    from nnx_mpmd.apps.train import DEVICE_COUNT_FLAG, _HelpFormatter
+    from nnx_mpmd.apps.train_args import DEVICE_COUNT_FLAG, HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="nnx-mpmd generate",
         description="Continue a prompt with the model of an nnx-mpmd train run, restored "
         "from its checkpoint into any layout; the text streams to stdout.",
-        formatter_class=_HelpFormatter,  # "(default: X)" once, never for None
+        formatter_class=HelpFormatter,  # "(default: X)" once, never for None
     )
     p.add_argument("--run-dir", required=True, help="the run directory of nnx-mpmd train")
     p.add_argument(
@@ -429,6 +431,7 @@ def run(
         window=model.config.max_len,
         temperature=cfg.temperature,
         top_k=cfg.top_k,
+        vocab_size=tokenizer.vocab_size,  # an --init-from model's table may hold more ids
     )
     prompt = _encode_prompt(cfg, tokenizer, model)
     rows = cfg.microbatches * cfg.data
@@ -493,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
       2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    from nnx_mpmd.apps.train import set_cpu_devices
+    from nnx_mpmd.apps.train_args import set_cpu_devices
     from nnx_mpmd.errors import MpmdError
 
     try:

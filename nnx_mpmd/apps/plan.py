@@ -21,14 +21,9 @@ import tempfile
 import time
 from typing import Any
 
-from nnx_mpmd.apps.train import (
-    TrainConfig,
-    configure_compile_cache,
-    set_cpu_devices,
-)
-from nnx_mpmd.apps.train import (
-    build_parser as build_train_parser,
-)
+from nnx_mpmd.apps.train import configure_compile_cache
+from nnx_mpmd.apps.train_args import TrainConfig, set_cpu_devices
+from nnx_mpmd.apps.train_args import build_parser as build_train_parser
 
 __all__ = ["TRAIN_ONLY", "build_parser", "main", "train_only_given"]
 
@@ -135,7 +130,7 @@ def run(cfg: Any) -> Any:
     Returns:
       The `nnx_mpmd.planner.Plan` written.
     """
-    from nnx_mpmd.apps.convert import apply_init_from
+    from nnx_mpmd.apps.pretrained import apply_init_from
     from nnx_mpmd.apps.train_loop import Trainer
 
     with tempfile.TemporaryDirectory(prefix="nnx-mpmd-plan-") as scratch:

@@ -54,7 +54,6 @@ __all__ = [
     "read_config_file",
     "resolved_config",
     "toml_text",
-    "train_config_values",
     "write_run_config",
 ]
 
@@ -129,13 +128,13 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
     """The configuration file's keys: one per long option of ``parser`` but ``--help``.
 
     Args:
-      parser: e.g. `nnx_mpmd.apps.train.build_parser` ().
+      parser: e.g. `nnx_mpmd.apps.train_args.build_parser` ().
 
     Returns:
       ``{key: ConfigKey}`` in the parser's order.
 
     Example:
-      >>> from nnx_mpmd.apps.train import build_parser
+      >>> from nnx_mpmd.apps.train_args import build_parser
       >>> keys = config_keys(build_parser())
       >>> keys["batch_size"].option, keys["scan_layers"].kind
       ('--batch-size', <class 'bool'>)
@@ -166,7 +165,7 @@ def read_config_file(path: str | pathlib.Path, keys: Mapping[str, ConfigKey]) ->
 
     Example:
       >>> import tempfile
-      >>> from nnx_mpmd.apps.train import build_parser
+      >>> from nnx_mpmd.apps.train_args import build_parser
       >>> f = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
       >>> _ = f.write_text("batch_size = 8\\nlr = 1\\n")
       >>> read_config_file(f, config_keys(build_parser()))
@@ -211,7 +210,7 @@ def parse_layered(
     Args:
       parser: the parser (its defaults are changed).
       argv: the command line.
-      namespace: the object to fill (e.g. a fresh `nnx_mpmd.apps.train.TrainConfig`).
+      namespace: the object to fill (e.g. a fresh `nnx_mpmd.apps.train_args.TrainConfig`).
       saved_config: given the options so far (with ``resume`` true), the saved
         ``config.toml`` of the run to continue, or None when there is none.
 
@@ -248,25 +247,12 @@ def resolved_config(cfg: argparse.Namespace, keys: Mapping[str, ConfigKey]) -> d
     """The value of every key in ``cfg`` (None for those it lacks or leaves unset).
 
     Example:
-      >>> from nnx_mpmd.apps.train import build_parser, config_from_args
+      >>> from nnx_mpmd.apps.train_args import build_parser, config_from_args
       >>> keys = config_keys(build_parser())
       >>> resolved_config(config_from_args(["--steps", "7"]), keys)["steps"]
       7
     """
     return {name: getattr(cfg, name, None) for name in keys}
-
-
-def train_config_values(cfg: argparse.Namespace) -> dict[str, Any]:
-    """`resolved_config` of ``nnx-mpmd train``'s options (`nnx_mpmd.apps.train.build_parser`).
-
-    Example:
-      >>> from nnx_mpmd.apps.train import config_from_args
-      >>> train_config_values(config_from_args(["--batch-size", "16"]))["batch_size"]
-      16
-    """
-    from nnx_mpmd.apps.train import build_parser
-
-    return resolved_config(cfg, config_keys(build_parser()))
 
 
 def _toml_value(value: Any) -> str:

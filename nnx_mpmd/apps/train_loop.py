@@ -23,14 +23,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_max_len, pretrained_model
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.local_batches import process_local_batches
 from nnx_mpmd.apps.memory_check import check_memory
+from nnx_mpmd.apps.pretrained import keep_pretrained_config, pretrained_max_len, pretrained_model
 from nnx_mpmd.apps.sampling import generate_text
 from nnx_mpmd.apps.stop_signals import StopSignals, stopped_message
-from nnx_mpmd.apps.train_config import train_config_values, write_run_config
+from nnx_mpmd.apps.train_args import train_config_values
+from nnx_mpmd.apps.train_config import write_run_config
 from nnx_mpmd.apps.train_display import (
     CompileCounter,
     first_step_status,
@@ -254,7 +255,7 @@ class Trainer:
             "scan_layers": bool(getattr(cfg, "scan_layers", False)),
             "dtype": self.precision.compute_dtype,
         }
-        if getattr(cfg, "init_from", None):  # a Hugging Face directory (apps.convert)
+        if getattr(cfg, "init_from", None):  # a Hugging Face directory (apps.pretrained)
             shape = ("vocab_size", "n_layers")  # the checkpoint's; other overrides apply
             self.model = pretrained_model(
                 cfg.init_from,

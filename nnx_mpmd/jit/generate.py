@@ -59,6 +59,7 @@ def next_tokens(
     *,
     temperature: float,
     top_k: int | None,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     """Each sequence's next token from the logits at its last real token.
 
@@ -69,6 +70,7 @@ def next_tokens(
       key_data: ``[B, ...]`` raw PRNG key data, one key per row (unused when greedy).
       temperature: 0 for greedy (argmax) decoding, else the softmax temperature.
       top_k: sample among the ``top_k`` most likely tokens only (None: all).
+      vocab_size: choose only ids below it (None: every id of the logits).
 
     Returns:
       ``[B]`` int32 tokens.
@@ -82,7 +84,7 @@ def next_tokens(
       (2,)
     """
     logits = model(window)
-    return _pick(logits, index, key_data, temperature, top_k)
+    return _pick(logits, index, key_data, temperature, top_k, vocab_size)
 
 
 def next_tokens_cached(
@@ -95,6 +97,7 @@ def next_tokens_cached(
     *,
     temperature: float,
     top_k: int | None,
+    vocab_size: int | None = None,
 ) -> jax.Array:
     """Like `next_tokens`, reading and writing the model's KV cache.
 
@@ -107,6 +110,7 @@ def next_tokens_cached(
       key_data: ``[B, ...]`` raw PRNG key data, one key per row.
       temperature: 0 for greedy decoding, else the softmax temperature.
       top_k: sample among the ``top_k`` most likely tokens only (None: all).
+      vocab_size: choose only ids below it (None: every id of the logits).
 
     Returns:
       ``[B]`` int32 tokens.
@@ -122,7 +126,7 @@ def next_tokens_cached(
       (2,)
     """
     logits = model(tokens, positions=positions, cache_rows=cache_rows)
-    return _pick(logits, index, key_data, temperature, top_k)
+    return _pick(logits, index, key_data, temperature, top_k, vocab_size)
 
 
 def _pick(
@@ -131,9 +135,13 @@ def _pick(
     key_data: jax.Array,
     temperature: float,
     top_k: int | None,
+    vocab_size: int | None,
 ) -> jax.Array:
     """Each row's next token from its logits at ``index``: argmax or a sample."""
     last = jnp.take_along_axis(logits, index[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+    if vocab_size is not None and vocab_size < last.shape[-1]:
+        # A pretrained model's table can be larger than its tokenizer: never pick those ids.
+        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_size, last, -jnp.inf)
     if temperature == 0.0:
         return jnp.argmax(last, axis=-1).astype(jnp.int32)
     last = last / temperature
@@ -187,10 +195,15 @@ class Generator:
         (None, the default: a model with ``init_cache``). A model that takes
         and returns its own cache pytree decodes with it wrapped in
         `FunctionalKVCache`.
+      vocab_size: choose only token ids below it, greedy or sampled: the
+        tokenizer's size when the model's vocabulary is larger (a checkpoint
+        whose embedding table has more rows than its tokenizer has ids). None
+        (the default): every id of the logits.
 
     Raises:
-      CompileError: a negative temperature, a ``top_k`` below 1 or a window
-        below 1; at the call, ``kv_cache=True`` for a model without a cache.
+      CompileError: a negative temperature, a ``top_k``, ``vocab_size`` or
+        window below 1; at the call, ``kv_cache=True`` for a model without a
+        cache.
 
     Example:
       >>> import nnx_mpmd as mp
@@ -214,6 +227,7 @@ class Generator:
         temperature: float = 0.0,
         top_k: int | None = None,
         kv_cache: bool | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if not temperature >= 0:
             raise CompileError(f"Generator(temperature={temperature}): use 0 (greedy) or more.")
@@ -226,10 +240,17 @@ class Generator:
             )
         if kv_cache not in (None, True, False):
             raise CompileError(f"Generator(kv_cache={kv_cache!r}): use True, False or None.")
+        whole = isinstance(vocab_size, int | np.integer) and not isinstance(vocab_size, bool)
+        if vocab_size is not None and (not whole or vocab_size < 1):
+            raise CompileError(
+                f"Generator(vocab_size={vocab_size!r}): use the tokenizer's vocab_size (an int "
+                ">= 1), or None for every id the model scores."
+            )
         self.window = window
         self.num_microbatches = num_microbatches
         self.kv_cache = kv_cache
-        pick = {"temperature": float(temperature), "top_k": top_k}
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        pick = {"temperature": float(temperature), "top_k": top_k, "vocab_size": self.vocab_size}
         pipelined = functools.partial(
             jit, mesh=mesh, schedule=schedule, num_microbatches=num_microbatches
         )
