@@ -24,6 +24,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -303,6 +304,29 @@ def test_benchmarks_page_is_built_not_committed():
 def test_docs_hooks_examples_run():
     result = doctest.testmod(_docs_hooks(), optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed
+
+
+# --- the release records -----------------------------------------------------------
+
+
+def test_version_is_the_newest_changelog_release():
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    assert releases, "CHANGELOG.md has no release headers like '## [0.1.0] - 2026-11-21'"
+    assert changelog.index("## [Unreleased]") < changelog.index(f"## [{releases[0]}]")
+    versions = [tuple(map(int, r.split("."))) for r in releases]
+    assert versions == sorted(versions, reverse=True), "CHANGELOG releases are not newest first"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    fallback = re.search(
+        r'^    __version__ = "([^"]+)"$',
+        (ROOT / "nnx_mpmd" / "__init__.py").read_text(encoding="utf-8"),
+        re.MULTILINE,
+    )
+    assert project["version"] == fallback[1] == releases[0], (
+        f"pyproject.toml says {project['version']}, the __version__ fallback in "
+        f"nnx_mpmd/__init__.py {fallback[1]}, and the newest CHANGELOG release {releases[0]}; "
+        "make them equal when cutting a release"
+    )
 
 
 # --- the site --------------------------------------------------------------------------
