@@ -83,11 +83,8 @@ def resolve_run_dir(cfg: Any) -> pathlib.Path:
 def reuse_run_tokenizer(cfg: Any, given: str | None) -> None:
     """With ``--resume``, takes the run directory's copy of its tokenizer file.
 
-    A run trained with ``--tokenizer`` keeps a copy of the file in its directory
-    (and names a tokenizer in its ``config.toml``); a resumed run uses that copy unless ``--tokenizer`` is ``given`` anew (on the
-    command line or in ``--config``), so the original file may have moved,
-    changed or gone. A ``given`` file with other contents is refused before the
-    copy is overwritten.
+    Unless ``--tokenizer`` is ``given`` anew, so the original may have moved or
+    gone; a ``given`` file with other contents is refused.
 
     Args:
       cfg: the configuration (``resume``, ``run_dir``, ``tokenizer``); its

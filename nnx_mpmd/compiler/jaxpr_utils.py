@@ -177,13 +177,9 @@ def structure_key(
 ) -> tuple[Any, ...] | None:
     """A hashable key of the function a slice of equations computes, or None.
 
-    Two slices with equal keys compute the same function of their inputs: the
-    same primitives with equal parameters and contexts, on inputs of equal
-    types (shape, dtype, weak type, sharding), wired the same way (a variable
-    keys as its position). So a program built from one slice can stand for the
-    other on an equal-shaped submesh without tracing it. None when a literal or
-    parameter has no value equality to rely on (a device array): such a slice
-    matches nothing.
+    Equal keys mean equal primitives, parameters and input types, wired alike, so
+    one slice's program can stand for the other's; None (matching nothing) when a
+    literal or parameter has no value equality.
 
     Args:
       eqns: the slice's equations, in program order.
