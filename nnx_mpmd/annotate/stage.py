@@ -230,10 +230,8 @@ class ArrayAttribute(NamedTuple):
 def array_attributes(node: Any) -> list[ArrayAttribute]:
     """The arrays held as plain attributes under ``node`` (``self.table = jnp...``).
 
-    Flax treats such arrays as data: they are state leaves like Variables,
-    without metadata. Their stage is that of the `Stage` they sit in. Placed
-    values (an ``MpmdArray``, which is not a ``jax.Array``) count too: every
-    data leaf that is not a Variable and not a Python scalar.
+    Flax treats such arrays (and placed `MpmdArray` values) as state leaves without
+    metadata; their stage is that of the `Stage` they sit in.
 
     Args:
       node: an NNX graph node.

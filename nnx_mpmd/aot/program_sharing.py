@@ -222,10 +222,8 @@ def _on_event(event: str, **kwargs: Any) -> None:
 def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
     """``lowered.compile()``, and whether XLA compiled it here (not a persistent-cache hit).
 
-    An executable that JAX loaded from its persistent compilation cache must
-    not be serialized again: on CPU (jax 0.10) the copy loses its kernels
-    ("Function ... not found" when it runs), so such an executable is never
-    the source of `load_for_devices`.
+    An executable loaded from JAX's persistent cache loses its kernels when
+    serialized again (CPU, jax 0.10), so it never feeds `load_for_devices`.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -276,9 +276,8 @@ def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[l
 def _batches_with_distinct_sources(cross: list) -> list[list]:
     """``cross`` cut into batches of one move each.
 
-    JAX 0.10.2 on CPU lost moves batched into one ``jax.device_put`` when one
-    buffer went to two devices, or one process sent to two processes: the
-    receiver waited forever. One move per call is slower but always arrives.
+    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put`` (the
+    receiver waited forever); one move per call is slower but always arrives.
     """
     return [[pair] for pair in cross]
 

@@ -265,10 +265,8 @@ def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
 def put_scalar(value: Any, sharding: Any) -> jax.Array:
     """A NumPy scalar replicated with ``sharding``, built shard by shard on each process.
 
-    ``jax.device_put`` of a host value onto devices of several processes checks
-    that every process passes the same value (a collective that times out when
-    processes compile at different speeds); building it from a callback needs no
-    other process.
+    ``jax.device_put`` onto several processes' devices is a collective that times out
+    when processes compile at different speeds; a callback needs no other process.
 
     Example:
       >>> import jax, numpy as np

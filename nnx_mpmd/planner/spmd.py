@@ -317,10 +317,8 @@ def spmd_step(
 ) -> tuple[SpmdStep, Any]:
     """The SPMD train step of ``model`` over every device of ``mesh``, and its placed state.
 
-    The step is ``mp.value_and_grad(loss_fn, num_microbatches=...)`` then the
-    optimizer update, under `jax.jit` with the state replicated (``"dp"``) or
-    sharded (``"fsdp"``) and the batch's rows split over the devices: the
-    same numbers as ``nnx.jit`` of that step, to float rounding.
+    ``value_and_grad`` over microbatches and the update under `jax.jit`, state replicated
+    (``"dp"``) or sharded (``"fsdp"``): ``nnx.jit``'s numbers to float rounding.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.

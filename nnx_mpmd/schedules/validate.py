@@ -279,10 +279,8 @@ def group_intervals(
 ) -> list[tuple[Task, float, float]]:
     """The consecutive sub-intervals of a group's members, filling ``span`` from ``start``.
 
-    Each member's share is its length over the sum of lengths; with nothing
-    hidden (``span`` equal to that sum) the members run back to back, exactly
-    as ungrouped tasks. The simulator uses it for a group's members, and a
-    measured profile for the members of one overlapped program.
+    Each member's share is its length over the sum of lengths (back to back when
+    nothing is hidden).
 
     Args:
       group: the members, in order.

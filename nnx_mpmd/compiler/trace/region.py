@@ -578,9 +578,8 @@ def _region_out_avals(
 def _mean_seeded_value_and_grad(one: Callable[..., Any], scale: float) -> Callable[..., Any]:
     """``jax.value_and_grad(one, has_aux=True)`` with the backward started at ``scale``.
 
-    Each microbatch's backward starts from ``d(mean)/d(loss_i) = 1/m``, as the
-    pipeline's does: a custom_vjp whose backward is not linear in its cotangent
-    (a gradient clip) then sees what ``jax.grad`` of the mean gives it.
+    Each microbatch's backward starts from ``1/m`` as the pipeline's does, so a
+    custom_vjp that is not linear in its cotangent sees what ``jax.grad`` of the mean gives.
     """
 
     def grad_fn(diff: list[Any], state: Any, mb: Any) -> Any:

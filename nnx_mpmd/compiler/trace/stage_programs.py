@@ -60,10 +60,8 @@ STAGE_PROGRAMS: dict[str, tuple[str, tuple[int, ...]]] = {
 def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
     """Raises if a JAX mesh context would conflict with the stage programs.
 
-    Each stage program runs on its own submesh, so no single concrete mesh can
-    be the context of a pipelined step: ``jax.set_mesh(...)`` around the call
-    would pin every program to that mesh's devices. An abstract-mesh context
-    equal to the submeshes' (``jax.sharding.use_abstract_mesh``) is allowed.
+    A concrete mesh context would pin every stage program to its devices; an
+    abstract mesh equal to the submeshes' is allowed.
 
     Args:
       mesh: the step's `MpmdMesh`, or its submeshes.
@@ -559,10 +557,8 @@ class StageFunctions:
     def cotangents_fit_inputs(self) -> bool:
         """Whether the cotangents a backward receives have its input cotangents' types.
 
-        True when the differentiated sends' types (shape, dtype, weak type,
-        sharding) are, as a multiset, the differentiated inputs' types: a
-        backward that receives one cotangent per send can then donate them to
-        its ``ct_xd`` results (`nnx_mpmd.compiler.ir.donate_dead_arguments`).
+        True when the differentiated sends' types are, as a multiset, the differentiated
+        inputs': the backward can then donate its cotangents to its ``ct_xd`` results.
         """
         sends = sorted(_type_key(v.aval) for v in self.diff_sends)
         return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)
