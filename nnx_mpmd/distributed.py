@@ -232,15 +232,12 @@ def _enable_cpu_transfers(coordinator: str | None) -> None:
 def is_remote(x: Any) -> bool:
     """Whether ``x`` is a ``jax.Array`` none of whose shards this process holds.
 
-    In a multi-process run, parameters on other processes' submeshes are
-    remote: their shape, dtype and sharding are known, their values are not.
-    `gather` makes them local.
-
     Args:
       x: any value.
 
     Returns:
-      True for an array that lives only on other processes' devices.
+      True for an array that lives only on other processes' devices (`gather`
+      makes it local).
 
     Example:
       >>> import jax.numpy as jnp
@@ -384,19 +381,9 @@ def _placed_like(value: Any, like: Any) -> Any:
 def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
     """Temporarily gives every Variable in ``tree`` a fully replicated global value.
 
-    Inside the block each Variable of the NNX objects in ``tree`` holds one
-    ``jax.Array`` replicated over all devices of ``mesh``; on exit each
-    Variable gets its placement back, keeping any value written meanwhile. A
-    collective in a multi-process run: every process enters it with the same
-    tree. It copies every array to every device of every process (``(P - 1) *
-    size`` bytes between P processes per array), so each array must fit in
-    every device's memory; typed PRNG key arrays are left as they are.
-
-    Checkpoints do not need it: `nnx_mpmd.checkpoint.save` and ``restore``
-    take placed state as it is in a multi-process run (every process passes
-    the same tree) and move at most one shard per array to each process that
-    holds none of it (see the checkpointing guide). Use it for code that needs every value replicated on
-    every device.
+    A collective: every process enters it with the same tree, and every array must
+    fit on every device. On exit each Variable gets its placement back, keeping any
+    value written meanwhile. Checkpoints do not need it.
 
     Args:
       tree: NNX models and optimizers (placed on ``mesh``).

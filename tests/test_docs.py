@@ -8,13 +8,14 @@
   ``<!-- no-test -->`` comment is skipped.
 * The schedule table of docs/concepts.md matches the simulator, and every
   schedule picture exists.
-* The results copied into docs/benchmarks.md match BENCHMARKS.md.
+* docs/hooks.py makes the Benchmarks page from BENCHMARKS.md at build time.
 * What the pages say about the schedules (how many, which classes exist)
   matches the registry, and no page dates the past to the installed version.
 """
 
 from __future__ import annotations
 
+import doctest
 import importlib
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -244,31 +246,86 @@ def test_schedule_picture_exists_and_is_shown(name):
 # --- the benchmark numbers ------------------------------------------------------------
 
 
-def _marked_block(text: str, name: str) -> str | None:
-    match = re.search(rf"<!-- {name}:start -->\n(.*?)\n<!-- {name}:end -->", text, re.DOTALL)
-    return match[1].strip() if match else None
+def _docs_hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
+    ("line", "page_line", "copied"),
     [
-        ("a\n<!-- t:start -->\n| x |\n<!-- t:end -->\nb", "| x |"),
-        ("a\n<!-- t:start -->\n| x |\n", None),
-        ("<!-- u:start -->\n| x |\n<!-- u:end -->", None),
+        ("[g](docs/guides/performance.md#cost)", "[g](guides/performance.md#cost)", []),
+        ("![p](docs/img/a.png)", "![p](img/a.png)", []),
+        ("[w](https://example.com/docs/a.md)", "[w](https://example.com/docs/a.md)", []),
+        ("[s](#summary)", "[s](#summary)", []),
+        ("[`benchmarks/x.py`](benchmarks/x.py)", "`benchmarks/x.py`", []),
+        ("[the runner](./benchmarks/x.py#L3)", "the runner (`benchmarks/x.py`)", []),
+        (
+            '![fig](benchmarks/results/a.png "A")',
+            '![fig](benchmarks-files/benchmarks/results/a.png "A")',
+            ["benchmarks/results/a.png"],
+        ),
     ],
 )
-def test_marked_block(text, expected):
-    assert _marked_block(text, "t") == expected
+def test_benchmarks_page_rewrites_links_for_docs(line, page_line, copied):
+    page, pictures = _docs_hooks().benchmarks_page(f"# Benchmarks\n\n{line}\n")
+    assert page.splitlines()[-1] == page_line
+    assert pictures == copied
 
 
-def test_benchmarks_page_copies_benchmarks_md():
-    block = _marked_block((DOCS / "benchmarks.md").read_text(encoding="utf-8"), "benchmarks")
-    assert block, "docs/benchmarks.md lost its benchmarks:start / benchmarks:end markers"
-    assert "| --- |" in block, "the copied benchmark section has no table"
+def test_benchmarks_page_separates_headings_from_tables():
+    text = "# B\n\n| a |\n| --- |\n| 1 |\n## Next\n```\n# a comment\n```\n"
+    page, _ = _docs_hooks().benchmarks_page(text)
+    assert "| 1 |\n\n## Next\n```\n# a comment\n```" in page
+
+
+def test_benchmarks_page_is_made_from_benchmarks_md():
+    hooks = _docs_hooks()
     source = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
-    assert block in source, (
-        "the results in docs/benchmarks.md differ from BENCHMARKS.md; paste the current "
-        "section of BENCHMARKS.md between the benchmarks:start and benchmarks:end markers"
+    page, copied = hooks.benchmarks_page(source)
+    assert page.startswith("# Benchmarks\n\n" + hooks.NOTE + "\n")
+    headings = [line for line in source.splitlines() if line.startswith("## ")]
+    assert headings and headings == [line for line in page.splitlines() if line.startswith("## ")]
+    assert "](docs/" not in page, "a link into docs/ was left relative to the repository root"
+    missing = [path for path in copied if not (ROOT / path).is_file()]
+    assert not missing, f"BENCHMARKS.md shows pictures that do not exist: {missing}"
+
+
+def test_benchmarks_page_is_built_not_committed():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert re.search(r"^hooks:\n  - docs/hooks\.py$", config, re.MULTILINE), (
+        "mkdocs.yml must load docs/hooks.py, which makes the Benchmarks page"
+    )
+    assert "docs/benchmarks.md" in (ROOT / ".gitignore").read_text(encoding="utf-8").splitlines()
+
+
+def test_docs_hooks_examples_run():
+    result = doctest.testmod(_docs_hooks(), optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed
+
+
+# --- the release records -----------------------------------------------------------
+
+
+def test_version_is_the_newest_changelog_release():
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    assert releases, "CHANGELOG.md has no release headers like '## [0.1.0] - 2026-11-21'"
+    assert changelog.index("## [Unreleased]") < changelog.index(f"## [{releases[0]}]")
+    versions = [tuple(map(int, r.split("."))) for r in releases]
+    assert versions == sorted(versions, reverse=True), "CHANGELOG releases are not newest first"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    fallback = re.search(
+        r'^    __version__ = "([^"]+)"$',
+        (ROOT / "nnx_mpmd" / "__init__.py").read_text(encoding="utf-8"),
+        re.MULTILINE,
+    )
+    assert project["version"] == fallback[1] == releases[0], (
+        f"pyproject.toml says {project['version']}, the __version__ fallback in "
+        f"nnx_mpmd/__init__.py {fallback[1]}, and the newest CHANGELOG release {releases[0]}; "
+        "make them equal when cutting a release"
     )
 
 
@@ -327,8 +384,9 @@ _NO_CLASS = re.compile(r"`(\w+)`[^`\n]*?\bhas no (?:class|counterpart)\b")
 
 
 def _user_pages() -> list[pathlib.Path]:
-    # docs/benchmarks.md copies BENCHMARKS.md: a record of past runs (e.g. "all seven
-    # schedules" of `make bench`'s default list), not a statement about this version.
+    # A docs/benchmarks.md left on disk (the site makes it from BENCHMARKS.md) is a record
+    # of past runs (e.g. "all seven schedules" of `make bench`'s default list), not a
+    # statement about this version.
     pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
     return [p for p in pages if p.name != "benchmarks.md" and "api" not in p.parts]
 

@@ -229,10 +229,8 @@ def auto_stage(layers: Any, num_stages: int, *, weights: list[float] | None = No
 def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """Maps each Variable's graph path under ``node`` to its logical path.
 
-    The logical path drops the ``module`` attribute that a `Stage` wrapper adds,
-    so ``blocks.3.module.kernel`` becomes ``blocks.3.kernel``: a staged model and
-    the same model without `Stage` have the same logical paths. A Variable
-    reachable by several paths is listed once, under its first path.
+    The logical path drops the ``module`` attribute a `Stage` adds
+    (``blocks.3.module.kernel`` -> ``blocks.3.kernel``); a Variable appears once.
 
     Args:
       node: an NNX graph node (model, optimizer, or a tuple/dict of them).

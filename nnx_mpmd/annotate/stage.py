@@ -105,13 +105,8 @@ def tag_stage(module: Any, stage: int) -> None:
 def tag_variables_created_later(node: Any) -> None:
     """Tags the Variables a `Stage` under ``node`` holds but did not see when it was made.
 
-    `Stage` tags its module's Variables when it is constructed. A module that
-    creates its Variables later (a Linen module wrapped by
-    ``nnx.bridge.ToNNX`` and then ``nnx.bridge.lazy_init``, or a Variable
-    assigned to ``stage.module`` afterwards) would leave them without a stage;
-    this gives them the stage of every `Stage` that holds them, as if they had
-    been there from the start (a Variable keeps the stages it has and gains
-    those of the Stages that hold it).
+    Modules that create Variables later (``nnx.bridge.lazy_init``, an assignment to
+    ``stage.module``) would otherwise leave them without a stage.
 
     Args:
       node: an NNX graph node (the model); anything else is left alone.
@@ -235,10 +230,8 @@ class ArrayAttribute(NamedTuple):
 def array_attributes(node: Any) -> list[ArrayAttribute]:
     """The arrays held as plain attributes under ``node`` (``self.table = jnp...``).
 
-    Flax treats such arrays as data: they are state leaves like Variables,
-    without metadata. Their stage is that of the `Stage` they sit in. Placed
-    values (an ``MpmdArray``, which is not a ``jax.Array``) count too: every
-    data leaf that is not a Variable and not a Python scalar.
+    Flax treats such arrays (and placed `MpmdArray` values) as state leaves without
+    metadata; their stage is that of the `Stage` they sit in.
 
     Args:
       node: an NNX graph node.

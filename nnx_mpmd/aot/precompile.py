@@ -91,38 +91,24 @@ def precompile(
 ) -> int:
     """Compiles the programs of ``step``'s first run concurrently.
 
-    A transfer that keeps its source's PartitionSpec would make each stage's
-    program wait for the previous stage's compilation (the spec is chosen by
-    the compiler). Its receiver is compiled for a guess instead, made when the
-    source is traced: the leading axis sharded over ``batch_axis`` as a
-    microbatch is (`nnx_mpmd.compiler.trace.region.microbatch_spec`), else
-    replicated, which is what the stage programs produce for batch-sharded
-    activations. A wrong guess costs one extra compilation. On a submesh whose
-    axes are all Explicit the traced output types are the shardings, and no
-    guess is made.
+    A transfer's receiver is compiled for a sharding guessed when its source is
+    traced (a microbatch's, else replicated), so that no stage waits for another's
+    compilation; a wrong guess costs one extra compilation.
 
     Args:
       step: the compiled step.
-      inputs: its inputs (consts, state leaves, other leaves); only their shapes,
-        dtypes and shardings are read, so each may be the value or its
-        `PlacedAval`.
+      inputs: its inputs (consts, state leaves, other leaves), values or their
+        `PlacedAval`; only shapes, dtypes and shardings are read.
       submeshes: the jax Mesh of each mesh id.
       shardings: a sharding cache to reuse.
       max_workers: compile threads (default: the number of CPUs, at most 8).
-      batch_axis: the submesh axis activations are sharded over:
-        ``step.batch_axis``, which is the ``batch_axis`` of `nnx_mpmd.jit`
-        unless the step replicates its batch. Defaults to ``step.batch_axis``.
+      batch_axis: the submesh axis activations are sharded over (default:
+        ``step.batch_axis``).
       executables: if given, receives XLA's compiled programs by program name
         (``F0``, ``post.L0.mesh1``), one per distinct argument signature.
-      loaded: if given (a dict), each program whose lowered module equals one
-        compiled for an equal-shaped submesh (or for the same one, under
-        another argument signature) is not compiled: that executable is loaded
-        for its devices (`nnx_mpmd.aot.program_sharing`), or used as it
-        is, and put here by program name (and in ``executables``). Route the
-        program's calls through a
-        `nnx_mpmd.aot.program_sharing.SharedProgram` of its
-        ``executables`` to run them. Single-process steps only: every device
-        must be addressable.
+      loaded: if given (a dict), receives by program name the programs loaded
+        instead of compiled because an equal module was compiled already
+        (`nnx_mpmd.aot.program_sharing`); single-process steps only.
 
     Returns:
       How many programs were compiled here (loaded ones not included).

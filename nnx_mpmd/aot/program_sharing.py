@@ -135,15 +135,10 @@ def share_key(
 
 
 def interface_key(lowered: Any) -> tuple[Any, ...]:
-    """A lowered program's arguments as a key: their tree, each one's type and donation,
-    and which of them the module reads (a program with Python callbacks: a key equal
-    to no other).
+    """A lowered program's arguments as a key: their tree, types, donation and read positions.
 
-    Shapes, dtypes, weak types, PartitionSpecs (no devices), donation and the
-    read positions: equal for twin programs on equal submeshes, different for
-    programs whose modules are equal only because each leaves out arguments it
-    does not read (two meshes' copies of one update, each reading its own half
-    of equal-shaped arguments, must not share an executable).
+    Programs whose modules are equal only because each leaves out different unread
+    arguments get different keys; a program with Python callbacks equals no other.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -227,10 +222,8 @@ def _on_event(event: str, **kwargs: Any) -> None:
 def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
     """``lowered.compile()``, and whether XLA compiled it here (not a persistent-cache hit).
 
-    An executable that JAX loaded from its persistent compilation cache must
-    not be serialized again: on CPU (jax 0.10) the copy loses its kernels
-    ("Function ... not found" when it runs), so such an executable is never
-    the source of `load_for_devices`.
+    An executable loaded from JAX's persistent cache loses its kernels when
+    serialized again (CPU, jax 0.10), so it never feeds `load_for_devices`.
 
     Example:
       >>> import jax, jax.numpy as jnp

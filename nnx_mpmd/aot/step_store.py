@@ -174,11 +174,8 @@ def lookup(
     """`step_key` and, if an earlier process stored that step, `load_step`.
 
     Args:
-      compiled: the `CompiledStep`; the other arguments are `step_key`'s.
-      inputs: see `step_key`.
-      mesh: see `step_key`.
-      schedule: see `step_key`.
-      num_microbatches: see `step_key`.
+      compiled: the `CompiledStep`; ``inputs``, ``mesh``, ``schedule`` and
+        ``num_microbatches`` are `step_key`'s.
 
     Returns:
       ``(key, executables by program name)``; either may be None.

@@ -203,11 +203,8 @@ def measure_memory(variant: Variant) -> dict[str, Any]:
 def task_durations(records: Sequence[Sequence[Any]]) -> dict[tuple[int, str], list[float]]:
     """Measured seconds per ``(stage, kind)`` of the stage tasks in a profile.
 
-    A fused forward+backward program keeps the kind ``"FB"``. A program of
-    overlapped tasks (``task`` a tuple of `Task`, as DualPipeV's pairs run) is
-    split among its members in the ratio of their default `Costs`, as
-    `nnx_mpmd.schedules.measured_timeline` draws it. Records without a task
-    (the optimizer update) are left out.
+    Fused programs keep the kind ``"FB"``; an overlapped program is split as
+    `nnx_mpmd.schedules.measured_timeline` draws it; records without a task are left out.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).

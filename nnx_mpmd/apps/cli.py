@@ -33,7 +33,7 @@ def version() -> str:
     """The installed version of nnx-mpmd (package metadata; ``nnx_mpmd.__version__`` if absent).
 
     Returns:
-      The version string, e.g. ``"0.1.0"``.
+      The version string, e.g. ``"0.27.0"``.
 
     Example:
       >>> import nnx_mpmd

@@ -232,11 +232,8 @@ def stop_summary(
 def coordinator_lost_note(status: int) -> str:
     """What the launcher prints when process 0, which hosts the coordination service, fails first.
 
-    JAX aborts every other process as soon as it loses the coordination
-    service (its client's error poll fails within milliseconds, before any
-    Python code can react), so their own messages ("Terminating process
-    because the JAX distributed service detected fatal errors") only repeat
-    that process 0 is gone; this note says where to look.
+    JAX then aborts every other process before Python can react, so their own
+    messages only repeat that process 0 is gone; this note says where to look.
 
     Args:
       status: process 0's exit status (``128 + signal`` when killed).

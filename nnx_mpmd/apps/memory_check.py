@@ -75,10 +75,8 @@ def _nbytes(leaf: Any) -> int:
 def activation_bytes_per_token(config: Any, seq_len: int) -> tuple[int, int]:
     """Bytes one token keeps for the backward: ``(per block, logits on the last stage)``.
 
-    A pre-norm block keeps its input, both norms' outputs, q, k and v, the attention
-    output and its projection (about ``10·d`` values), the MLP's hidden layer before
-    and after the activation (``2·d_ff``), and the attention scores and
-    probabilities (``2·heads·T``); the head keeps the logits and their softmax.
+    A pre-norm block keeps about ``10·d + 2·d_ff + 2·heads·T`` values per token; the
+    head keeps the logits and their softmax.
 
     Args:
       config: a zoo model config (``d_model``, ``n_heads``, ``vocab_size``, ``dtype``).

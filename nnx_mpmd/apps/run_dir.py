@@ -83,11 +83,8 @@ def resolve_run_dir(cfg: Any) -> pathlib.Path:
 def reuse_run_tokenizer(cfg: Any, given: str | None) -> None:
     """With ``--resume``, takes the run directory's copy of its tokenizer file.
 
-    A run trained with ``--tokenizer`` keeps a copy of the file in its directory
-    (and names a tokenizer in its ``config.toml``); a resumed run uses that copy unless ``--tokenizer`` is ``given`` anew (on the
-    command line or in ``--config``), so the original file may have moved,
-    changed or gone. A ``given`` file with other contents is refused before the
-    copy is overwritten.
+    Unless ``--tokenizer`` is ``given`` anew, so the original may have moved or
+    gone; a ``given`` file with other contents is refused.
 
     Args:
       cfg: the configuration (``resume``, ``run_dir``, ``tokenizer``); its
@@ -207,10 +204,8 @@ FINISH_WAIT_S = 6 * 3600.0
 def finish_together() -> None:
     """Keeps every process until process 0 has scored, sampled and written its outputs.
 
-    Only process 0 computes the validation loss and the sample, which can take
-    longer than the bounded barrier every process meets at exit. The others wait
-    for its word here, as long as it lives (at most `FINISH_WAIT_S`); then every
-    process meets at a barrier, so that a process that died at the end is named.
+    Only process 0 computes the validation loss and sample; the others wait for it
+    while it lives (at most `FINISH_WAIT_S`), then all meet at a barrier.
 
     Raises:
       DistributedError: a process died, or process 0 did not finish within `FINISH_WAIT_S`.
@@ -237,10 +232,8 @@ def finish_together() -> None:
 def leave_after_dead_peer(status: int) -> None:
     """Ends a multi-process run's process with ``status`` now, once a peer died.
 
-    Its other threads may still wait for the dead peer (orbax's background
-    save, a barrier): a normal exit would join them, print their errors and
-    run the exit barrier, all for a run that cannot continue. The error was
-    printed already; on one process this returns.
+    A normal exit would join threads still waiting for the dead peer and run the
+    exit barrier; the error was printed already. On one process this returns.
 
     Args:
       status: the exit status.

@@ -88,13 +88,10 @@ _KINDS = ("F", "B", "BI", "BW")
 
 
 def stage_costs(text: str, num_stages: int, num_meshes: int) -> tuple[Costs, Fraction | None]:
-    """The task costs to simulate with, in the units docs/concepts.md uses.
+    """The task costs to simulate with, in forwards of one mesh's share of the layers.
 
-    Time is measured in forwards of one mesh's share of the layers: with one
-    stage per mesh a forward costs 1 and a backward 2 (``BI = BW = 1``); with
-    ``k`` stages per mesh each stage holds ``1/k`` of those layers, so every
-    task costs ``1/k`` as much and the makespans of 4- and 8-stage schedules
-    compare. Task costs given in ``text`` are taken as they are (per task).
+    With ``k`` stages per mesh every default task costs ``1/k``, so that 4- and
+    8-stage makespans compare; costs given in ``text`` are taken as they are.
 
     Args:
       text: the ``--costs`` value (``name=value`` pairs, maybe empty).

@@ -154,10 +154,8 @@ class StopSignals:
     def begin(self, step: int) -> None:
         """Says which step the loop starts after (0, or the restored checkpoint's step).
 
-        JAX's sync point is the step after the highest step any process last
-        reported, so a resumed run reports its restored step before its first
-        step. Orbax's ``CheckpointManager`` reports the steps it saves as well,
-        hence absolute step numbers here.
+        JAX syncs at the step after the highest step any process reported, and orbax
+        reports saved steps too, hence absolute step numbers.
 
         Args:
           step: the last step already done.

@@ -195,10 +195,7 @@ def step_status(loss: float, tokens_per_s: float) -> str:
 def venv_hint(prefix: str, base_prefix: str, path: str) -> str | None:
     """How to run the examples and ``nnx-mpmd`` from a virtual environment not on ``PATH``.
 
-    ``make demo`` installs into ``.venv`` and runs it there; the shell that ran
-    it has neither ``nnx-mpmd`` nor the packages on its own Python, so
-    ``python examples/01_quickstart.py`` fails. A run from such a virtual
-    environment ends with this hint.
+    ``make demo`` installs into ``.venv``, which the user's shell has not activated.
 
     Args:
       prefix: ``sys.prefix`` of the running Python.

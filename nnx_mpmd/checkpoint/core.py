@@ -371,9 +371,8 @@ def _checkpointer() -> ocp.Checkpointer:
 
 
 def save(path: str | Path, tree: Any, *, overwrite: bool = False) -> None:
-    """Saves ``tree`` to the directory ``path``, every array under its logical path.
+    """Saves ``tree`` to the directory ``path``, synchronously and atomically.
 
-    The save is synchronous and atomic: ``path`` appears only once complete.
     Use `CheckpointManager` for asynchronous, numbered checkpoints.
 
     Args:
@@ -437,13 +436,8 @@ def _check_restorable(path: Path) -> None:
 def restore(path: str | Path, target: Any, *, partial: bool = False, verify: bool = True) -> Any:
     """Restores the checkpoint at ``path`` into ``target``, whatever its layout.
 
-    Every array is read directly onto the target leaf's placement: a
-    ``jax.Array`` target keeps its sharding, an `MpmdArray` target is restored on
-    its lowest mesh and copied to its other meshes (each keeping its
-    PartitionSpec), a ``jax.ShapeDtypeStruct`` is read onto its ``sharding``
-    (default device when None). NNX objects in ``target`` are updated in place
-    with ``Variable.set_value``; typed PRNG keys are rebuilt with the target's
-    implementation.
+    Each array is read onto the target leaf's placement (an `MpmdArray` on its lowest
+    mesh, then copied to its others); NNX objects are updated in place.
 
     Args:
       path: a directory written by `save`.

@@ -89,13 +89,8 @@ _ORBAX_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
 def use_coordination_barriers() -> None:
     """Makes orbax's barriers wait in the coordination service, not in a device collective.
 
-    Orbax 0.12 syncs the processes with ``multihost_utils.sync_global_devices``
-    by default: a collective over every device, in which a peer that dies
-    aborts the others on CPU (gloo: "terminate called ...", beyond any Python
-    handler) or hangs them on GPU. Its flag
-    ``--experimental_orbax_use_distributed_barrier`` makes it use the
-    coordination service's ``wait_at_barrier`` instead, which fails with an
-    error when a peer is gone; set here unless the command line set it.
+    A peer that dies in a device collective aborts (CPU) or hangs (GPU) the others;
+    the coordination barrier fails with an error instead.
 
     Example:
       >>> use_coordination_barriers()  # one process: nothing to change
@@ -281,25 +276,22 @@ def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[l
 def _batches_with_distinct_sources(cross: list) -> list[list]:
     """``cross`` cut into batches of one move each.
 
-    JAX 0.10.2 on CPU lost moves batched into one ``jax.device_put`` when one
-    buffer went to two devices, or one process sent to two processes: the
-    receiver waited forever. One move per call is slower but always arrives.
+    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put`` (the
+    receiver waited forever); one move per call is slower but always arrives.
     """
     return [[pair] for pair in cross]
 
 
 def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
-    """``array`` as orbax can save it in this run: as it is, unless some process holds none of it.
+    """``array`` as orbax can save it: as it is, unless some process holds none of it.
 
-    A collective in a multi-process run (every process calls it with the same
-    array). See the module docstring for what moves.
+    A collective in a multi-process run; the module docstring says what moves.
 
     Args:
       array: a global ``jax.Array`` (or any other leaf, returned unchanged).
-      turn: which device of a receiving process takes the moved shard (see
-        `spanning_sharding`); pass a running count.
-      kept: collects what the move must keep alive; call `settle_moves` with
-        it once every array is savable.
+      turn: which device of a receiving process takes the moved shard; pass a
+        running count.
+      kept: collects what the move must keep alive; call `settle_moves` with it.
 
     Returns:
       ``array``, or a copy with a shard on every process.
@@ -453,11 +445,7 @@ def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
 
 
 def worst_of(outcome: int) -> int:
-    """The largest ``outcome`` of all processes (one tiny allgather).
-
-    A collective in a multi-process run (through the key-value store, see
-    `exchange`): every process calls it, so that all of them take the same
-    branch after a step that may fail on some of them only.
+    """The largest ``outcome`` of all processes, so that all take the same branch (a collective).
 
     Example:
       >>> worst_of(0)
@@ -475,13 +463,8 @@ _EXCHANGES = itertools.count()
 def exchange(table: np.ndarray, where: str) -> np.ndarray:
     """Every process's ``table``, stacked by process index (a collective).
 
-    Each process stores its table in the coordination service's key-value
-    store and waits for the others' (`Coordination.fetch_array`): a peer that
-    dies meanwhile is named in a `DistributedError` within the heartbeat
-    timeout. Every process calls it the same number of times with tables of
-    the same shape and dtype. A process deletes its table of two exchanges
-    ago: having read every table of the last exchange, it knows that every
-    peer has finished the one before.
+    Goes through the coordination key-value store, so a peer that dies is named
+    within the heartbeat timeout; every process calls it alike.
 
     Args:
       table: a small host array (a few numbers per checkpoint entry).

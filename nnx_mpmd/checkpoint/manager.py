@@ -377,10 +377,7 @@ class CheckpointManager:
     ) -> Restored:
         """Restores the newest step that is complete and verifies, skipping damaged ones.
 
-        A step that raises `CheckpointDamagedError` (incomplete, changed files,
-        files of another step) is skipped with a line in ``Restored.skipped``;
-        every other error (a mismatching target, a permission problem) is
-        raised. A collective in a multi-process run: every process decides alike.
+        Only `CheckpointDamagedError` skips a step; a collective in a multi-process run.
 
         Args:
           target: as for `restore`.

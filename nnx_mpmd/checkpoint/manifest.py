@@ -90,18 +90,9 @@ def _device_fingerprint(x: jax.Array) -> jax.Array:
 
 
 def fingerprint(array: Any) -> jax.Array | list[int]:
-    """The contents check of version-1 manifests: two wrapping sums (plain and
-    position-weighted) of an array's bits. Kept to verify old checkpoints; new ones
-    use `checksum` (the sums miss, e.g., two negated elements of equal parity).
+    """The contents check of version-1 manifests: two wrapping sums of an array's bits.
 
-    Returns a device array for jax arrays (fetch it with ``jax.device_get``) and
-    a list for numpy arrays.
-
-    Args:
-      array: a jax.Array (any sharding) or a numpy array.
-
-    Returns:
-      Two uint32 numbers.
+    Kept to verify old checkpoints; new ones use `checksum`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -151,18 +142,14 @@ def _words(x: jax.Array) -> jax.Array:
 def checksum(array: Any) -> jax.Array | list[int]:
     """A sharding-independent 64-bit checksum of an array's stored bits (two uint32).
 
-    Unlike `fingerprint` (two wrapping sums, kept to read version-1 checkpoints),
-    any change of the bits (two negated elements, swapped elements, another
-    step's values) changes it except with probability about 2**-64. Returns a
-    device array for jax arrays (each device hashes its own shard; fetch it with
-    ``jax.device_get``) and a list (CRC-32 and Adler-32 of the bytes) for numpy
-    arrays.
+    Unlike `fingerprint`, any change of the bits changes it except with probability
+    about 2**-64; each device hashes its own shard.
 
     Args:
       array: a jax.Array (any sharding) or a numpy array.
 
     Returns:
-      Two uint32 numbers.
+      Two uint32 numbers: a device array for a jax array, a list for numpy.
 
     Example:
       >>> import jax.numpy as jnp

@@ -77,11 +77,8 @@ def _group_size(line: str) -> int:
 def reduce_scatter_bytes(hlo_text: str) -> int:
     """Bytes reduce-scattered by one run of a compiled XLA program (its operands' sizes).
 
-    The operands of every ``reduce-scatter`` (their shapes written inline or
-    where they are defined; else the result's size times its group size) and
-    of every ``reduce-scatter-start`` (the first part of its result tuple).
-    A reduce-scatter that XLA wrote as an all-reduce and a slice (a reshard to
-    a data-sharded type on CPU) is counted by `all_reduce_bytes` instead.
+    A reduce-scatter that XLA wrote as an all-reduce and a slice is counted by
+    `all_reduce_bytes` instead.
 
     Args:
       hlo_text: the compiled module's text (``compiled.as_text()``).

@@ -351,17 +351,9 @@ def donate_dead_arguments(
 ) -> list[Instruction]:
     """Pass: a program whose every call is the last reader of an argument donates it.
 
-    Program ``key`` with ``donatable[key] = d`` donates argument ``d.argnum``
-    when, in every `Call` of it, each slot of that argument is written by the
-    step (not a step input or constant), not in ``keep``, passed once, read
-    by nothing after the call, and the argument has as many slots as the
-    result ``d.outs[d.out_index]`` XLA can reuse its buffers for. Then every
-    call of the program runs ``d.donating(...)`` and lists the argument in
-    ``donated``; one program keeps one callable (program sharing and
-    ahead-of-time compilation see the donating one). The `Free` after the
-    call stays: JAX keeps a donated buffer that no result aliases alive (with
-    a warning on one device), and dropping an array already donated costs
-    next to nothing.
+    Only arguments written by the step, not kept, passed once and read by nothing
+    after any call are donated; the `Free` after the call stays (dropping a donated
+    array costs next to nothing).
 
     Args:
       program: the instruction list (after `insert_frees`).

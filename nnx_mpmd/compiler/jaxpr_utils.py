@@ -177,13 +177,9 @@ def structure_key(
 ) -> tuple[Any, ...] | None:
     """A hashable key of the function a slice of equations computes, or None.
 
-    Two slices with equal keys compute the same function of their inputs: the
-    same primitives with equal parameters and contexts, on inputs of equal
-    types (shape, dtype, weak type, sharding), wired the same way (a variable
-    keys as its position). So a program built from one slice can stand for the
-    other on an equal-shaped submesh without tracing it. None when a literal or
-    parameter has no value equality to rely on (a device array): such a slice
-    matches nothing.
+    Equal keys mean equal primitives, parameters and input types, wired alike, so
+    one slice's program can stand for the other's; None (matching nothing) when a
+    literal or parameter has no value equality.
 
     Args:
       eqns: the slice's equations, in program order.
@@ -269,10 +265,8 @@ def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
 def put_scalar(value: Any, sharding: Any) -> jax.Array:
     """A NumPy scalar replicated with ``sharding``, built shard by shard on each process.
 
-    ``jax.device_put`` of a host value onto devices of several processes checks
-    that every process passes the same value (a collective that times out when
-    processes compile at different speeds); building it from a callback needs no
-    other process.
+    ``jax.device_put`` onto several processes' devices is a collective that times out
+    when processes compile at different speeds; a callback needs no other process.
 
     Example:
       >>> import jax, numpy as np

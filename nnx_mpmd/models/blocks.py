@@ -51,10 +51,8 @@ def assign_block_stages(
 ) -> list[int]:
     """Balances transformer blocks over stages, counting embedding and head costs.
 
-    The embedding always runs on stage 0 and the head on the last stage, so
-    their cost is added to the first and the last block before calling
-    `nnx_mpmd.annotate.annotate.auto_stage` on the blocks. Every stage thus gets at
-    least one block, and the split minimises the heaviest stage.
+    The embedding's cost goes to the first block and the head's to the last, then
+    `nnx_mpmd.annotate.annotate.auto_stage` splits the blocks.
 
     Args:
       num_blocks: number of transformer blocks.

@@ -33,11 +33,8 @@ def write_cache(
 ) -> tuple[jax.Array, jax.Array]:
     """Writes ``new`` into ``cache`` at each row's positions; returns the cache and its rows.
 
-    The cache is ``[slots, rows per slot, max_len, heads, head_dim]``: a call
-    reads and writes one contiguous, aligned block of rows (a microbatch), picked
-    by the smallest of ``cache_rows``; a call on every row (unpipelined) sees the
-    cache as one block. Only slicing and elementwise selects are used, so the
-    rows stay sharded like the call's rows on an Explicit mesh.
+    Only slicing and elementwise selects, so rows stay sharded like the call's rows
+    on an Explicit mesh.
 
     Args:
       cache: ``[slots, rows, max_len, heads, head_dim]``.

@@ -220,12 +220,8 @@ def _param(
 def gathered(value: jax.Array) -> jax.Array:
     """``value`` replicated, when it is sharded along Explicit mesh axes.
 
-    Under an Explicit mesh JAX refuses ops whose output sharding is ambiguous
-    (a gather from a table sharded on both dims, a matmul contracting an
-    ``fsdp``-sharded dim). Gathering the parameter first keeps every op
-    well-defined: parameters stay sharded at rest (FSDP memory savings) and
-    are all-gathered where they are used. Under Auto meshes (and outside any
-    mesh) the value is returned unchanged and XLA chooses the layout.
+    Explicit meshes refuse ops with an ambiguous output sharding; parameters stay
+    sharded at rest and are all-gathered where used. Auto meshes: unchanged.
 
     Example:
       >>> gathered(jnp.ones(3)).shape

@@ -139,9 +139,8 @@ class MpmdMesh:
     def submeshes(self) -> tuple[Mesh, ...]:
         """The submeshes, one jax Mesh per index of the mpmd axis.
 
-        Each keeps the devices, axis names and axis types (Explicit or Auto) of
-        its slice of the mesh; stage code is traced against their common
-        abstract mesh, so a PartitionSpec inside a stage names submesh axes.
+        Each keeps its slice's devices, axis names and axis types; stage code is traced
+        against their common abstract mesh.
         """
         return self._submeshes
 

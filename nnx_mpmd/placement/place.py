@@ -250,19 +250,15 @@ def placement_decisions(
 def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
 
-    ``tree`` holds NNX objects (models, optimizers), ``nnx.State`` objects and
-    Variables, possibly inside tuples, lists and dicts. NNX objects are updated
-    in place; States come back as new, placed States. A Variable's mesh follows
-    its ``mpmd_stage`` (``schedule.mesh_of(stage, num_stages, num_meshes)`` when a
-    schedule is given, else ``stage % num_meshes``); optimizer state follows its
-    parameter; leaves of no parameter (the step count) go to every mesh as an
-    `MpmdArray`. Already-placed leaves are not copied.
+    A Variable goes to the mesh of its ``mpmd_stage``, optimizer state with its
+    parameter, leaves of no parameter to every mesh; NNX objects are updated in place.
 
     Args:
-      tree: the objects to place.
+      tree: NNX objects, ``nnx.State`` objects and Variables, possibly inside
+        tuples, lists and dicts.
       mesh: the `MpmdMesh`.
       schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``, or
-        a registered schedule name (``"1f1b"``).
+        a registered schedule name (``"1f1b"``); default: ``stage % num_meshes``.
 
     Returns:
       ``tree`` (with any States in it replaced by placed States).

@@ -541,12 +541,9 @@ def plan(
 ) -> Plan:
     """Chooses the split, schedule, microbatches and remat for ``model`` on ``mesh``.
 
-    Each unit (a `Stage` wrapper of the model, or one layer of a `ScanStack`:
-    the plan may cut a stack anywhere) is timed and measured on one of
-    ``mesh``'s submeshes (`profile_units`); every registered schedule (or
-    those named), stage count and microbatch count is then simulated with
-    those costs (`search`). The model is not changed: apply the plan with
-    `Plan.apply`.
+    Each unit (a `Stage`, or one layer of a `ScanStack`) is profiled on one submesh
+    (`profile_units`), then every configuration is simulated with those costs
+    (`search`). The model is not changed: apply the plan with `Plan.apply`.
 
     Args:
       model: the model; its `Stage` wrappers are the units the plan moves.
@@ -562,13 +559,10 @@ def plan(
       keep: how many runners-up to keep.
       repeats: timed runs per profile (medians are kept).
       donate: predict the peaks of a step that donates the model's and
-        optimizer's state (``mp.jit(..., donate_argnums=(0, 1))``, the default
-        of ``nnx-mpmd train``): the optimizer update then holds no second copy
-        of them, so more configurations fit a budget.
-      spmd: also predict the SPMD alternatives on the same devices (data
-        parallel and FSDP over all of them, accumulating over ``m / meshes``
-        microbatches for each pipeline count ``m``), from the same profiles
-        and an all-reduce timed over all devices (`Plan.spmd`, `Plan.verdict`).
+        optimizer's state (``mp.jit(..., donate_argnums=(0, 1))``, as
+        ``nnx-mpmd train`` does): more configurations fit a budget.
+      spmd: also predict data parallel and FSDP over all devices from the same
+        profiles (`Plan.spmd`, `Plan.verdict`).
 
     Returns:
       The `Plan`.

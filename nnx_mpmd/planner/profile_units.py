@@ -353,12 +353,8 @@ def contention(
 ) -> tuple[float, ...]:
     """How much slower the profiling step runs on k submeshes at once than on one.
 
-    The same step (every unit its own stage, one microbatch of ``rows``) is
-    compiled for each submesh of ``mesh``; for k = 1, 2, ... submeshes, the
-    median wall time of dispatching it on the first k and waiting for all, over
-    the median time on the first submesh alone. The counts are timed in turn,
-    round after round (at least 5 rounds), so that the machine's slow spells
-    fall on all of them alike. Each factor is at least 1.
+    The counts k are timed in turn, round after round, so that the machine's slow
+    spells fall on all of them alike; each factor is at least 1.
 
     Args:
       model: the model (copied, not changed).

@@ -201,13 +201,8 @@ def predict_spmd(
 ) -> SpmdCandidate:
     """The cost model's step time and peak memory of one SPMD configuration.
 
-    ``costs`` must be profiled at the same rows per device: a submesh of
-    ``num_devices / num_meshes`` devices at ``batch / (num_microbatches *
-    num_meshes)`` rows. Every device then computes every unit, slowed by the
-    contention of all ``num_meshes`` submeshes busy at once; the collectives
-    run per microbatch (an all-reduce of the gradients for ``"dp"``; two
-    all-gathers of the parameters and a reduce-scatter of the gradients for
-    ``"fsdp"``); the update runs on each device's share of the state.
+    ``costs`` must be profiled at the same rows per device; every device computes
+    every unit under the contention of all meshes, plus the collectives per microbatch.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.
@@ -322,10 +317,8 @@ def spmd_step(
 ) -> tuple[SpmdStep, Any]:
     """The SPMD train step of ``model`` over every device of ``mesh``, and its placed state.
 
-    The step is ``mp.value_and_grad(loss_fn, num_microbatches=...)`` then the
-    optimizer update, under `jax.jit` with the state replicated (``"dp"``) or
-    sharded (``"fsdp"``) and the batch's rows split over the devices: the
-    same numbers as ``nnx.jit`` of that step, to float rounding.
+    ``value_and_grad`` over microbatches and the update under `jax.jit`, state replicated
+    (``"dp"``) or sharded (``"fsdp"``): ``nnx.jit``'s numbers to float rounding.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.

@@ -61,10 +61,8 @@ class BatchedCopier:
     def fast_path(self, source: Any, target: Any, shape: tuple[int, ...]) -> bool:
         """Whether a ``shape`` array with sharding ``source`` moves by the batched copy.
 
-        True when both are fully addressable NamedShardings of equal-shaped
-        meshes (so the array's type stays valid) with the same PartitionSpec
-        and memory kind, and shard ``i`` of the source is shard ``i`` of the
-        target.
+        True for fully addressable NamedShardings of equal-shaped meshes with the same
+        spec and memory kind, shard ``i`` of the source being shard ``i`` of the target.
         """
         key = (source, target, shape)
         found = self._fast.get(key)

@@ -95,10 +95,8 @@ def distributed_client() -> Any:
 def transfer_address(coordinator: str | None) -> str:
     """An address of this host that the peers can reach, port 0 (any free port).
 
-    The interface is the one that reaches the coordinator (``127.0.0.1`` for a
-    loopback coordinator); ``NNX_MPMD_TRANSFER_ADDRESS`` overrides it. On CPU,
-    `nnx_mpmd.distributed.initialize` gives it to JAX's cross-host transfers
-    (``jax_cross_host_transfer_socket_address``).
+    The interface that reaches the coordinator, or ``NNX_MPMD_TRANSFER_ADDRESS``;
+    for JAX's cross-host transfers on CPU.
 
     Args:
       coordinator: ``host:port`` of the coordination service, or None.
@@ -271,10 +269,8 @@ class Coordination:
     def call_watching_peers(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, given up with a `DistributedError` as soon as a peer dies.
 
-        For waits that cannot poll the peers themselves (orbax's barriers, device
-        collectives, ``wait_at_barrier``): ``fn`` runs in a daemon thread while this
-        thread checks the heartbeats. A dead peer is named within ``heartbeat_s``
-        plus a second; the abandoned thread stays blocked until the process exits.
+        ``fn`` runs in a daemon thread while this thread checks the heartbeats; the
+        abandoned thread stays blocked until the process exits.
 
         Args:
           where: what this process is doing, for the message.
@@ -451,10 +447,8 @@ def get_coordination() -> Coordination:
 def bounded_by_peers(where: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; in a multi-process run, a `DistributedError` as soon as a peer dies.
 
-    Orbax's multi-process barriers and JAX's device collectives wait for every
-    process (orbax for 300 s) without asking whether the others still live; run
-    them through this so that a dead peer is named within the heartbeat timeout
-    (see `Coordination.call_watching_peers`). On one process it is ``fn(*args)``.
+    Orbax's barriers and device collectives wait for every process without asking
+    whether it lives; through this a dead peer is named within the heartbeat timeout.
 
     Args:
       where: what this process is doing ("saving checkpoint step 4"), for the message.

@@ -194,13 +194,8 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 def one_receiver_each(src_devices: Any, dst_devices: Any) -> bool:
     """Whether each source process sends to one destination process only.
 
-    A ``jax.device_put`` between shardings of the same mesh shape and spec pairs
-    the i-th device of the source's mesh with the i-th of the destination's.
-    JAX 0.10.2 moves the array whole across processes only when every source
-    process sends to a single destination process (several source processes
-    may send to one); otherwise it fails with "PjRtArray has different number
-    of buffers than buffer_idxs", so `put_between_meshes` moves such arrays
-    shard by shard.
+    JAX 0.10.2 moves an array whole across processes only then (else "PjRtArray has
+    different number of buffers"), so `put_between_meshes` moves the rest shard by shard.
 
     Args:
       src_devices: the source mesh's devices in mesh order (``mesh.devices.flat``).

@@ -359,10 +359,7 @@ def execute_multi_process(
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
-    The same interpreter and device operations as one process
-    (`nnx_mpmd.runtime.executor.DeviceOperations`), with transfers made by
-    `nnx_mpmd.runtime.cross_process.put`; every process must call it with the
-    same step and inputs, in the same order.
+    Every process calls it with the same step and inputs, in the same order.
 
     Args:
       step: the compiled step (identical on every process).
@@ -370,16 +367,14 @@ def execute_multi_process(
       mesh: the `MpmdMesh` (its submeshes may span processes).
       shardings: a sharding cache to reuse across calls.
       profile: a list to append a `TaskRecord` per call to, or an `Observer`
-        that records them (programs of submeshes without this process's
-        devices take no time here).
+        that records them.
       observers: more `nnx_mpmd.runtime.interpreter.Observer` s (the finite
         check), called around the steps this process runs.
 
     Returns:
-      One value per output: user outputs are arrays this process holds whole
-      (`nnx_mpmd.runtime.cross_process.to_every_process`); state outputs are
-      global arrays (remote on processes without their devices), or `MpmdArray`
-      of them.
+      One value per output: user outputs are arrays this process holds whole;
+      state outputs are global arrays (remote on processes without their
+      devices), or `MpmdArray` of them.
 
     Raises:
       DistributedError: a peer died or timed out, or a transfer cannot be made

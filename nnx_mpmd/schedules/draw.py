@@ -182,11 +182,8 @@ def plot_gantt(
 ) -> Any:
     """Draws a schedule as a Gantt chart: one row per mesh, boxes coloured by kind.
 
-    Every box shows its microbatch number. Tasks that run overlapped, as one
-    program (`Task.with_next`), get one black outline around their boxes.
-    The x axis states its time unit, so the makespans of two charts compare. Imports matplotlib (without pyplot, so
-    no window opens and no global backend changes); without matplotlib it
-    raises an `MpmdError` that names ``pip install 'nnx-mpmd[plots]'``.
+    Overlapped tasks (`Task.with_next`) share one black outline. Imports matplotlib
+    without pyplot, so no window opens.
 
     Args:
       schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.
@@ -201,7 +198,7 @@ def plot_gantt(
 
     Raises:
       ScheduleError: ``path`` has no image suffix.
-      MpmdError: matplotlib is not installed.
+      MpmdError: matplotlib is not installed (``pip install 'nnx-mpmd[plots]'``).
 
     Example:
       >>> fig = plot_gantt([["F0.0", "B0.0"], ["F1.0", "B1.0"]])

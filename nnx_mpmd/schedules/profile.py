@@ -75,16 +75,10 @@ def _peaks(entries: Sequence[tuple[int, Task, float, float]], num_meshes: int) -
 
 
 def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
-    """A `Timeline` of the stage tasks in a profile (``step.last_profile``).
+    """A `Timeline` of the stage tasks in a profile (``step.last_profile``), in seconds.
 
-    Records of programs that are not schedule tasks (the optimizer update, a
-    gradient reduction) are left out; times are in seconds from the first
-    task's start. A fused forward+backward program (label ``FB...``) is shown
-    as its ``F`` and ``B`` with its time split 1:2, the ratio of the default
-    `Costs`. A program of overlapped tasks (``task`` a tuple of the member
-    `Task` objects, label e.g. ``F0.5+BI7.2+BW7.2``) is shown as its members,
-    one after the other, its time split in the ratio of their default `Costs`
-    (F=1, B=2, BI=1, BW=1), as the simulator shows a group.
+    Programs that are not schedule tasks are left out; a fused or overlapped
+    program is shown as its tasks, its time split in the ratio of the default `Costs`.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples; ``task`` is a

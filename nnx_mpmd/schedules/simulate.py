@@ -220,10 +220,8 @@ class Timeline:
 def peak_activations(tasks: Iterable[Iterable[Task]]) -> tuple[int, ...]:
     """Per mesh, the most microbatch activations held at once.
 
-    Only the order on each mesh matters: an ``F`` adds one activation, a ``B``
-    or a ``BW`` releases it. A group of overlapped tasks (`Task.with_next`)
-    runs as one program, so it first adds all its forwards' activations and
-    only then releases its backwards'.
+    An ``F`` adds one activation, a ``B`` or ``BW`` releases it; an overlapped group
+    adds all its forwards' before releasing its backwards'.
 
     Args:
       tasks: per-mesh ordered task lists.

@@ -122,22 +122,13 @@ def run_in_order(
 ) -> tuple[dict[Task, tuple[float, float]], list[tuple[int, Task]]]:
     """Plays per-mesh lists forward: every task starts as soon as it can.
 
-    A task starts when the task before it on its mesh has finished and all its
-    dependencies have finished (plus ``transfer`` when a dependency ran on
-    another mesh). Every dependency must be present somewhere in ``lists``
-    (`validate` checks that first).
-
-    A group of overlapped tasks (`nnx_mpmd.schedules.overlap_groups`) runs as
-    one unit: it starts when the unit before it on its mesh and every
-    dependency of its members have finished (a ``BW`` does not wait for its
-    own ``BI`` in the group), it takes ``max(sum of the member durations -
-    overlap, longest member)``, and every member's output is ready when the
-    group ends. Its members get consecutive sub-intervals that fill the
-    group's interval, in list order, each as long as its duration times the
-    group's time over the sum of durations.
+    A task waits for the task before it on its mesh and for its dependencies (plus
+    ``transfer`` across meshes). A group of overlapped tasks runs as one unit of
+    ``max(sum of durations - overlap, longest member)``, its members' sub-intervals
+    filling it in list order.
 
     Args:
-      lists: per-mesh ordered task lists.
+      lists: per-mesh ordered task lists (`validate` checks their dependencies first).
       duration: the time a task takes.
       transfer: the extra delay of a dependency that ran on another mesh.
       overlap: the time hidden when the tasks of a group run overlapped
@@ -288,10 +279,8 @@ def group_intervals(
 ) -> list[tuple[Task, float, float]]:
     """The consecutive sub-intervals of a group's members, filling ``span`` from ``start``.
 
-    Each member's share is its length over the sum of lengths; with nothing
-    hidden (``span`` equal to that sum) the members run back to back, exactly
-    as ungrouped tasks. The simulator uses it for a group's members, and a
-    measured profile for the members of one overlapped program.
+    Each member's share is its length over the sum of lengths (back to back when
+    nothing is hidden).
 
     Args:
       group: the members, in order.

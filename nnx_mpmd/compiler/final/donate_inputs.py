@@ -76,13 +76,10 @@ def donate_step_inputs(
 
 
 def transfer_sources(program: Sequence[Instruction]) -> set[int]:
-    """The slots that some transfer of ``program`` reads.
+    """The slots that some transfer of ``program`` reads: not to be donated across processes.
 
-    In a multi-process run such a slot must not be donated: a move to another
-    process reads the sender's buffer when the receiver asks for it, which can
-    be after the sender's later programs ran, and a donated buffer is gone by
-    then ("CopyRawSubBufferToHost() called on deleted or donated buffer"). One
-    process orders a donation after the copies that read the buffer.
+    A move to another process may read the sender's buffer after later programs
+    ran, and a donated buffer is gone by then.
 
     Example:
       >>> transfer_sources([Transfer(0, 3, 1, "tied embedding", src_mesh=0)])

@@ -374,15 +374,8 @@ SMALL_RESULT_BYTES = 64
 def choose_meshes(eqn: Any, wanted: frozenset[int], avail: Mapping[Any, Any]) -> frozenset[int]:
     """The meshes that run ``eqn``: everywhere it is wanted, or once and shipped.
 
-    Running on every mesh in ``wanted`` fetches the inputs each lacks; running
-    once on the best mesh (fewest missing input bytes, then a wanted mesh, then
-    the lowest id) ships the result to the others. The cheaper in bytes wins.
-    A tie runs once when the result is larger than `SMALL_RESULT_BYTES`: an
-    elementwise op needed on every mesh (the squares of a global norm) then
-    stays where its input is, and the reduction after it ships a scalar instead
-    of every mesh fetching the whole input. A tie on a small result (a norm, a
-    learning rate) runs everywhere: one hop of latency, not bytes, is what
-    counts. Inputs on the host cost nothing to fetch.
+    The cheaper in bytes wins; a tie runs once for a result larger than
+    `SMALL_RESULT_BYTES` and everywhere for a small one (latency, not bytes, counts).
 
     Args:
       eqn: the equation.

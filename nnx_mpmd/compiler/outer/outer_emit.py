@@ -161,11 +161,8 @@ class OuterLevels:
 def level_equations(assignment: MeshAssignment) -> OuterLevels:
     """Pass: groups each mesh's equations into levels; places the transfers between them.
 
-    An equation's level on a mesh is the highest level of its inputs there; a
-    value copied from another mesh arrives one level after its source (from the
-    host: at level 0). A move copies from the host if the value is there, else
-    from the holder of the lowest level (then the lowest mesh id). Levels
-    restart at 0 after the region: everything before it is done by then.
+    An equation's level is the highest of its inputs'; a copied value arrives one
+    level after its source. Levels restart at 0 after the region.
 
     Args:
       assignment: `outer_assign.assign_meshes`'s result.

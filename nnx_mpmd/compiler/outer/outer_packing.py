@@ -125,12 +125,8 @@ def _packable(t: Any, kept: set[ValueOnMesh]) -> bool:
 def pack_transfers(levels: Any, kept: set[ValueOnMesh]) -> Any:
     """Pass: the small values one program sends to one mesh become one `PackedTransfer`.
 
-    A transfer is packed when it copies a replicated value of at most
-    `PACK_MAX_BYTES` (not from the host, not a batch) computed by a program of
-    the same segment on its source mesh, and on its destination mesh only
-    programs read it. Transfers with the same source program, destination
-    mesh, level, dtype and weak type form one pack when there are two or more;
-    a pack takes the place of its first transfer.
+    Replicated values of at most `PACK_MAX_BYTES` that only programs read, from one
+    source program to one mesh with one dtype, are packed when there are two or more.
 
     Args:
       levels: `outer_emit.defer_equations`'s result (an `outer_emit.OuterLevels`).

@@ -121,14 +121,9 @@ def drop_unread_equations(levels: OuterLevels, kept: set[ValueOnMesh]) -> OuterL
 def split_common_parts(levels: OuterLevels) -> OuterLevels:
     """Pass: splits programs that contain an equal-shaped mesh's program into it and the rest.
 
-    Per segment and level, the *core* is the program with the fewest pieces
-    whose pieces (by `structure_key`) another program of that level contains
-    with more besides. Every program containing the core's pieces is split into
-    the other pieces with the prologue (`Part.WHOLE`) and a common part
-    (`Part.COMMON`: the core's pieces, in the core's order); the core's own
-    program too, so that all common parts are one program. A program with no
-    other pieces (the core's) keeps its prologue as a part of its own
-    (`Part.PROLOGUE`).
+    Per segment and level, the smallest program whose pieces others contain is the
+    common part (`Part.COMMON`), compiled once for all of them; the rest of each
+    program is its `Part.WHOLE` (or `Part.PROLOGUE` for the core's own).
 
     Args:
       levels: `drop_unread_equations`'s result.

@@ -111,11 +111,8 @@ def _missing_reads(
 def insert_transfers(program: Sequence[Instruction], ctx: RegionContext) -> list[Instruction]:
     """Adds a `Transfer` for every value a call reads on a mesh other than its producer's.
 
-    The transfer follows the producing instruction; for one producer, its
-    values go in the order of its results, each to its destination meshes in
-    the order they first read it. Activations are labelled ``act sK->sC mbI``
-    and cotangents ``grad sK->sP mbI`` (from stage K to the stage that reads
-    them), with the boundary value's size, marked per-microbatch.
+    Each transfer follows its producer; activations are labelled ``act sK->sC mbI``,
+    cotangents ``grad sK->sP mbI``.
 
     Args:
       program: the region's instructions, every argument a `RegionValue` on the

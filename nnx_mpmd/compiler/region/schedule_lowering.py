@@ -276,11 +276,8 @@ def _fused_call(ctx: RegionContext, forward: Call, backward: Call) -> Call:
 def fuse_forward_backward(program: Sequence[Instruction], ctx: RegionContext) -> list[Instruction]:
     """Fuses each forward with the backward that directly follows it on its mesh.
 
-    A forward of stage k, microbatch i, whose next call on the same mesh is
-    the backward of k, i, becomes one ``FB`` call at the forward's place when
-    stage k sends no differentiable values (it needs no cotangent from a later
-    stage, so the backward can run right away): the fused program keeps no
-    residuals between the two.
+    Only for a stage that sends no differentiable values (its backward needs no
+    later cotangent): the fused ``FB`` program keeps no residuals.
 
     Args:
       program: the region's instructions (from `lower_schedule`).

@@ -130,10 +130,8 @@ def captured_variables(
 def implicit_rng_nodes(fn: Callable[..., Any], known: Callable[[], set[int]]) -> list[Any]:
     """The ``nnx.Rngs`` / ``nnx.RngStream`` objects ``fn`` reaches by name only.
 
-    A train step (or the loss function it calls) may draw from a module-level
-    ``nnx.Rngs`` it does not receive. `mp.jit` makes such objects implicit
-    arguments of the step: their state is placed, threaded through the step and
-    written back, as if passed explicitly.
+    A step may draw from a module-level ``nnx.Rngs`` it does not receive; `mp.jit`
+    threads such objects through the step as if passed explicitly.
 
     Args:
       fn: the train step.

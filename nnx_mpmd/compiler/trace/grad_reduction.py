@@ -551,10 +551,8 @@ def _eval_jaxpr(
 def run_deferring(fn: Callable[..., Any], *args: Any, reduction: GradientReduction) -> Any:
     """``fn(*args)`` with its reductions over ``reduction.axis`` left unreduced.
 
-    Call it while tracing a program on an Explicit mesh (``fn`` is traced to a
-    jaxpr and re-evaluated equation by equation). Results that are sums over
-    the axis come back unreduced (their type says ``{U:axis}``); other results
-    are what ``fn`` returns.
+    Call it while tracing on an Explicit mesh: sums over the axis come back
+    unreduced (typed ``{U:axis}``), other results as ``fn`` returns them.
 
     Args:
       fn: a function of arrays, e.g. the function ``jax.vjp`` returns.

@@ -332,10 +332,8 @@ def run_stacking(
 ) -> Any:
     """``fn(*args)`` with the gradients it sums over ``reduction.axis`` left as partials.
 
-    Call it while tracing a program on the submesh (its abstract mesh is the
-    context mesh). The flat outputs at positions ``stacked`` come back stacked
-    (``[n, *shape]``, sharded over the axis, summing to ``fn``'s result); the
-    others are what ``fn`` returns.
+    Call it while tracing on the submesh; outputs at ``stacked`` come back as
+    ``[n, *shape]`` partials that sum to ``fn``'s result.
 
     Args:
       fn: a function of arrays, e.g. the function ``jax.vjp`` returns.

@@ -152,12 +152,8 @@ def microbatch_spec(
 ) -> PartitionSpec | None:
     """How one microbatch leaf of ``shape`` is sharded inside the stage programs.
 
-    Its leading axis is sharded over ``batch_axis`` when the axis has more than
-    one device and its size divides it, else the leaf is replicated. The batch transfer places every batch leaf
-    so (``P(None, batch_axis)`` on the stacked ``[m, B/m, ...]`` array), and on
-    an Explicit ``batch_axis`` the stage code is traced with that sharding as
-    part of each microbatch's type, so that ordinary model code (``zeros_like``
-    of an activation, say) records the shardings the stage programs then see.
+    Sharded over ``batch_axis`` when that axis has several devices and divides the
+    leading dim, else replicated; on an Explicit axis this is part of the traced type.
 
     Args:
       shape: the shape of one microbatch of the leaf, ``(B/m, ...)``.
@@ -582,9 +578,8 @@ def _region_out_avals(
 def _mean_seeded_value_and_grad(one: Callable[..., Any], scale: float) -> Callable[..., Any]:
     """``jax.value_and_grad(one, has_aux=True)`` with the backward started at ``scale``.
 
-    Each microbatch's backward starts from ``d(mean)/d(loss_i) = 1/m``, as the
-    pipeline's does: a custom_vjp whose backward is not linear in its cotangent
-    (a gradient clip) then sees what ``jax.grad`` of the mean gives it.
+    Each microbatch's backward starts from ``1/m`` as the pipeline's does, so a
+    custom_vjp that is not linear in its cotangent sees what ``jax.grad`` of the mean gives.
     """
 
     def grad_fn(diff: list[Any], state: Any, mb: Any) -> Any:

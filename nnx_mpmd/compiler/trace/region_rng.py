@@ -127,14 +127,10 @@ def advance_counts(
 
 
 def _concrete_count(count: int, shape: tuple[int, ...], submesh: Mesh | None) -> Any:
-    """An RNG counter value to evaluate a counter update with, eagerly.
+    """An RNG counter value of ``shape`` to evaluate a counter update with, eagerly.
 
-    ``shape`` is the counter's: ``()``, or one count per layer for the streams
-    of stacked layers (`nnx_mpmd.ScanStack`). The update's equations were
-    recorded under the submeshes' abstract mesh (`mp.jit` traces there) and
-    evaluating them enters it again; on Explicit axes an eager computation
-    there needs its devices from an argument, so the value is committed to the
-    concrete ``submesh``.
+    Committed to ``submesh``: on Explicit axes an eager computation needs its devices
+    from an argument.
     """
     value = np.full(shape, count, np.uint32)
     if submesh is None or not submesh.axis_names:

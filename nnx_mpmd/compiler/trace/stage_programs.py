@@ -60,10 +60,8 @@ STAGE_PROGRAMS: dict[str, tuple[str, tuple[int, ...]]] = {
 def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
     """Raises if a JAX mesh context would conflict with the stage programs.
 
-    Each stage program runs on its own submesh, so no single concrete mesh can
-    be the context of a pipelined step: ``jax.set_mesh(...)`` around the call
-    would pin every program to that mesh's devices. An abstract-mesh context
-    equal to the submeshes' (``jax.sharding.use_abstract_mesh``) is allowed.
+    A concrete mesh context would pin every stage program to its devices; an
+    abstract mesh equal to the submeshes' is allowed.
 
     Args:
       mesh: the step's `MpmdMesh`, or its submeshes.
@@ -106,13 +104,10 @@ def _names_mpmd_axis(error: Exception, mpmd_axis: str) -> bool:
 
 @contextlib.contextmanager
 def submesh_tracing(mesh: MpmdMesh) -> Iterator[None]:
-    """Traces step code (the pipelined region and the code around it) on the submeshes.
+    """Traces step code on the submeshes' abstract mesh (the user's axes, no mpmd axis).
 
-    Inside, ``jax.sharding.get_abstract_mesh()`` is the submeshes' abstract mesh
-    (the user's axes and axis types without the mpmd axis), so a
-    ``PartitionSpec`` given to ``reshard``, ``out_sharding=`` or
-    ``with_sharding_constraint`` names submesh axes, as in a ``jax.jit`` step
-    under ``jax.set_mesh(submesh)``.
+    So a ``PartitionSpec`` in ``reshard`` or ``out_sharding=`` names submesh axes,
+    as in a ``jax.jit`` step under ``jax.set_mesh(submesh)``.
 
     Args:
       mesh: the step's `MpmdMesh`.
@@ -309,21 +304,14 @@ class StageFunctions:
     def structure(self, kind: str) -> tuple[Any, ...] | None:
         """A key of what this stage's ``kind`` program computes, or None.
 
-        Two stages with equal keys have programs that compute the same function
-        of their arguments: equal equations (`jaxpr_utils.structure_key`), the
-        same interface (which inputs are parameters, state or batches, which
-        outputs are sent, differentiated, carried or averaged), microbatch
-        count, gradient reduction and remat policy. On equal-shaped submeshes,
-        with equal argument types, one's executable then serves the other
-        (`Call.structure`): identical middle stages are traced and lowered once.
+        Stages with equal keys (equations, interface, microbatches, reduction, remat)
+        are twins: on equal-shaped submeshes one's executable serves the other.
 
         Args:
           kind: a `STAGE_PROGRAMS` kind, ``"init"`` or ``"reduce"``.
 
         Returns:
-          A hashable key, or None when some equation parameter or the remat
-          policy has no value equality to rely on, or an interface value is not
-          among the stage's outputs (such a stage is twin to none).
+          A hashable key, or None when some value has no equality to rely on (twin to none).
         """
         return None if self._structure is None else (kind, *self._structure)
 
@@ -569,10 +557,8 @@ class StageFunctions:
     def cotangents_fit_inputs(self) -> bool:
         """Whether the cotangents a backward receives have its input cotangents' types.
 
-        True when the differentiated sends' types (shape, dtype, weak type,
-        sharding) are, as a multiset, the differentiated inputs' types: a
-        backward that receives one cotangent per send can then donate them to
-        its ``ct_xd`` results (`nnx_mpmd.compiler.ir.donate_dead_arguments`).
+        True when the differentiated sends' types are, as a multiset, the differentiated
+        inputs': the backward can then donate its cotangents to its ``ct_xd`` results.
         """
         sends = sorted(_type_key(v.aval) for v in self.diff_sends)
         return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)

@@ -133,11 +133,8 @@ _ARRAY_TYPES = (jax.Array, MpmdArray)
 def reusable_flat_args(flat: FlatArgs, cached_nodes: Any) -> bool:
     """Whether ``flat`` may be refreshed instead of walking the graph again.
 
-    Only for the private copies ``nnx.cached_partial`` made of the step's graph
-    nodes (the keys of ``cached_nodes``): nobody else holds them, so their
-    structure cannot change between calls, while their Variables are the
-    user's own. Every state leaf must be one array held by one Variable, and
-    the step must reach no ``nnx.Rngs`` by name.
+    Only for ``nnx.cached_partial``'s private node copies (their structure cannot
+    change), each state leaf one array of one Variable, and no ``nnx.Rngs`` by name.
     """
     return (
         flat.variables is not None
