@@ -254,7 +254,7 @@ def plots(result: dict, plot_dir: str) -> list[str]:
         paths.append(common.plot_lines(
             os.path.join(plot_dir, "scaling-lowering.png"),
             "Lowering time against stage tasks (its six costliest passes)",
-            "stage tasks per step", "seconds", lines))  # fmt: skip
+            "stage tasks per step", "CPU seconds (lowering thread)", lines))  # fmt: skip
     if "layers" in result:
         rows = result["layers"]
         lines = {
