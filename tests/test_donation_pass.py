@@ -112,6 +112,28 @@ def test_an_argument_or_result_the_call_does_not_have_is_never_donated():
     assert _donate(program, out_index=3)[0] == program
 
 
+def test_a_wide_argument_is_checked_in_time_linear_in_its_slots(monkeypatch):
+    # Counting how often each slot is passed once per call, not once per slot: a
+    # backward reading thousands of accumulator slots was quadratic in them.
+    import nnx_mpmd.compiler.ir as ir
+
+    width = 400
+    walks = [0]
+    real = ir.slots_in
+
+    def counted(tree):
+        walks[0] += 1
+        return real(tree)
+
+    grads, outs = tuple(range(1000, 1000 + width)), tuple(range(2000, 2000 + width))
+    call = Call(1, B1, abs, (0, grads), (outs,), "B1.0")
+    program = [*(Transfer(3000 + g, g, 1, "ct", src_mesh=2) for g in grads), call, Free(grads)]
+    monkeypatch.setattr(ir, "slots_in", counted)
+    out, made = _donate(program)
+    assert [c.donated for c in out if isinstance(c, Call)] == [(1,)] and made.asked == [(1,)]
+    assert walks[0] < 10 * width  # quadratic: about width * width nodes walked
+
+
 # ------------------------------------------------------------------ end to end
 
 

@@ -121,3 +121,33 @@ def test_lowering_a_parameter_without_a_stage_names_it():
     step = mp.jit(_train, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2)
     with pytest.raises(mp.PlacementError, match=r"2 parameter\(s\) have no stage: .*extra"):
         step.lower(model, _batch())
+
+
+def test_lowering_runs_with_the_collector_paused_and_restores_it(monkeypatch):
+    # Full collections walk every object the passes made so far: lowering pauses them.
+    import gc
+
+    import nnx_mpmd.compiler.final.step as step_module
+
+    seen = []
+    real = step_module.schedule_ticks
+    monkeypatch.setattr(
+        step_module, "schedule_ticks", lambda p: seen.append(gc.isenabled()) or real(p)
+    )
+    step = mp.jit(_train, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2)
+    assert gc.isenabled()
+    step.lower(MLP(2, rngs=nnx.Rngs(0)), _batch())
+    assert seen == [False] and gc.isenabled()
+    model = MLP(2, rngs=nnx.Rngs(0))
+    model.extra = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    with pytest.raises(mp.PlacementError, match=r"have no stage"):
+        step.lower(model, _batch())
+    assert gc.isenabled()  # back on after a lowering that raised
+    gc.disable()
+    try:
+        mp.jit(_train, mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2).lower(
+            MLP(2, rngs=nnx.Rngs(0)), _batch()
+        )
+        assert not gc.isenabled()  # a collector the caller turned off stays off
+    finally:
+        gc.enable()

@@ -15,6 +15,7 @@ equals ``program``, where ``programs`` maps each program's name (``F0``,
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import re
 import shlex
@@ -308,7 +309,14 @@ class Donatable:
     donating: Callable[[tuple[int, ...]], Callable[..., Any]]
 
 
-def last_use(i: int, ins: Call, slot: int, last_read: Mapping[int, int], keep: set[int]) -> bool:
+def last_use(
+    i: int,
+    ins: Call,
+    slot: int,
+    last_read: Mapping[int, int],
+    keep: set[int],
+    passed: Mapping[int, int] | None = None,
+) -> bool:
     """Whether call ``i`` could hand ``slot``'s buffer to XLA: the step's last reader of it.
 
     Nothing reads the slot after the call, the step does not return it
@@ -320,6 +328,9 @@ def last_use(i: int, ins: Call, slot: int, last_read: Mapping[int, int], keep: s
       slot: one of its argument slots.
       last_read: slot -> index of its last reader (`last_reads`).
       keep: slots the step returns.
+      passed: how many times the call passes each slot
+        (``collections.Counter(slots_in(ins.args))``); counted here if not
+        given, which costs a walk of the arguments per slot asked about.
 
     Returns:
       Whether it may be donated, as far as its readers go.
@@ -329,9 +340,11 @@ def last_use(i: int, ins: Call, slot: int, last_read: Mapping[int, int], keep: s
       >>> [last_use(0, call, s, {1: 0, 2: 0}, keep=set()) for s in (1, 2)]
       [False, True]
     """
-    return (
-        last_read.get(slot) == i and slot not in keep and list(slots_in(ins.args)).count(slot) == 1
-    )
+    if last_read.get(slot) != i or slot in keep:
+        return False
+    if passed is None:
+        return list(slots_in(ins.args)).count(slot) == 1
+    return passed.get(slot, 0) == 1
 
 
 def _dead_after(
@@ -343,7 +356,8 @@ def _dead_after(
     slots = list(slots_in(ins.args[d.argnum]))
     if not slots or len(slots) != len(list(slots_in(ins.outs[d.out_index]))):
         return False
-    return all(s in written and last_use(i, ins, s, last_read, keep) for s in slots)
+    passed = collections.Counter(slots_in(ins.args))  # once per call, not once per slot
+    return all(s in written and last_use(i, ins, s, last_read, keep, passed) for s in slots)
 
 
 def donate_dead_arguments(

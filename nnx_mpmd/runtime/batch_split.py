@@ -70,6 +70,8 @@ class _SplitPlan(NamedTuple):
 
 #: Split plans by (sharding, shape, dtype, weak type, m, target); None where declined.
 _PLANS: dict[tuple[Any, ...], _SplitPlan | None] = {}
+#: Jitted split programs by (microbatched shape, shard slices).
+_PROGRAMS: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
 
 
 class MicrobatchSplitter:
@@ -120,18 +122,31 @@ def _plan(value: jax.Array, m: int, target: Any) -> _SplitPlan | None:
     indices = target.addressable_devices_indices_map(shape)
     slices = tuple(indices.values())
     shardings = [SingleDeviceSharding(d) for d in indices]
-
-    def microbatch_split(batch: jax.Array) -> list[jax.Array]:
-        microbatches = batch.reshape(shape)
-        return [microbatches[index] for index in slices]
-
     return _SplitPlan(
-        jax.jit(microbatch_split),
+        _split_program(shape, slices),
         [sharding_device_list(s) for s in shardings],
         shardings,
         shape,
         target,
     )
+
+
+def _split_program(shape: tuple[int, ...], slices: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """The jitted split into ``shape``'s shards ``slices``: one per (shape, slices).
+
+    Batches that differ only in their destination mesh (inputs and labels going
+    to the first and the last stage) share it, so it compiles once for them.
+    """
+    key = (shape, tuple(tuple((s.start, s.stop, s.step) for s in index) for index in slices))
+    program = _PROGRAMS.get(key)
+    if program is None:
+
+        def microbatch_split(batch: jax.Array) -> list[jax.Array]:
+            microbatches = batch.reshape(shape)
+            return [microbatches[index] for index in slices]
+
+        program = _PROGRAMS[key] = jax.jit(microbatch_split)
+    return program
 
 
 def _splittable(value: jax.Array, m: int, target: Any) -> bool:

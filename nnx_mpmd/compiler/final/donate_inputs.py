@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from nnx_mpmd.compiler.ir import (
     TransferBatch,
     last_reads,
     last_use,
+    slots_in,
 )
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
 
@@ -94,12 +96,13 @@ def _donatable_arguments(
 ) -> tuple[int, ...]:
     """The arguments among ``ins.aliases`` that call ``i`` may donate."""
     found = []
+    passed = collections.Counter(slots_in(ins.args))  # once per call, not once per argument
     for n in ins.aliases:
         slot: Any = ins.args[n] if n < len(ins.args) else None
         if (
             isinstance(slot, int)
             and slot in donated_slots
-            and last_use(i, ins, slot, last_read, keep)
+            and last_use(i, ins, slot, last_read, keep, passed)
         ):
             found.append(n)
     return tuple(found)

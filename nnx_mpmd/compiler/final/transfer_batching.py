@@ -199,6 +199,7 @@ def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
     result: list[Instruction] = []
     run: list[Transfer] = []
     written: set[int] = set()
+    read: set[int] = set()  # the run's sources: a set, so a long run is checked in O(1)
 
     def flush() -> None:
         if len(run) > 1:
@@ -207,6 +208,7 @@ def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
             result.extend(run)
         run.clear()
         written.clear()
+        read.clear()
 
     for ins in program:
         if not _batchable(ins):
@@ -214,10 +216,11 @@ def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
             result.append(ins)
             continue
         assert isinstance(ins, Transfer)
-        if ins.src in written or ins.dst in written or any(ins.dst == t.src for t in run):
+        if ins.src in written or ins.dst in written or ins.dst in read:
             flush()
         run.append(ins)
         written.add(ins.dst)
+        read.add(ins.src)
     flush()
     return result
 
