@@ -24,8 +24,10 @@ $(DOCSTAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/python -m nnx_mpmd train $(DEMO_ARGS)
 
+# worksteal: a worker that runs out of tests takes queued ones from the other, so no
+# worker idles at the end while the other still has tests queued behind a long one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto --dist worksteal $(PYTEST_ARGS)
 
 # Unit tests of the schedules, the compiler's pieces, errors and layering: seconds,
 # not minutes (no end-to-end training).
@@ -35,7 +37,7 @@ FAST_TESTS := tests/test_schedules.py tests/test_schedules_generators.py tests/t
 	tests/test_outer_passes.py tests/test_region_passes.py tests/test_interpreter.py \
 	tests/test_stages_api.py tests/test_step_passes.py tests/test_schedules_contention.py
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n auto $(FAST_TESTS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto --dist worksteal $(FAST_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks
