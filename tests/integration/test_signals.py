@@ -301,7 +301,7 @@ def test_launch_hides_gloo_lines_unless_verbose(tmp_path):
             (tmp_path / f"{i}.pid").unlink()
 
 
-# 4 meshes x 2 data over 2 processes x 4 devices, as tests/integration/test_multiprocess_train.py.
+# 4 meshes x 2 data over 2 processes x 4 devices, as tests/test_multiprocess_train.py.
 LAUNCHED_TRAIN = [
     "--meshes", "4", "--data", "2", "--layers", "4", "--batch-size", "8",
     "--microbatches", "4", "--seq-len", "32", "--corpus-bytes", "100000",
