@@ -24,18 +24,22 @@ $(DOCSTAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/python -m nnx_mpmd train $(DEMO_ARGS)
 
+# worksteal: a worker that runs out of tests takes queued ones from the other, so no
+# worker idles at the end while the other still has tests queued behind a long one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto --dist worksteal $(PYTEST_ARGS)
 
 # Unit tests of the schedules, the compiler's pieces, errors and layering: seconds,
 # not minutes (no end-to-end training).
-FAST_TESTS := tests/test_schedules.py tests/test_schedules_generators.py tests/test_errors.py \
-	tests/test_layers.py tests/test_split_backward.py tests/test_bad_batch.py \
-	tests/test_validation.py tests/test_lint.py tests/test_mesh.py tests/test_instructions_ir.py \
-	tests/test_outer_passes.py tests/test_region_passes.py tests/test_interpreter.py \
-	tests/test_stages_api.py tests/test_step_passes.py tests/test_schedules_contention.py
+FAST_TESTS := tests/schedules/test_schedules.py tests/schedules/test_schedules_generators.py \
+	tests/project/test_errors.py tests/project/test_layers.py tests/compiler/test_split_backward.py \
+	tests/jit/test_bad_batch.py tests/jit/test_validation.py tests/project/test_lint.py \
+	tests/placement/test_mesh.py tests/compiler/test_instructions_ir.py \
+	tests/compiler/test_outer_passes.py tests/compiler/test_region_passes.py \
+	tests/runtime/test_interpreter.py tests/jit/test_stages_api.py \
+	tests/compiler/test_step_passes.py tests/schedules/test_schedules_contention.py
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n auto $(FAST_TESTS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto --dist worksteal $(FAST_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks

@@ -2,7 +2,7 @@
 
 Run it after changing a schedule generator or the simulator, then commit the
 PNGs under docs/img/ and paste the printed table into docs/concepts.md
-(tests/test_docs.py checks that the table there matches what this prints).
+(tests/project/test_docs.py checks that the table there matches what this prints).
 mkdocs never runs this script.
 
 Usage:

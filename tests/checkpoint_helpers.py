@@ -1,6 +1,6 @@
 """Shared helpers for the checkpoint tests: a small staged model, placement, training.
 
-Used by tests/test_checkpoint*.py and by the subprocess script
+Used by tests/checkpoint/test_checkpoint*.py and by the subprocess script
 tests/checkpoint_worker.py. Placement here is by hand (``jax.device_put`` onto
 submeshes) so that the tests do not depend on how `nnx_mpmd.placement.place.place`
 chooses shardings; the `place`-based tests live in the test files.

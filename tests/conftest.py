@@ -3,13 +3,14 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 # LLVM's O0 for XLA:CPU's generated code: compilation is most of this suite's time
 # and O0 takes about a quarter off it. The HLO passes (fusion, sharding) are the
 # same as at the default level; the results can differ from an O2 build in the
 # last bits, which both sides of every comparison share since both are compiled
-# here. Two examples (tests/test_examples.py), the CLI runs that build their own
+# here. Two examples (tests/integration/test_examples.py), the CLI runs that build their own
 # environment and CI's plain-install run keep the default level, so equality at
 # O2 stays checked too.
 # A level already in XLA_FLAGS is kept (XLA_FLAGS=--xla_backend_optimization_level=2
@@ -24,6 +25,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands that tests start (nnx-mpmd train, examples) would otherwise write to
 # ~/.cache/nnx_mpmd/jax; tests that check the cache turn it on explicitly.
 os.environ.setdefault("NNX_MPMD_COMPILE_CACHE", "off")
+
+# The tests live in folders that mirror the package (tests/jit/, tests/compiler/, ...);
+# some import helpers from a test module of another folder (tests/compiler/test_overlap.py
+# from tests/jit/test_jit_equivalence.py), so every folder is importable, as the flat
+# tests/ was, whichever files a run collects. Helpers shared by all (pipeline_models.py,
+# mp_launch.py, ...) stay in tests/ itself, which pytest puts on the path for this file.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _name in sorted(os.listdir(_TESTS)):
+    _folder = os.path.join(_TESTS, _name)
+    if not os.path.isdir(_folder) or _folder in sys.path:
+        continue
+    if any(f.startswith("test_") and f.endswith(".py") for f in os.listdir(_folder)):
+        sys.path.append(_folder)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -53,7 +67,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # Not exported to subprocesses: two processes of one jax.distributed run that
-    # share a persistent cache here deadlocked (tests/test_multiprocess.py).
+    # share a persistent cache here deadlocked (tests/integration/test_multiprocess.py).
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +85,7 @@ def _no_executables_kept_by_earlier_tests(monkeypatch):
 
     program_sharing.forget_kept()
     monkeypatch.setattr(program_sharing, "_STORE_FOLDER", f"nnx_mpmd_shared-{uuid.uuid4().hex}")
-    # Whole steps are stored only where a test asks (tests/test_step_store.py): a
+    # Whole steps are stored only where a test asks (tests/aot/test_step_store.py): a
     # step stored by an earlier test would compile nothing in a later one.
     monkeypatch.setattr(step_store, "ENABLED", False)
 

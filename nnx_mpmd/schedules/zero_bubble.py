@@ -289,7 +289,7 @@ class DualPipeV(Schedule):
     them; here that lengthens the step unless ``Costs.overlap`` is large).
     With these rules, at ``overlap = 0`` the step is as long as with no pairs,
     and with ``F = BI = BW = c`` and ``0 <= overlap <= c`` its makespan is
-    ``(6m + p - 1)c - (2m - 3p) overlap`` (tests/test_schedules_overlap.py).
+    ``(6m + p - 1)c - (2m - 3p) overlap`` (tests/schedules/test_schedules_overlap.py).
     With ``overlap=False`` the same tasks run one after the other, forward
     first. The task lists are equal (``==``) either way; only
     `Task.with_next` differs. Needs ``num_stages == 2 * num_meshes`` and
