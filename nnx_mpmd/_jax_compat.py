@@ -302,9 +302,10 @@ def batched_copy_prepared(
     """`batched_copy` with its lists built once by the caller (no per-call copies).
 
     Relies on: ``jaxlib.xla_client.batched_copy_array_to_devices_with_sharding``
-    (jax 0.10); ``semantics`` from `copy_semantics`.
+    (jax 0.10); ``semantics`` from `copy_semantics`. Only called where
+    `FAST_COPY_AVAILABLE` (a `BatchPlan` is made only then).
     """
-    return _batched_copy(values, device_lists, targets, semantics)
+    return _batched_copy(values, device_lists, targets, semantics)  # pyright: ignore[reportOptionalCall]
 
 
 def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Sequence[Any]) -> Any:
