@@ -6,8 +6,10 @@ instruction list is replayed with every program replaced by its recorded
 result (the no-op replay of `nnx-mpmd bench`, as ``host_overhead_bench.py``
 builds it), so what is timed is the runtime's own host work: arguments,
 results, transfers, frees. Reported per row: stage tasks, instructions, ms of
-host time per step (median and fastest), µs per task, and how much of it is
-spent inside JAX's batched copy (the transfers between meshes) and outside it.
+host time per step (median and fastest), µs per task, the host thread's CPU
+time per task (what the host work costs without the waits for a core on a
+loaded machine), and how much of the wall time is spent inside JAX's batched
+copy (the transfers between meshes) and outside it.
 
 The sweep is a cross by default: microbatches at the largest stage count and
 stages at the largest microbatch count (``--grid full`` runs every pair). A
@@ -60,9 +62,13 @@ def _pairs(stages: list[int], microbatches: list[int], grid: str) -> list[tuple[
 class CopyTimer:
     """Seconds and arrays in JAX's batched copies (the transfers' device-to-device moves).
 
-    Wraps the ``batched_copy`` the runtime's `BatchedCopier` calls, so the host
-    time of a replay splits into JAX's copy calls and everything else.
+    Wraps the batched copies the runtime's `BatchedCopier` calls (a batch's
+    first run, and every run on its plan), so the host time of a replay
+    splits into JAX's copy calls and everything else.
     """
+
+    #: The names in nnx_mpmd.runtime.batched_copy that call JAX's batched copy.
+    NAMES = ("batched_copy", "batched_copy_prepared")
 
     def __init__(self) -> None:
         self.seconds, self.arrays = 0.0, 0
@@ -70,21 +76,28 @@ class CopyTimer:
     def __enter__(self) -> CopyTimer:
         from nnx_mpmd.runtime import batched_copy as module
 
-        self._module, self._original = module, module.batched_copy
+        self._module = module
+        self._originals = {
+            name: getattr(module, name) for name in self.NAMES if hasattr(module, name)
+        }
+        for name, original in self._originals.items():
+            setattr(module, name, self._timed(original))
+        return self
 
-        def timed(values: Any, device_lists: Any, targets: Any) -> Any:
+    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(values: Any, *rest: Any) -> Any:
             start = time.perf_counter()
             try:
-                return self._original(values, device_lists, targets)
+                return original(values, *rest)
             finally:
                 self.seconds += time.perf_counter() - start
                 self.arrays += len(values)
 
-        module.batched_copy = timed
-        return self
+        return timed
 
     def __exit__(self, *exc: object) -> None:
-        self._module.batched_copy = self._original
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)
 
 
 def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict, object]:
@@ -99,10 +112,12 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
     replay, tasks, calls = _replay(variant)
     for _ in range(WARM_REPLAYS):  # untimed: the first replays prepare the instruction list
         replay()
-    times, copy_times, arrays = [], [], 0
+    times, cpu_times, copy_times, arrays = [], [], [], 0
     for _ in range(repeats):
         with CopyTimer() as copies:
+            cpu_start = time.thread_time()
             times.append(common.seconds(replay)[0])
+            cpu_times.append(time.thread_time() - cpu_start)
         copy_times.append(copies.seconds)
         arrays = copies.arrays
     step_s, copy_s = statistics.median(times), statistics.median(copy_times)
@@ -117,6 +132,7 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
         "host_ms_per_step_min": min(times) * 1e3,
         "us_per_task": step_s / tasks * 1e6,
         "us_per_task_min": min(times) / tasks * 1e6,
+        "cpu_us_per_task": statistics.median(cpu_times) / tasks * 1e6,
         "copy_us_per_task": copy_s / tasks * 1e6,
         "outside_copies_us_per_task": outside_s / tasks * 1e6,
         "arrays_copied_per_step": arrays,
@@ -238,7 +254,7 @@ def plots(rows: list[dict], plot_dir: str) -> list[str]:
 def report(rows: list[dict], fits: dict[str, dict]) -> str:
     """The Markdown table of the rows and the fit's line."""
     header = ["stages", "microbatches", "tasks", "instructions", "host ms/step", "fastest", "µs/task",
-              "of which JAX's copies µs/task", "outside the copies µs/task",
+              "host thread CPU µs/task", "of which JAX's copies µs/task", "outside the copies µs/task",
               "arrays copied/step", "first step s"]  # fmt: skip
     table = common.markdown_table(
         header,
@@ -251,6 +267,7 @@ def report(rows: list[dict], fits: dict[str, dict]) -> str:
                 r["host_ms_per_step"],
                 r["host_ms_per_step_min"],
                 r["us_per_task"],
+                r.get("cpu_us_per_task", float("nan")),
                 r["copy_us_per_task"],
                 r["outside_copies_us_per_task"],
                 r["arrays_copied_per_step"],

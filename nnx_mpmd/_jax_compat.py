@@ -22,6 +22,8 @@ __all__ = [
     "kept_arguments",
     "has_host_callbacks",
     "batched_copy",
+    "batched_copy_prepared",
+    "copy_semantics",
     "compile_options_for_devices",
     "sharding_device_list",
     "cluster_environment_present",
@@ -284,6 +286,26 @@ def sharding_device_list(sharding: Any) -> Any:
     Relies on: ``NamedSharding._internal_device_list`` (jax 0.10).
     """
     return sharding._internal_device_list
+
+
+def copy_semantics(count: int) -> list[Any]:
+    """The per-array copy semantics `batched_copy_prepared` takes: ``jax.device_put``'s.
+
+    Relies on: ``jaxlib.xla_client.ArrayCopySemantics.REUSE_INPUT`` (jax 0.10).
+    """
+    return [_REUSE_INPUT] * count
+
+
+def batched_copy_prepared(
+    values: list[Any], device_lists: list[Any], targets: list[Any], semantics: list[Any]
+) -> list[Any]:
+    """`batched_copy` with its lists built once by the caller (no per-call copies).
+
+    Relies on: ``jaxlib.xla_client.batched_copy_array_to_devices_with_sharding``
+    (jax 0.10); ``semantics`` from `copy_semantics`. Only called where
+    `FAST_COPY_AVAILABLE` (a `BatchPlan` is made only then).
+    """
+    return _batched_copy(values, device_lists, targets, semantics)  # pyright: ignore[reportOptionalCall]
 
 
 def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Sequence[Any]) -> Any:

@@ -13,6 +13,11 @@ itself calls for them, with the same copy semantics), and everything else
 
 Which path a value takes is decided once per (source sharding, destination
 sharding, shape) and cached, so the per-call work is a dictionary look-up.
+A batch that runs again and again (one `TransferBatch` of a compiled step)
+keeps a `BatchPlan`: while its sources come with the shardings they had
+when the plan was made, and every member took the batched copy, the next
+run is one call of the batched copy with the plan's lists, and nothing is
+decided per value (`BatchedCopier.planned`).
 
 The private jaxlib calls this needs live in `nnx_mpmd._jax_compat`
 (``batched_copy``, ``sharding_device_list``). If they are missing, every value
@@ -35,15 +40,51 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
+from nnx_mpmd._jax_compat import (
+    FAST_COPY_AVAILABLE,
+    batched_copy,
+    batched_copy_prepared,
+    copy_semantics,
+    sharding_device_list,
+)
 
-__all__ = ["FAST_COPY_AVAILABLE", "BatchedCopier"]
+__all__ = ["FAST_COPY_AVAILABLE", "BatchPlan", "BatchedCopier"]
+
+
+class _Planned(NamedTuple):
+    """The batched copy's arguments for sources with these shardings."""
+
+    sources: tuple[Any, ...]
+    device_lists: list[Any]
+    targets: list[Any]
+    semantics: list[Any]
+
+
+class BatchPlan:
+    """How one batch of values moved last time, reused while their sources keep their shardings.
+
+    One attribute, replaced whole, so a run that reads it while another
+    thread remakes it sees either plan, never a mix.
+
+    Attributes:
+      current: the sources' shardings and the batched copy's arguments, or None
+        before the first run whose members all took the batched copy.
+
+    Example:
+      >>> BatchPlan().current is None
+      True
+    """
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: _Planned | None = None
 
 
 class BatchedCopier:
@@ -104,6 +145,42 @@ class BatchedCopier:
             moved = jax.device_put(hosted, [targets[n] for n in slow])
             for n, y in zip(slow, moved):
                 out[n] = y
+        return out
+
+    def planned(
+        self,
+        values: list[Any],
+        sources: tuple[Any, ...] | None,
+        plan: BatchPlan,
+        targets_of: Any,
+    ) -> list[Any]:
+        """``values`` moved as `__call__` moves them, by ``plan`` when it holds.
+
+        Args:
+          values: the values of one batch, in its members' order.
+          sources: their shardings (None when one is not a jax.Array).
+          plan: this batch's plan; made or remade here when ``sources`` changed.
+          targets_of: ``targets_of(values)``, the destination shardings (called
+            only when the plan does not hold).
+
+        Returns:
+          The moved arrays, in order.
+        """
+        current = plan.current
+        if current is not None and sources == current.sources:
+            return batched_copy_prepared(
+                values, current.device_lists, current.targets, current.semantics
+            )
+        targets = targets_of(values)
+        out = self(values, targets)
+        if sources is not None and all(
+            isinstance(value, jax.Array) and self.fast_path(source, target, value.shape)
+            for source, target, value in zip(sources, targets, values)
+        ):
+            device_lists = [self._device_list(t) for t in targets]
+            plan.current = _Planned(
+                sources, device_lists, list(targets), copy_semantics(len(targets))
+            )
         return out
 
     def _device_list(self, target: NamedSharding) -> Any:

@@ -58,7 +58,7 @@ from nnx_mpmd.placement.mpmd_array import MpmdArray
 from nnx_mpmd.placement.process_batch import MicrobatchedArray, take_microbatched
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.batch_split import MicrobatchSplitter, microbatched_shape
-from nnx_mpmd.runtime.batched_copy import BatchedCopier
+from nnx_mpmd.runtime.batched_copy import BatchedCopier, BatchPlan
 from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
 
@@ -238,23 +238,35 @@ class DeviceOperations:
         Each member's destination sharding is fixed by its spec, or looked up
         once per source sharding (the source's spec kept, as `transfer_value`).
         The step is generated source over the slot numbers: no loop, no
-        branch per member.
+        branch per member. It hands the copier the sources' shardings, so a
+        batch whose sources keep them runs on its `BatchPlan` (one batched copy,
+        no decision per value).
         """
         copier, shardings = self.copier, self.shardings
-        namespace: dict[str, Any] = {"copy": copier, "target_of": _target_lookup}
-        values, targets = [], []
+        namespace: dict[str, Any] = {
+            "planned": copier.planned,
+            "plan": BatchPlan(),
+            "target_of": _target_lookup,
+        }
+        targets = []
         for n, t in enumerate(transfers):
-            values.append(f"s[{t.src}]")
             if t.spec is not None:
                 namespace[f"t{n}"] = shardings(t.dst_mesh, t.spec)
                 targets.append(f"t{n}")
             else:
                 namespace[f"k{n}"] = _KeptSpec(shardings, t.dst_mesh)
-                targets.append(f"target_of(k{n}, s[{t.src}])")
+                targets.append(f"target_of(k{n}, v[{n}])")
+        namespace["targets_of"] = eval(f"lambda v: [{', '.join(targets)}]", namespace)
+        sources = "".join(f"v[{n}].sharding, " for n in range(len(transfers)))
         dsts = "".join(f"s[{t.dst}], " for t in transfers)
         lines = [
             "def step(s):",
-            f"    r = copy([{', '.join(values)}], [{', '.join(targets)}])",
+            f"    v = [{', '.join(f's[{t.src}]' for t in transfers)}]",
+            "    try:",
+            f"        sources = ({sources})",
+            "    except AttributeError:  # a host value: no plan",
+            "        sources = None",
+            "    r = planned(v, sources, plan, targets_of)",
             f"    {dsts} = r",
             "    return r[0]" if single else "    return r",
         ]

@@ -293,6 +293,50 @@ def test_a_single_transfer_takes_the_same_path(meshes):
     _check(store, _expected(meshes, values))
 
 
+#: BATCH's members whose sources are jax.Arrays and keep their spec: a batch with a plan.
+ARRAY_BATCH = TransferBatch(BATCH.transfers[:2])
+
+
+def _run_array_batch(prepared, first, second):
+    store = [None] * 14
+    store[0], store[1] = first, second
+    interpreter.run(prepared, store)
+    return store
+
+
+@pytest.mark.skipif(not FAST_COPY_AVAILABLE, reason="no batched copy in this jaxlib")
+def test_a_batch_that_runs_again_decides_nothing_per_value(meshes):
+    values = _values(meshes)
+    decided = []
+
+    class Counting(BatchedCopier):
+        def fast_path(self, source, target, shape):
+            decided.append(shape)
+            return super().fast_path(source, target, shape)
+
+    ops = DeviceOperations(Shardings(meshes))
+    ops.copier = Counting()
+    prepared = interpreter.prepare([ARRAY_BATCH], ops)
+    expected = {k: v for k, v in _expected(meshes, values).items() if k in (10, 11)}
+    _check(_run_array_batch(prepared, values[0], values[1]), expected)
+    after_first = len(decided)
+    for _ in range(2):  # the plan holds: one batched copy, no decision per value
+        _check(_run_array_batch(prepared, values[0], values[1]), expected)
+    assert after_first > 0 and len(decided) == after_first
+
+
+def test_a_planned_batch_follows_a_source_that_changed(meshes):
+    values = _values(meshes)
+    replicated = jax.device_put(values[0], NamedSharding(meshes[0], P()))
+    prepared = interpreter.prepare([ARRAY_BATCH], DeviceOperations(Shardings(meshes)))
+    # planned, then a source with another spec (kept), then a host value, then planned again
+    for first in (values[0], replicated, np.asarray(values[0]), values[0]):
+        store = _run_array_batch(prepared, first, values[1])
+        spec = first.sharding.spec if isinstance(first, jax.Array) else P()
+        want = jax.device_put(first, NamedSharding(meshes[1], spec))
+        _check(store, {10: want, 11: jax.device_put(values[1], NamedSharding(meshes[2], P()))})
+
+
 def test_a_multi_process_put_hook_moves_each_member(meshes):
     values = _values(meshes)
     moves = []
