@@ -39,7 +39,9 @@ def env_for_launch(**extra: str) -> dict[str, str]:
     """The environment of a launched run: CPU, short heartbeats, no inherited settings.
 
     XLA_FLAGS keeps only the test run's optimization level (both sides of every
-    comparison run at it): the launcher and the scripts set the device counts.
+    comparison run at it): the launcher and the scripts set the device counts. The
+    compilation cache is off unless the command names one (``--compile-cache``):
+    a launched ``nnx-mpmd train`` would otherwise fill ``~/.cache/nnx_mpmd/jax``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
     env.pop("XLA_FLAGS", None)
@@ -47,6 +49,7 @@ def env_for_launch(**extra: str) -> dict[str, str]:
     if level:
         env["XLA_FLAGS"] = level
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
+    env.update(NNX_MPMD_COMPILE_CACHE="off")
     env.update(extra)
     return env
 

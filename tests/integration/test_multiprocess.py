@@ -47,16 +47,15 @@ RUNS_4 = ["1f1b:2:2:proc:mlp", "1f1b:4:4:pairs:lm_tied", "1f1b:4:4:shift:mlp:don
 STEPS = {2: "3", 4: "2"}
 
 
-def _run_as_one_process(directory):
-    """Every run of both launches as one process with 8 devices (one process start)."""
-    by_steps = {STEPS[2]: RUNS, STEPS[4]: RUNS_4}
-    results = {}
-    for steps, runs in by_steps.items():
-        out = directory / steps
-        out.mkdir()
-        _check(_single("train.py", "--out", str(out), "--runs", ",".join(runs), "--steps", steps))
-        results.update(_read(out, "losses_0.json"))
-    return results
+def _run_as_one_process(directory, runs, processes):
+    """The runs of one launch as one process with 8 devices, the same number of steps."""
+    _check(
+        _single(
+            "train.py", "--out", str(directory), "--runs", ",".join(runs),
+            "--steps", STEPS[processes],
+        )
+    )  # fmt: skip
+    return _read(directory, "losses_0.json")
 
 
 def _launched(directory, runs, processes):
@@ -77,22 +76,31 @@ def _launched(directory, runs, processes):
     return [_read(directory, f"losses_{p}.json") for p in range(processes)]
 
 
-# Computed once for all xdist workers (tests/shared_results.py), not once per worker.
-@pytest.fixture(scope="module")
-def single_results():
-    return once_per_test_run("multiprocess-single", _run_as_one_process)
+def _launched_and_single(runs, processes):
+    """(per-process results of the launch, results of the same runs as one process).
+
+    Each computed once for all xdist workers (tests/shared_results.py), not once per
+    worker. The launch comes first and each launch has its own one-process run: a
+    worker that starts the 4-process fixture while another starts the 2-process one
+    launches at once instead of waiting on the other's one-process run.
+    """
+    launched = once_per_test_run(
+        f"multiprocess-{processes}", lambda d: _launched(d, runs, processes)
+    )
+    single = once_per_test_run(
+        f"multiprocess-single-{processes}", lambda d: _run_as_one_process(d, runs, processes)
+    )
+    return launched, single
 
 
 @pytest.fixture(scope="module")
-def training_results(single_results):
-    launched = once_per_test_run("multiprocess-2", lambda d: _launched(d, RUNS, 2))
-    return launched, single_results
+def training_results():
+    return _launched_and_single(RUNS, 2)
 
 
 @pytest.fixture(scope="module")
-def four_process_results(single_results):
-    launched = once_per_test_run("multiprocess-4", lambda d: _launched(d, RUNS_4, 4))
-    return launched, single_results
+def four_process_results():
+    return _launched_and_single(RUNS_4, 4)
 
 
 def _assert_trained_like_one(per_process, single, run, spans_every_process=False):
@@ -151,6 +159,11 @@ def test_launched_coordinator_listens_on_loopback_only(training_results):
         assert address.rsplit(":", 1)[0] in LOOPBACK_HEX, listening
 
 
+# The runs that lose a process train the MLP: it compiles in half the time of the LM,
+# and where a process dies (at the start of a step) does not depend on the model.
+KILLED_RUN = "1f1b:2:2:proc:mlp"
+
+
 def test_killed_peer_stops_the_others_with_distributed_error(tmp_path):
     # launch_once: a SIGKILLed process exits with 137, which `launch` takes for a timeout.
     done, elapsed = _launch_once(
@@ -158,7 +171,7 @@ def test_killed_peer_stops_the_others_with_distributed_error(tmp_path):
         "--out",
         str(tmp_path),
         "--runs",
-        "1f1b:2:2",
+        KILLED_RUN,
         "--steps",
         "6",
         NNX_MPMD_TEST_KILL_AT_STEP="2",
@@ -179,7 +192,7 @@ def test_killed_coordinator_is_named_as_the_cause(tmp_path):
         "--out",
         str(tmp_path),
         "--runs",
-        "1f1b:2:2",
+        KILLED_RUN,
         "--steps",
         "4",
         NNX_MPMD_TEST_KILL_AT_STEP="2",

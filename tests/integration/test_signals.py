@@ -301,10 +301,12 @@ def test_launch_hides_gloo_lines_unless_verbose(tmp_path):
             (tmp_path / f"{i}.pid").unlink()
 
 
-# 4 meshes x 2 data over 2 processes x 4 devices, as tests/test_multiprocess_train.py.
+# 2 stages on 2 processes x 1 CPU device (the model of TRAIN), no periodic save before
+# the stop's. Each process holds one stage, so the stop step must be agreed across
+# processes; the 4 meshes x 2 data layout itself is tests/test_multiprocess_train.py's.
 LAUNCHED_TRAIN = [
-    "--meshes", "4", "--data", "2", "--layers", "4", "--batch-size", "8",
-    "--microbatches", "4", "--seq-len", "32", "--corpus-bytes", "100000",
+    "--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "8",
+    "--microbatches", "2", "--seq-len", "32", "--corpus-bytes", "100000",
     "--log-every", "1", "--ckpt-every", "100", "--warmup", "1", "--steps", "300",
     "--val-batches", "0", "--sample-tokens", "0",
 ]  # fmt: skip
@@ -316,7 +318,7 @@ def _stop_launched_train(tmp_path: Path, after_step: int, *resume: str) -> tuple
     run_dir, log = tmp_path / "run", tmp_path / f"launch{len(resume)}.log"
     command = [
         sys.executable, "-m", "nnx_mpmd", "launch", "--processes", "2",
-        "--devices-per-process", "4", "--stop-grace", "60", "--",
+        "--devices-per-process", "1", "--stop-grace", "60", "--",
         sys.executable, "-m", "nnx_mpmd", "train", *LAUNCHED_TRAIN, "--run-dir", str(run_dir),
         "--compile-cache", str(tmp_path / "cache"), *resume,
     ]  # fmt: skip
@@ -346,7 +348,7 @@ def _stop_launched_train(tmp_path: Path, after_step: int, *resume: str) -> tuple
     return stop_step, output
 
 
-@pytest.mark.slow  # two launches of two processes, each compiling a 4-stage GPT (2-4 min)
+@pytest.mark.slow  # two launches of two processes, each compiling a 2-stage GPT
 @pytest.mark.multiprocess
 def test_sigterm_to_launch_stops_every_process_at_one_step(tmp_path):
     run_dir = tmp_path / "run"

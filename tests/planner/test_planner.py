@@ -419,10 +419,12 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     env["TMPDIR"] = str(tmp_path / "tmp")  # the plan command leaves nothing there
     common = ["--meshes", "2", "--data", "1", "--batch-size", "8", "--seq-len", "16"]
     common += ["--corpus-bytes", "50000", "--layers", "2"]
+    # --no-remat profiles half as much; plans with remat are tested in this process
+    # (test_a_budget_turns_on_remat_where_memory_is_short, the _plan_mlp tests).
     planned = subprocess.run(
         [sys.executable, "-m", "nnx_mpmd", "plan", *common, "--out", str(tmp_path / "p.json"),
          "--schedules", "gpipe,1f1b", "--candidate-microbatches", "2,4", "--repeats", "1",
-         "--verify", "1"],
+         "--verify", "1", "--no-remat"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )  # fmt: skip
     assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-3000:]
