@@ -303,7 +303,7 @@ def test_launch_hides_gloo_lines_unless_verbose(tmp_path):
 
 # 2 stages on 2 processes x 1 CPU device (the model of TRAIN), no periodic save before
 # the stop's. Each process holds one stage, so the stop step must be agreed across
-# processes; the 4 meshes x 2 data layout itself is tests/test_multiprocess_train.py's.
+# processes; the 4 meshes x 2 data layout itself is tests/integration/test_multiprocess_train.py's.
 LAUNCHED_TRAIN = [
     "--meshes", "2", "--data", "1", "--layers", "2", "--batch-size", "8",
     "--microbatches", "2", "--seq-len", "32", "--corpus-bytes", "100000",
