@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 DOCSTAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test test-fast lint format bench bench-peers docs clean
+.PHONY: demo test test-fast lint typecheck format bench bench-peers docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks
 	$(BIN)/ruff check nnx_mpmd tests examples benchmarks
+	$(MAKE) typecheck
+
+# pyright (standard mode, settings in pyproject.toml) over the package, then the
+# public API's types, which must be fully known (--verifytypes).
+typecheck: $(STAMP)
+	$(BIN)/pyright --pythonpath $(BIN)/python
+	$(BIN)/pyright --pythonpath $(BIN)/python --verifytypes nnx_mpmd --ignoreexternal
 
 format: $(STAMP)
 	$(BIN)/ruff format nnx_mpmd tests examples benchmarks

@@ -363,6 +363,8 @@ def apply_plan_file(cfg: TrainConfig) -> None:
     from nnx_mpmd.apps.validate_args import read_plan_settings
     from nnx_mpmd.errors import MpmdError
 
+    if cfg.plan is None:  # no plan file: nothing to take
+        return
     data = read_plan_settings(cfg.plan)
     planned = (data["num_meshes"], data["batch_size"])
     if planned != (cfg.meshes, cfg.batch_size):
@@ -471,7 +473,7 @@ def _given_tokenizer(argv: list[str]) -> str | None:
     return read_config_file(given.config, config_keys(parser)).get("tokenizer")
 
 
-def _saved_config_path(cfg: TrainConfig) -> pathlib.Path | None:
+def _saved_config_path(cfg: argparse.Namespace) -> pathlib.Path | None:
     """The saved ``config.toml`` of the run ``--resume`` continues (None: no such run yet;
     `run` says so)."""
     from nnx_mpmd.apps.train_config import CONFIG_FILE

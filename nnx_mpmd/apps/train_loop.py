@@ -23,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.apps.convert import keep_pretrained_config, pretrained_max_len, pretrained_model
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
@@ -89,8 +90,8 @@ DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
 
 def _compile_cache_text() -> str:
     """Where JAX's persistent compilation cache is, or ``off``."""
-    directory = jax.config.jax_compilation_cache_dir
-    return directory if directory and jax.config.jax_enable_compilation_cache else "off"
+    directory = config_value("jax_compilation_cache_dir")
+    return directory if directory and config_value("jax_enable_compilation_cache") else "off"
 
 
 def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
@@ -280,7 +281,12 @@ class Trainer:
                 f"{cfg.preset} context length); pick a shorter one."
             )
         if self.data is None:
-            self.batches = BatchIterator(train_tokens, cfg.batch_size, self.seq_len, seed=cfg.seed)
+            self.batches = BatchIterator(
+                train_tokens,  # pyright: ignore[reportPossiblyUnboundVariable]: set when data is None
+                cfg.batch_size,
+                self.seq_len,
+                seed=cfg.seed,
+            )
         else:
             self.batches = self.data.batches(cfg.batch_size, self.seq_len, cfg.seed)
         warmup = min(cfg.warmup, cfg.steps - 1)

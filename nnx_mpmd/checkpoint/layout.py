@@ -302,7 +302,7 @@ def collect(tree: Any, *, where: str = "tree") -> Layout:
 def _entry(
     path: tuple[str, ...],
     value: Any,
-    variable: nnx.Variable | None,
+    variable: nnx.Variable | AttributeHolder | None,
     leaf_index: int | None,
     physical: tuple[str, ...],
     where: str,

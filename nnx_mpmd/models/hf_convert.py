@@ -80,7 +80,7 @@ def _gpt_rules(cfg: GPTConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     d = cfg.d_model
     same = (lambda t: t, lambda v: v)
 
-    def third(i: int) -> tuple[Callable, Callable]:
+    def third(i: int) -> tuple[Callable, Callable | None]:
         return (lambda t: t[..., i * d : (i + 1) * d], None)
 
     per_block = {
@@ -330,7 +330,7 @@ def load_pretrained(
         hf, num_stages=num_stages, where=str(path / "config.json"), **overrides
     )
     tensors = _read_tensors(path)
-    model_cls = GPT if family == "gpt" else Llama
+    model_cls: Callable[..., GPT | Llama] = GPT if family == "gpt" else Llama
     model = model_cls(cfg, rngs=rngs or nnx.Rngs(0))
     assign_hf_tensors(model, tensors, where=str(path))
     return model

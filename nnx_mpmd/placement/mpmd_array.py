@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
@@ -143,7 +144,7 @@ def _splittable(value: jax.Array, m: int, target: Any) -> bool:
         and value.is_fully_addressable
         and len(value.sharding.device_set) == 1
         and getattr(value, "weak_type", None) is False
-        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended)
+        and not jnp.issubdtype(value.dtype, jax.dtypes.extended)
         and value.ndim >= 1
         and m > 0
         and value.shape[0] % m == 0

@@ -46,6 +46,7 @@ import itertools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -368,7 +369,7 @@ def to_every_process(x: Any) -> Any:
         if me in _processes(source.sharding):
             mine = _local_value(source)
         missing = sorted(set(missing) - _processes(source.sharding))
-    if jax.dtypes.issubdtype(source.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(source.dtype, jax.dtypes.prng_key):
         return _sent_by_device_put(source, missing, mine, me)
     return _sent_by_key_value_store(source, missing, mine, me)
 

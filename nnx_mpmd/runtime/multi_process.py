@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -439,7 +440,7 @@ def _whole_copies(x: jax.Array | MpmdArray, me: int) -> tuple[set[int], jax.Arra
 
 
 def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
