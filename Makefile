@@ -46,7 +46,7 @@ lint: $(STAMP)
 # public API's types, which must be fully known (--verifytypes).
 typecheck: $(STAMP)
 	$(BIN)/pyright --pythonpath $(BIN)/python
-	$(BIN)/pyright --pythonpath $(BIN)/python --verifytypes nnx_mpmd --ignoreexternal
+	PYTHONPATH=$(CURDIR) $(BIN)/pyright --pythonpath $(BIN)/python --verifytypes nnx_mpmd --ignoreexternal
 
 format: $(STAMP)
 	$(BIN)/ruff format nnx_mpmd tests examples benchmarks

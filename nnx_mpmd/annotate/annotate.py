@@ -486,7 +486,7 @@ def stage_summary(module: Any) -> str:
         label = label_of(wrapper_path)
         if not any(p.rstrip("*") == label for p in rows[wrapper.stage][2]):
             rows[wrapper.stage][2].append(label)
-    order: list[int | None] = sorted((s for s in rows if s is not None), key=int)
+    order: list[int | None] = [*sorted((s for s in rows if s is not None), key=int)]
     if None in rows:
         order.append(None)
     table = [("stage", "params", "bytes", "paths")]

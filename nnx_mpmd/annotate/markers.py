@@ -42,7 +42,7 @@ class StageOutsideRegionError(PartitionError):
     """A `Stage` ran while `mp.jit` traced the step outside its pipelined region."""
 
 
-stage_marker_p = Primitive("mpmd_stage_marker")
+stage_marker_p: Primitive = Primitive("mpmd_stage_marker")
 stage_marker_p.multiple_results = True
 
 

@@ -172,7 +172,7 @@ class ScanStack(nnx.Module):
         """
         ordered = _check_ranges(ranges, self.num_layers)
         graphdef, state = self._whole()
-        chunks = []
+        chunks: list[Stage] = []
         for (start, stop), stage in ordered:
             sliced = jax.tree.map(lambda a, lo=start, hi=stop: a[lo:hi], state)
             layers = nnx.merge(graphdef, sliced)

@@ -422,7 +422,7 @@ def recall_in_process(key: Any) -> Serialized | None:
     if found is not None:
         return found
     compiled = fresh[0]() if fresh is not None else None
-    if compiled is None:
+    if compiled is None or fresh is None:  # fresh is None: compiled is too
         return None
     try:
         executable = serialized(compiled, fresh[1])

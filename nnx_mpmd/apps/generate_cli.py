@@ -253,7 +253,8 @@ def _build_model(meta: dict, num_stages: int, layout: str, where: str) -> Any:
     from nnx_mpmd.errors import CheckpointError, PartitionError
     from nnx_mpmd.models import MODELS
 
-    config: dict = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    config = meta.get("config")
+    config = config if isinstance(config, dict) else {}
     family, model_config = config.get("model"), config.get("model_config")
     if family not in MODELS or not isinstance(model_config, dict):
         raise CheckpointError(
@@ -319,7 +320,7 @@ def restore_run(
         else:
             newest, meta = _readable_metadata(manager, steps, err)
         model = _build_model(meta, num_stages, layout, f"checkpoint {newest} in {where}")
-        tokenizer = tokenizer_from_dict(meta.get("tokenizer"), run_dir)
+        tokenizer = tokenizer_from_dict(meta.get("tokenizer") or {}, run_dir)
         target = {"model": model}
         if step is not None:
             manager.restore(target, step, partial=True)

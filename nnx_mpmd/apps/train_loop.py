@@ -16,7 +16,7 @@ import json
 import math
 import pathlib
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -430,12 +430,14 @@ class Trainer:
         if manager is not None:
             manager.close()  # waits until the last save is committed
         if self.stopped is not None:
-            return self._stopped_summary(losses)
+            return self._stopped_summary(self.stopped, losses)
         return self._finish(metrics, losses)
 
-    def _stopped_summary(self, losses: list[float]) -> dict[str, Any]:
+    def _stopped_summary(
+        self, stopped: tuple[int, int, bool], losses: list[float]
+    ) -> dict[str, Any]:
         """The summary of a run a stop signal ended; process 0 prints how to continue it."""
-        step, signum, saved = self.stopped
+        step, signum, saved = stopped
         if self.writes_outputs:
             print(stopped_message(step, signum, self.run_dir, saved), flush=True)
         return {
@@ -511,7 +513,7 @@ class Trainer:
                         "tokens_per_s": tps,
                         "mfu": self.reporting.mfu(tps),
                         "step_s": seconds,
-                        "lr": float(self.lr(step - 1)),
+                        "lr": float(np.asarray(self.lr(step - 1))),
                         "elapsed_s": time.perf_counter() - started,
                         **evaluated,
                     }
@@ -537,16 +539,17 @@ class Trainer:
                     utilization = self.reporting.mfu(tps)
                     shown = "" if utilization is None else f"  mfu {utilization:.1%}"
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s{shown}")
-                saves = manager is not None and bool(cfg.ckpt_every)
-                if saves and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-                    self.save_checkpoint(manager, step)
+                saver = manager if cfg.ckpt_every else None
+                if saver is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+                    self.save_checkpoint(saver, step)
                     saved_at = step
                 # Every process asks after every step: the stop step is agreed on.
                 if stop is not None and stop.should_stop(step):
-                    if saves and saved_at != step:
-                        self.save_checkpoint(manager, step)
+                    if saver is not None and saved_at != step:
+                        self.save_checkpoint(saver, step)
                         saved_at = step
-                    self.stopped = (step, int(stop.signum), saved_at == step)
+                    # should_stop is True once a signal came: signum is set
+                    self.stopped = (step, cast(int, stop.signum), saved_at == step)
                     break
         return losses
 

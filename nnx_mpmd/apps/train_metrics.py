@@ -348,10 +348,10 @@ class TrainReporting:
         from nnx_mpmd.models import lm_loss
 
         if self._eval_fn is None:
-            precision: Any = getattr(trainer, "precision", None)
+            precision = getattr(trainer, "precision", None)
             mixed = precision is not None and precision.is_mixed
             self._eval_fn = jit(
-                precision.wrap(lm_loss) if mixed else lm_loss,  # the train step's --dtype
+                precision.wrap(lm_loss) if precision is not None and mixed else lm_loss,  # --dtype
                 mesh=trainer.mesh,
                 schedule=trainer.schedule,
                 num_microbatches=cfg.microbatches,

@@ -209,7 +209,9 @@ def _one_device(device: Any) -> NamedSharding:
     return NamedSharding(Mesh(np.array([device]), ("shard",)), PartitionSpec())
 
 
-def _move_shards(value: jax.Array, sharding: NamedSharding, kept: list | None = None) -> jax.Array:
+def _move_shards(
+    value: jax.Array, sharding: NamedSharding, kept: list[Any] | None = None
+) -> jax.Array:
     """``value`` onto ``sharding``, whose shards are cut like the source's.
 
     A shard held in the destination device's process is copied there; the
@@ -288,7 +290,7 @@ def _batches_with_distinct_sources(cross: list) -> list[list]:
     return [[pair] for pair in cross]
 
 
-def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
+def savable(array: Any, turn: int = 0, kept: list[Any] | None = None) -> Any:
     """``array`` as orbax can save it in this run: as it is, unless some process holds none of it.
 
     A collective in a multi-process run (every process calls it with the same
@@ -330,7 +332,7 @@ def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
 _SETTLE_ROUNDS = itertools.count()
 
 
-def settle_moves(kept: list) -> None:
+def settle_moves(kept: list[Any]) -> None:
     """Waits until every shard moved by `savable` has arrived, on every process.
 
     A collective: a sender keeps its one-device arrays (in ``kept``) until

@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -48,7 +48,7 @@ MODELS: dict[str, tuple[Callable[..., GPT | Llama], type[ModelConfig]]] = {
 }
 
 
-def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+def lm_loss(model: Any, batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
     """Mean next-token cross-entropy of a language model on one batch.
 
     Args:

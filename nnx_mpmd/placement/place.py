@@ -241,7 +241,8 @@ def placement_decisions(
         if isinstance(leaf, nnx.Variable):
             decision = placement_of(leaf, path, mesh, schedule, num_stages, params=params)
         elif id(leaf) in attribute_stage:
-            owner = nnx.Variable(value, **{STAGE_KEY: attribute_stage[id(leaf)]})
+            metadata: dict[str, Any] = {STAGE_KEY: attribute_stage[id(leaf)]}
+            owner = nnx.Variable(value, **metadata)
             decision = placement_of(owner, path, mesh, schedule, num_stages, params=params)
         else:
             decision = everywhere

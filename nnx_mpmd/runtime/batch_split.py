@@ -104,8 +104,9 @@ class MicrobatchSplitter:
         # A PRNG key array has no ``weak_type``; its extended dtype declines it in `_splittable`.
         weak = getattr(value, "weak_type", None)
         key = (value.sharding, value.shape, value.dtype, weak, m, target)
-        plan = self._plans.get(key, False)
-        if plan is False:
+        try:
+            plan = self._plans[key]
+        except KeyError:
             plan = self._plans[key] = _plan(value, m, target)
         if plan is None:
             return None

@@ -33,7 +33,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -511,7 +511,7 @@ def collect_local(values: Sequence[Any], where: str) -> list[Any]:
         if everyone - providers:
             exchanged = True
             if me == min(providers):
-                outgoing[i] = mine
+                outgoing[i] = cast(jax.Array, mine)  # a provider holds a whole copy
     if not exchanged:  # the same decision on every process: no collective needed
         return results
     coordination = get_coordination()
