@@ -38,8 +38,8 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n auto $(FAST_TESTS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks
-	$(BIN)/ruff check nnx_mpmd tests examples benchmarks
+	$(BIN)/ruff format --check nnx_mpmd tests examples benchmarks .ci
+	$(BIN)/ruff check nnx_mpmd tests examples benchmarks .ci
 	$(MAKE) typecheck
 
 # pyright (standard mode, settings in pyproject.toml) over the package, then
@@ -52,8 +52,8 @@ typecheck: $(STAMP)
 		--ignoreexternal --outputjson | $(BIN)/python .ci/public_api_types.py
 
 format: $(STAMP)
-	$(BIN)/ruff format nnx_mpmd tests examples benchmarks
-	$(BIN)/ruff check --fix nnx_mpmd tests examples benchmarks
+	$(BIN)/ruff format nnx_mpmd tests examples benchmarks .ci
+	$(BIN)/ruff check --fix nnx_mpmd tests examples benchmarks .ci
 
 bench: $(STAMP)
 	$(BIN)/python -m nnx_mpmd bench $(BENCH_ARGS)
