@@ -480,12 +480,12 @@ def backend_environment() -> tuple[str, ...]:
       >>> len(backend_environment())
       5
     """
-    from jaxlib.version import __version__ as jaxlib_version
+    import jaxlib
 
     backend = jax.devices()[0].client
     return (
         jax.__version__,
-        jaxlib_version,
+        jaxlib.__version__,  # pyright: ignore[reportPrivateImportUsage]: public, not in __all__
         backend.platform,
         backend.platform_version,
         os.environ.get("XLA_FLAGS", ""),
