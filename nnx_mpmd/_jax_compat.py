@@ -27,6 +27,7 @@ __all__ = [
     "compile_options_for_devices",
     "sharding_device_list",
     "cluster_environment_present",
+    "config_value",
     "take_cached_partial_nodes",
     "convert_constvars_jaxpr",
     "coordination_state",
@@ -37,6 +38,17 @@ __all__ = [
     "variable_belongs_to_current_trace",
     "variables_bound_to_current_trace",
 ]
+
+
+def config_value(name: str) -> Any:
+    """The current value of the JAX config option ``name`` (``"jax_platforms"``...).
+
+    ``jax.config`` sets its options as attributes at run time, which a type
+    checker cannot see; reading them by name here keeps that in one place.
+    """
+    import jax
+
+    return getattr(jax.config, name)
 
 
 def take_cached_partial_nodes() -> Any | None:
@@ -213,6 +225,7 @@ def explicit_sharding_rejection(fn: Callable[..., Any], *args: Any) -> tuple[Any
 
 # -- Moving arrays without jax.device_put's Python (runtime/batched_copy.py) ----------
 
+_batched_copy: Any  # None where this jaxlib lacks it (FAST_COPY_AVAILABLE is False)
 try:  # private jaxlib API: batched_copy and sharding_device_list say what they rely on
     import jaxlib.xla_client as _xla_client
     from jax.sharding import NamedSharding as _NamedSharding
@@ -331,7 +344,7 @@ def compile_options_for_devices(devices: Sequence[Any]) -> Any:
     replica with one partition per device).
     """
     import numpy as np
-    from jaxlib import _jax
+    from jaxlib import _jax  # pyright: ignore[reportAttributeAccessIssue]: private, untyped
 
     options = _jax.CompileOptions()
     options.num_replicas = 1

@@ -40,10 +40,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.jit.batch_placement import batch_shardings
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -134,7 +136,7 @@ def initialize(
         )
     heartbeat = heartbeat_timeout_s or env_int(ENV_HEARTBEAT, os.environ.get(ENV_HEARTBEAT, "10"))
     devices = os.environ.get(ENV_DEVICES_PER_PROCESS)
-    if devices and jax.config.jax_platforms in (None, "", "cpu"):
+    if devices and config_value("jax_platforms") in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", env_int(ENV_DEVICES_PER_PROCESS, devices))
     kwargs: dict[str, Any] = {}
     if given:
@@ -188,11 +190,12 @@ def _runs_on_cpu() -> bool:
 
     ``JAX_PLATFORMS=cpu``, or no platform chosen and no GPU plugin installed.
     """
-    platforms = jax.config.jax_platforms
+    platforms = config_value("jax_platforms")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
     try:
-        import jax_plugins  # the namespace package of installed PjRt plugins
+        # The namespace package of installed PjRt plugins (absent when none is installed).
+        import jax_plugins  # pyright: ignore[reportMissingImports]
     except ImportError:
         return True
     names = [m.name for m in pkgutil.iter_modules(getattr(jax_plugins, "__path__", []))]
@@ -273,7 +276,7 @@ def _on_default_device(x: Any, device: Any) -> Any:
 
 
 def _default_device() -> Any:
-    configured = jax.config.jax_default_device
+    configured = config_value("jax_default_device")
     return configured if isinstance(configured, jax.Device) else jax.local_devices()[0]
 
 
@@ -411,7 +414,7 @@ def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
         v
         for v in _variables(tree)
         if isinstance(v.get_value(), jax.Array | MpmdArray)
-        and not jax.dtypes.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
+        and not jnp.issubdtype(v.get_value().dtype, jax.dtypes.prng_key)
     ]
     originals = [v.get_value() for v in variables]
     locals_ = collect_local(originals, "building a global view")

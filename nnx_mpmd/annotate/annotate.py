@@ -442,7 +442,7 @@ def stage_summary(module: Any) -> str:
 
     def label_of(path: tuple[Any, ...]) -> str:
         """A path's text; a `ScanStack` chunk reads as its layer range, ``blocks[0:4]``."""
-        stack = by_path.get(path[:-2]) if len(path) >= 2 and path[-2] == "chunks" else None
+        stack = by_path.get(path[:-2]) if path[-2:-1] == ("chunks",) else None
         if isinstance(stack, ScanStack):
             start, stop = stack.chunk_ranges()[int(path[-1])]
             return f"{path_text(path[:-2])}[{start}:{stop}]"
@@ -484,7 +484,7 @@ def stage_summary(module: Any) -> str:
         label = label_of(wrapper_path)
         if not any(p.rstrip("*") == label for p in rows[wrapper.stage][2]):
             rows[wrapper.stage][2].append(label)
-    order = sorted((s for s in rows if s is not None), key=int)
+    order: list[int | None] = [*sorted((s for s in rows if s is not None), key=int)]
     if None in rows:
         order.append(None)
     table = [("stage", "params", "bytes", "paths")]

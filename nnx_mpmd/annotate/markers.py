@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 from jax.extend.core import Primitive
@@ -41,7 +42,7 @@ class StageOutsideRegionError(PartitionError):
     """A `Stage` ran while `mp.jit` traced the step outside its pipelined region."""
 
 
-stage_marker_p = Primitive("mpmd_stage_marker")
+stage_marker_p: Primitive = Primitive("mpmd_stage_marker")
 stage_marker_p.multiple_results = True
 
 
@@ -86,7 +87,7 @@ def _differentiation_site() -> tuple[str, str]:
                 "grad_wrapper",
                 "tree_grad_wrapper",
             ):
-                value = frame.f_locals.get("return_value")
+                value: Any = frame.f_locals.get("return_value")
                 found = {True: "nnx.value_and_grad", False: "nnx.grad"}.get(value, "nnx.grad")
             elif module == "flax.nnx.transforms.autodiff" and name.startswith(("vjp", "jvp")):
                 found = f"nnx.{name[:3]}"

@@ -127,7 +127,8 @@ class ScanStack(nnx.Module):
         def create(rngs: nnx.Rngs) -> nnx.Module:
             return make_layer(rngs)
 
-        self.chunks = nnx.List([ScannedLayers(create(rngs))])
+        # One uncut ScannedLayers; `split` makes it one Stage(ScannedLayers) per stage.
+        self.chunks: nnx.List[ScannedLayers | Stage] = nnx.List([ScannedLayers(create(rngs))])
 
     @property
     def num_layers(self) -> int:
@@ -172,7 +173,7 @@ class ScanStack(nnx.Module):
         """
         ordered = _check_ranges(ranges, self.num_layers)
         graphdef, state = self._whole()
-        chunks = []
+        chunks: list[ScannedLayers | Stage] = []
         for (start, stop), stage in ordered:
             sliced = jax.tree.map(lambda a, lo=start, hi=stop: a[lo:hi], state)
             layers = nnx.merge(graphdef, sliced)

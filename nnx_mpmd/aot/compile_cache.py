@@ -36,6 +36,7 @@ import stat
 
 import jax
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.errors import CompileError
 
 __all__ = [
@@ -92,7 +93,7 @@ def enable_compile_cache(
       True
       >>> jax.config.update("jax_compilation_cache_dir", before)  # the tests' own cache
     """
-    configured = jax.config.jax_compilation_cache_dir
+    configured = config_value("jax_compilation_cache_dir")
     if configured:
         return pathlib.Path(configured)
     if directory is None and os.environ.get(ENV_VAR, "").strip().lower() == "off":

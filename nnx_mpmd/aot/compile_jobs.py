@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnx_mpmd.aot import program_sharing
 from nnx_mpmd.placement.mesh import mesh_shape_key
@@ -155,7 +155,7 @@ def on_devices_of(args: Any, mesh: Any) -> bool:
         if sharding is None:
             continue
         if not isinstance(sharding, NamedSharding) or not program_sharing.same_devices(
-            sharding.mesh, mesh
+            cast(Mesh, sharding.mesh), mesh
         ):
             return False
         on_mesh = True
@@ -374,7 +374,7 @@ class ProgramCompiler:
         def load(done: Future) -> None:
             try:
                 found = done.result()
-                source, source_mesh, fresh = found if found is not None else (None, None, False)
+                source, source_mesh, fresh = found if found is not None else (None, mesh, False)
                 if source is not None and program_sharing.same_devices(source_mesh, mesh):
                     compiled, shared = source, True  # the same program: never load it twice
                 elif source is not None and (fresh or program_sharing.recall(key) is not None):

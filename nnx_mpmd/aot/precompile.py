@@ -197,7 +197,7 @@ class Precompiling:
             compiler = self._operations.compiler
             if self._loaded is not None:
                 self._loaded.update(compiler.loaded)
-            self._compiled = compiler.compiled
+            self._compiled = int(compiler.compiled)
         return self._compiled
 
 

@@ -45,7 +45,7 @@ import pickle
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 from jax.experimental import serialize_executable
@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from nnx_mpmd._jax_compat import (
     RemappingUnpickler,
     argument_aval,
+    config_value,
     has_host_callbacks,
     kept_arguments,
 )
@@ -190,7 +191,7 @@ def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
         is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
     )
     return bool(shardings) and all(
-        isinstance(s, NamedSharding) and same_devices(s.mesh, mesh) for s in shardings
+        isinstance(s, NamedSharding) and same_devices(cast(Mesh, s.mesh), mesh) for s in shardings
     )
 
 
@@ -414,7 +415,7 @@ def recall_in_process(key: Any) -> Serialized | None:
     if found is not None:
         return found
     compiled = fresh[0]() if fresh is not None else None
-    if compiled is None:
+    if compiled is None or fresh is None:  # fresh is None: compiled is too
         return None
     try:
         executable = serialized(compiled, fresh[1])
@@ -477,7 +478,7 @@ def backend_environment() -> tuple[str, ...]:
     backend = jax.devices()[0].client
     return (
         jax.__version__,
-        jaxlib.__version__,
+        jaxlib.__version__,  # pyright: ignore[reportPrivateImportUsage]: public, not in __all__
         backend.platform,
         backend.platform_version,
         os.environ.get("XLA_FLAGS", ""),
@@ -504,8 +505,8 @@ _STORE_FOLDER = "nnx_mpmd_shared"
 
 def _stored_path(key: Any) -> pathlib.Path | None:
     """Where `remember` stores ``key``'s executable, or None (no persistent cache)."""
-    directory = jax.config.jax_compilation_cache_dir
-    if not directory or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
+    directory = config_value("jax_compilation_cache_dir")
+    if not directory or not config_value("jax_enable_compilation_cache") or jax.process_count() > 1:
         return None
     digest = hashlib.sha256(repr(_full_key(key)).encode()).hexdigest()
     return pathlib.Path(directory) / _STORE_FOLDER / f"{digest}.pkl"

@@ -38,8 +38,8 @@ class CompilationCounter:
         self.names: list[str] = []
 
 
-def _listener(event: str, duration: float, **kwargs: object) -> None:
-    del duration
+def _listener(event: str, duration_secs: float, **kwargs: object) -> None:
+    del duration_secs
     if event == _EVENT:
         with _lock:
             for counter in _active:

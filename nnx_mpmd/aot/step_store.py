@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.aot import program_sharing
 from nnx_mpmd.aot.compile_cache import safe_to_load
 from nnx_mpmd.aot.fingerprint import jaxpr_fingerprint, value_fingerprint
@@ -102,8 +103,8 @@ StepSources = dict[int, tuple[Callable[[], Any], Any]]
 
 
 def _directory() -> pathlib.Path | None:
-    directory = jax.config.jax_compilation_cache_dir
-    if not ENABLED or not directory or not jax.config.jax_enable_compilation_cache:
+    directory = config_value("jax_compilation_cache_dir")
+    if not ENABLED or not directory or not config_value("jax_enable_compilation_cache"):
         return None
     if jax.process_count() > 1:
         return None

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.apps.bench_probes import (
     Variant,
     block,
@@ -98,7 +99,7 @@ def _setup_devices(count: int) -> None:
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
-        if jax.config.jax_num_cpu_devices < count:
+        if config_value("jax_num_cpu_devices") < count:
             jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
         pass  # the backend already started: the check below explains

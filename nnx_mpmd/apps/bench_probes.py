@@ -44,7 +44,8 @@ def block(x: Any) -> Any:
 class Variant:
     """One timed step: a name, the callable, its arguments and its batches."""
 
-    def __init__(self, name: str, step: Callable[..., Any], args: tuple, batches: list) -> None:
+    # ``step``: an `mp.jit` function (its probes read its attributes) or a jax.jit one.
+    def __init__(self, name: str, step: Any, args: tuple, batches: list) -> None:
         self.name, self.step, self.args, self.batches = name, step, args, batches
         self.times: list[float] = []
         self.host_cpu: list[float] = []  # CPU seconds of the calling thread in the call

@@ -38,7 +38,7 @@ import os
 import pathlib
 import shutil
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -308,7 +308,9 @@ class PackedBatches(ResumableBatches):
         """
         rows = np.arange(self.batch_size) if rows is None else self._checked_rows(rows)
         first = int(index) * self.batch_size
-        chunk = np.stack([self.examples[first + int(r)] for r in rows]) if rows.size else None
+        # A mapped grain dataset may hold None (filtered); this one never does.
+        picked = [cast(np.ndarray, self.examples[first + int(r)]) for r in rows]
+        chunk = np.stack(picked) if rows.size else None
         if chunk is None:
             chunk = np.zeros((0, self.seq_len + 1), np.int32)
         return {"inputs": chunk[:, :-1], "targets": chunk[:, 1:]}
@@ -424,12 +426,13 @@ def build_data(
     run_dir = pathlib.Path(run_dir)
     fraction = cfg.val_fraction or DEFAULT_VAL_FRACTION
     with removed_on_error(run_dir):
-        tokenizer = tokenizer_into_run(cfg.tokenizer, run_dir) if cfg.tokenizer else None
-        if cfg.dataset is None:  # a tokenizer file on the built-in corpus
+        if cfg.dataset is None:  # a tokenizer file (given: see above) on the built-in corpus
+            tokenizer = tokenizer_into_run(cfg.tokenizer, run_dir)
             train, val = train_val_split(
                 tokenizer.encode(stdlib_corpus(cfg.corpus_bytes)), fraction
             )
             return TrainingData(tokenizer, train, val, "def ")
+        tokenizer = tokenizer_into_run(cfg.tokenizer, run_dir) if cfg.tokenizer else None
         return _dataset(cfg, run_dir, seq_len, tokenizer, fraction, show_progress)
 
 

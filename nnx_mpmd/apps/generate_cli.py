@@ -34,7 +34,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, cast
 
 __all__ = ["GenerateConfig", "TextStream", "build_parser", "config_from_args", "main", "run"]
 
@@ -255,7 +255,8 @@ def _build_model(meta: dict, num_stages: int, layout: str, where: str) -> Any:
     from nnx_mpmd.errors import CheckpointError, PartitionError
     from nnx_mpmd.models import MODELS
 
-    config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    config = meta.get("config")
+    config = config if isinstance(config, dict) else {}
     family, model_config = config.get("model"), config.get("model_config")
     if family not in MODELS or not isinstance(model_config, dict):
         raise CheckpointError(
@@ -304,7 +305,7 @@ def restore_run(
     from nnx_mpmd.checkpoint import CheckpointManager
     from nnx_mpmd.errors import CheckpointError
 
-    err = sys.stderr if err is None else err
+    err = cast(IO[str], sys.stderr) if err is None else err
     where = checkpoint_dir(run_dir)
     manager = CheckpointManager(where, async_save=False)
     try:
@@ -321,7 +322,7 @@ def restore_run(
         else:
             newest, meta = _readable_metadata(manager, steps, err)
         model = _build_model(meta, num_stages, layout, f"checkpoint {newest} in {where}")
-        tokenizer = tokenizer_from_dict(meta.get("tokenizer"), run_dir)
+        tokenizer = tokenizer_from_dict(meta.get("tokenizer") or {}, run_dir)
         target = {"model": model}
         if step is not None:
             manager.restore(target, step, partial=True)
@@ -419,8 +420,8 @@ def run(
     from nnx_mpmd.aot.compile_cache import enable_compile_cache
     from nnx_mpmd.jit.generate import Generator
 
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
+    out = cast(IO[str], sys.stdout) if out is None else out
+    err = cast(IO[str], sys.stderr) if err is None else err
     enable_compile_cache()
     schedule, num_stages, mesh, layout = _layout(cfg)
     model, tokenizer, step = restore_run(cfg.run_dir, cfg.step, num_stages, layout, err)

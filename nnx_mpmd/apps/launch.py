@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from nnx_mpmd.errors import MpmdError
 from nnx_mpmd.runtime.multi_process import launch_env
@@ -304,7 +304,7 @@ def launch(
       [p0] 0
       0
     """
-    out = out or sys.stdout
+    out = out or cast(IO[str], sys.stdout)
     coordinator = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []

@@ -136,7 +136,7 @@ def run(cfg: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="nnx-mpmd-plan-") as scratch:
         # --init-from: the checkpoint's family, depth and tokenizer, as train takes them.
         apply_init_from(cfg, pathlib.Path(scratch))
-        trainer = Trainer(cfg, scratch)  # removed when planned
+        trainer = Trainer(cfg, pathlib.Path(scratch))  # removed when planned
         return _plan_and_save(cfg, trainer)
 
 

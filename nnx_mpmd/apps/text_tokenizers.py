@@ -141,7 +141,11 @@ class _FileTokenizer:
     path: pathlib.Path
     name: str
     sha256: str
-    vocab_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids; each file format says how many."""
+        raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
         """The file's name in the run directory and its sha256 (see `tokenizer_from_dict`)."""

@@ -40,7 +40,7 @@ import json
 import math
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from nnx_mpmd.errors import MpmdError
 
@@ -199,12 +199,15 @@ def read_config_file(path: str | pathlib.Path, keys: Mapping[str, ConfigKey]) ->
     return values
 
 
+_Options = TypeVar("_Options", bound=argparse.Namespace)
+
+
 def parse_layered(
     parser: argparse.ArgumentParser,
     argv: list[str],
-    namespace: argparse.Namespace,
+    namespace: _Options,
     saved_config: Callable[[argparse.Namespace], pathlib.Path | None],
-) -> argparse.Namespace:
+) -> _Options:
     """Parses ``argv`` over the ``--config`` file over a resumed run's saved configuration.
 
     Args:

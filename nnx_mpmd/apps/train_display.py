@@ -86,7 +86,7 @@ class CompileCounter:
         self._on_change = on_change
         self._lock = threading.Lock()
 
-    def _on_duration(self, event: str, duration: float, **kwargs: Any) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event == _COMPILE_EVENT:
             with self._lock:
                 self.programs += 1

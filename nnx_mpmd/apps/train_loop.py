@@ -16,13 +16,14 @@ import json
 import math
 import pathlib
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.apps.data import BatchIterator, CharTokenizer, stdlib_corpus, train_val_split
 from nnx_mpmd.apps.datasets import DEFAULT_VAL_FRACTION, build_data
 from nnx_mpmd.apps.local_batches import process_local_batches
@@ -90,8 +91,8 @@ DEVICE_FLAG_HINT = "--xla_force_host_platform_device_count=N"
 
 def _compile_cache_text() -> str:
     """Where JAX's persistent compilation cache is, or ``off``."""
-    directory = jax.config.jax_compilation_cache_dir
-    return directory if directory and jax.config.jax_enable_compilation_cache else "off"
+    directory = config_value("jax_compilation_cache_dir")
+    return directory if directory and config_value("jax_enable_compilation_cache") else "off"
 
 
 def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
@@ -281,7 +282,12 @@ class Trainer:
                 f"{cfg.preset} context length); pick a shorter one."
             )
         if self.data is None:
-            self.batches = BatchIterator(train_tokens, cfg.batch_size, self.seq_len, seed=cfg.seed)
+            self.batches = BatchIterator(
+                train_tokens,  # pyright: ignore[reportPossiblyUnboundVariable]: set when data is None
+                cfg.batch_size,
+                self.seq_len,
+                seed=cfg.seed,
+            )
         else:
             self.batches = self.data.batches(cfg.batch_size, self.seq_len, cfg.seed)
         warmup = min(cfg.warmup, cfg.steps - 1)
@@ -425,12 +431,14 @@ class Trainer:
         if manager is not None:
             manager.close()  # waits until the last save is committed
         if self.stopped is not None:
-            return self._stopped_summary(losses)
+            return self._stopped_summary(self.stopped, losses)
         return self._finish(metrics, losses)
 
-    def _stopped_summary(self, losses: list[float]) -> dict[str, Any]:
+    def _stopped_summary(
+        self, stopped: tuple[int, int, bool], losses: list[float]
+    ) -> dict[str, Any]:
         """The summary of a run a stop signal ended; process 0 prints how to continue it."""
-        step, signum, saved = self.stopped
+        step, signum, saved = stopped
         if self.writes_outputs:
             print(stopped_message(step, signum, self.run_dir, saved), flush=True)
         return {
@@ -506,7 +514,7 @@ class Trainer:
                         "tokens_per_s": tps,
                         "mfu": self.reporting.mfu(tps),
                         "step_s": seconds,
-                        "lr": float(self.lr(step - 1)),
+                        "lr": float(np.asarray(self.lr(step - 1))),
                         "elapsed_s": time.perf_counter() - started,
                         **evaluated,
                     }
@@ -532,16 +540,17 @@ class Trainer:
                     utilization = self.reporting.mfu(tps)
                     shown = "" if utilization is None else f"  mfu {utilization:.1%}"
                     say(f"step {step}/{cfg.steps}  loss {loss:.4f}  {tps:,.0f} tok/s{shown}")
-                saves = manager is not None and bool(cfg.ckpt_every)
-                if saves and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-                    self.save_checkpoint(manager, step)
+                saver = manager if cfg.ckpt_every else None
+                if saver is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+                    self.save_checkpoint(saver, step)
                     saved_at = step
                 # Every process asks after every step: the stop step is agreed on.
                 if stop is not None and stop.should_stop(step):
-                    if saves and saved_at != step:
-                        self.save_checkpoint(manager, step)
+                    if saver is not None and saved_at != step:
+                        self.save_checkpoint(saver, step)
                         saved_at = step
-                    self.stopped = (step, int(stop.signum), saved_at == step)
+                    # should_stop is True once a signal came: signum is set
+                    self.stopped = (step, cast(int, stop.signum), saved_at == step)
                     break
         return losses
 

@@ -139,7 +139,7 @@ def matmul_params(model: Any) -> int:
         for _, node in nnx.iter_graph(model)
         if isinstance(node, Embedding)
     }
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     tied = getattr(config, "tie_embeddings", False)
     head = config.vocab_size * config.d_model if tied else 0
     return count_params(model) - sum(tables.values()) + head
@@ -351,7 +351,7 @@ class TrainReporting:
             precision = getattr(trainer, "precision", None)
             mixed = precision is not None and precision.is_mixed
             self._eval_fn = jit(
-                precision.wrap(lm_loss) if mixed else lm_loss,  # the train step's --dtype
+                precision.wrap(lm_loss) if precision is not None and mixed else lm_loss,  # --dtype
                 mesh=trainer.mesh,
                 schedule=trainer.schedule,
                 num_microbatches=cfg.microbatches,

@@ -102,7 +102,7 @@ def _tokenizer_change(saved: dict[str, Any], tokenizer: Any) -> str | None:
     mine = tokenizer.to_dict()
     if saved_tokenizer == mine:
         return None
-    kinds = {"char": "the characters of the corpus", "hf": "a tokenizer file"}
+    kinds: dict[Any, str] = {"char": "the characters of the corpus", "hf": "a tokenizer file"}
     kinds["sentencepiece"] = "a tokenizer file"
     before = saved_tokenizer.get("type") if isinstance(saved_tokenizer, dict) else None
     if before == mine.get("type") == "char":
@@ -201,7 +201,7 @@ def restore_or_start(trainer: Any, manager: CheckpointManager | None) -> None:
                 "to continue that run, or choose a new --run-dir."
             )
         return
-    if latest is None:
+    if latest is None or manager is None:  # no manager: no checkpoint either
         raise CheckpointError(
             f"--resume: no finished checkpoint in {where}; run without --resume to "
             "start, or point --run-dir at a run that saved one."

@@ -23,7 +23,7 @@ import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -174,6 +174,7 @@ def _read_arrays(
     item = _nest(read, lambda e: _restore_arg(e, sharding, copy)[0])
     restore_args = _nest(read, lambda e: _restore_arg(e, sharding, copy)[1])
     error: CheckpointError | None = None
+    arrays: dict[str, Any] = {}  # a failed read raises below, on every process
     try:
         arrays = reader(item, restore_args, partial or len(read) < len(entries))
     except Exception as failure:  # orbax/tensorstore raise many types for damaged files
@@ -360,8 +361,8 @@ def restore_layout(
         value = _restored_value(entry, records[entry.name], arrays, copies)
         if entry.variable is not None:
             entry.variable.set_value(value)
-        else:
-            new_leaves[entry.leaf_index] = value
+        else:  # an entry without a variable has a leaf index
+            new_leaves[cast(int, entry.leaf_index)] = value
     return layout.rebuild(new_leaves)
 
 

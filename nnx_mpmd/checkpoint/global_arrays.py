@@ -56,7 +56,7 @@ import functools
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -167,7 +167,7 @@ def spanning_sharding(sharding: jax.sharding.Sharding, turn: int = 0) -> NamedSh
             "process save arrays as they are (nothing to do)."
         )
     named = _as_named(sharding)
-    mesh = named.mesh
+    mesh = cast(Mesh, named.mesh)  # typed Mesh | AbstractMesh; an array's mesh is concrete
     devices = list(mesh.devices.flat)
     present = {_process_of(d) for d in devices}
     missing = [p for p in sorted(by_process) if p not in present]
@@ -204,7 +204,9 @@ def _one_device(device: Any) -> NamedSharding:
     return NamedSharding(Mesh(np.array([device]), ("shard",)), PartitionSpec())
 
 
-def _move_shards(value: jax.Array, sharding: NamedSharding, kept: list | None = None) -> jax.Array:
+def _move_shards(
+    value: jax.Array, sharding: NamedSharding, kept: list[Any] | None = None
+) -> jax.Array:
     """``value`` onto ``sharding``, whose shards are cut like the source's.
 
     A shard held in the destination device's process is copied there; the
@@ -282,7 +284,7 @@ def _batches_with_distinct_sources(cross: list) -> list[list]:
     return [[pair] for pair in cross]
 
 
-def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
+def savable(array: Any, turn: int = 0, kept: list[Any] | None = None) -> Any:
     """``array`` as orbax can save it: as it is, unless some process holds none of it.
 
     A collective in a multi-process run; the module docstring says what moves.
@@ -312,7 +314,8 @@ def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
         source = jax.make_array_from_single_device_arrays(
             array.shape, _as_named(array.sharding), shards, dtype=array.dtype
         )
-    fewer_devices_than_processes = target.mesh.devices.shape != source.sharding.mesh.devices.shape
+    source_mesh = cast(NamedSharding, source.sharding).mesh
+    fewer_devices_than_processes = target.mesh.axis_sizes != source_mesh.axis_sizes
     if fewer_devices_than_processes and not source.sharding.is_fully_replicated:
         source = _replicate_program(source.sharding)(source)  # replicated first, on its mesh
     return _move_shards(source, target, kept)
@@ -321,7 +324,7 @@ def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
 _SETTLE_ROUNDS = itertools.count()
 
 
-def settle_moves(kept: list) -> None:
+def settle_moves(kept: list[Any]) -> None:
     """Waits until every shard moved by `savable` has arrived, on every process.
 
     A collective: a sender keeps its one-device arrays (in ``kept``) until
@@ -375,7 +378,7 @@ def move_to(array: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """
     if not multi_process() or (array.is_fully_addressable and sharding.is_fully_addressable):
         return jax.device_put(array, sharding)
-    return put_between_meshes(array, sharding)
+    return put_between_meshes(array, cast(NamedSharding, sharding))
 
 
 @functools.lru_cache(maxsize=64)

@@ -194,7 +194,8 @@ class AttributeHolder:
     """
 
     def __init__(self, root: Any, path: tuple[Any, ...]) -> None:
-        self.root, self.path = root, path
+        self.root: Any = root
+        self.path: tuple[Any, ...] = path
 
     def get_value(self) -> Any:
         return dict(nnx.to_flat_state(nnx.state(self.root)))[self.path]
@@ -302,7 +303,7 @@ def collect(tree: Any, *, where: str = "tree") -> Layout:
 def _entry(
     path: tuple[str, ...],
     value: Any,
-    variable: nnx.Variable | None,
+    variable: nnx.Variable | AttributeHolder | None,
     leaf_index: int | None,
     physical: tuple[str, ...],
     where: str,

@@ -204,7 +204,7 @@ def _recut(
         for entry in targets
     ):
         return None
-    shapes = [records[name].get("shape") for name in saved]
+    shapes = [records[name].get("shape") or [] for name in saved]
     if any(records[name].get("kind") != kind or not shape for name, shape in zip(saved, shapes)):
         return None
     target_shapes = [list(entry.value.shape) for entry in targets]

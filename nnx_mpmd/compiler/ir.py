@@ -438,7 +438,7 @@ def _task_text(task: Any) -> str:
 
 def _parse_task(text: str) -> Any:
     tasks = tuple(Task.parse(t) for t in text.split("+"))
-    return tasks if len(tasks) > 1 else tasks[0]
+    return tasks[0] if len(tasks) == 1 else tasks
 
 
 def _transfer_text(ins: Transfer) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax.extend import core as jcore
 

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -41,13 +42,13 @@ __all__ = [
 ]
 
 #: model family name -> (model class, config class), as used by the CLI.
-MODELS: dict[str, tuple[type[nnx.Module], type[ModelConfig]]] = {
+MODELS: dict[str, tuple[Callable[..., GPT | Llama], type[ModelConfig]]] = {
     "gpt": (GPT, GPTConfig),
     "llama": (Llama, LlamaConfig),
 }
 
 
-def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+def lm_loss(model: Any, batch: Mapping[str, jax.typing.ArrayLike]) -> jax.Array:
     """Mean next-token cross-entropy of a language model on one batch.
 
     Args:
@@ -71,7 +72,7 @@ def lm_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
 
 def build_model(
     name: str, preset: str, *, num_stages: int, rngs: nnx.Rngs, **overrides: Any
-) -> nnx.Module:
+) -> GPT | Llama:
     """Builds a zoo model from a family name and a preset.
 
     Args:

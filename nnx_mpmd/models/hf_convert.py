@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -80,10 +80,10 @@ def _gpt_rules(cfg: GPTConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     d = cfg.d_model
     same = (lambda t: t, lambda v: v)
 
-    def third(i: int) -> tuple[Callable, Callable]:
+    def third(i: int) -> tuple[Callable, Callable | None]:
         return (lambda t: t[..., i * d : (i + 1) * d], None)
 
-    per_block = {
+    per_block: dict[str, Any] = {
         "attn_norm.scale": ("h.{L}.ln_1.weight", *same),
         "attn_norm.bias": ("h.{L}.ln_1.bias", *same),
         "mlp_norm.scale": ("h.{L}.ln_2.weight", *same),
@@ -330,7 +330,7 @@ def load_pretrained(
         hf, num_stages=num_stages, where=str(path / "config.json"), **overrides
     )
     tensors = _read_tensors(path)
-    model_cls = GPT if family == "gpt" else Llama
+    model_cls = cast(Callable[..., GPT | Llama], GPT if family == "gpt" else Llama)
     model = model_cls(cfg, rngs=rngs or nnx.Rngs(0))
     assign_hf_tensors(model, tensors, where=str(path))
     return model

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,7 @@ def gathered(value: jax.Array) -> jax.Array:
     """
     sharding = getattr(jax.typeof(value), "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if not spec or all(axis is None for axis in spec):
+    if sharding is None or not spec or all(axis is None for axis in spec):
         return value
     return jax.sharding.reshard(
         value, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -313,7 +313,7 @@ class Embedding(nnx.Module):
         table = gathered(self.table[...])
         sharding = getattr(jax.typeof(ids), "sharding", None)
         spec = getattr(sharding, "spec", None)
-        if spec and any(axis is not None for axis in spec):
+        if sharding is not None and spec and any(axis is not None for axis in spec):
             # Explicit mesh: rows come out sharded like the ids (e.g. batch on data).
             out_sharding = jax.sharding.NamedSharding(
                 sharding.mesh, jax.sharding.PartitionSpec(*spec, None)
@@ -512,12 +512,10 @@ class Attention(nnx.Module):
                 "(cache_rows: the [batch] rows of the cache the call's rows use)."
             )
         first = at[:, 0]
-        self.cached_key[...], keys = cache_ops.write_cache(
-            self.cached_key[...], cache_rows, first, k
-        )
-        self.cached_value[...], values = cache_ops.write_cache(
-            self.cached_value[...], cache_rows, first, v
-        )
+        # Made by kv_cache.init_cache (checked above), so not declared on the class.
+        cached_key, cached_value = self.cached_key, self.cached_value  # pyright: ignore[reportAttributeAccessIssue]
+        cached_key[...], keys = cache_ops.write_cache(cached_key[...], cache_rows, first, k)
+        cached_value[...], values = cache_ops.write_cache(cached_value[...], cache_rows, first, v)
         return cache_ops.cached_attention(q, keys, values, at)
 
 
@@ -604,7 +602,8 @@ class LMHead(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.norm(x)
-        logits = self.embedding.attend(x) if self.proj is None else self.proj(x)
+        # Exactly one of them is set (tied_embedding or not).
+        logits = cast(Embedding, self.embedding).attend(x) if self.proj is None else self.proj(x)
         return logits.astype(jnp.float32)
 
 

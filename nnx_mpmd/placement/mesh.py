@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -281,7 +281,7 @@ class MpmdMesh:
 
     def _submesh_of_sharding(self, x: Any) -> int | None:
         try:
-            sharding = x.sharding if isinstance(x, jax.Array) else x
+            sharding = cast(Any, x.sharding if isinstance(x, jax.Array) else x)
             return self._mesh_by_submesh.get(sharding.mesh)
         except Exception:  # no sharding, a deleted array, or an unhashable mesh
             return None

@@ -29,12 +29,13 @@ import contextlib
 import operator
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast, overload
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import PlacementError
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -42,6 +43,10 @@ from nnx_mpmd.placement.mesh import MpmdMesh
 __all__ = ["MpmdArray", "normalize_spec"]
 
 
+@overload
+def normalize_spec(spec: PartitionSpec) -> PartitionSpec: ...
+@overload
+def normalize_spec(spec: None) -> None: ...
 def normalize_spec(spec: PartitionSpec | None) -> PartitionSpec | None:
     """Drops trailing ``None`` entries, so ``P('a', None)`` and ``P('a')`` compare equal.
 
@@ -223,7 +228,7 @@ class MpmdArray:
     # (indexing, arithmetic, comparison) run on one copy and return a jax.Array.
 
     __array_priority__ = 100  # like jax.Array: numpy defers `ndarray + x` to x.__radd__
-    __hash__ = object.__hash__  # hashable by identity, as before (caches key on it)
+    __hash__: Callable[[object], int] = object.__hash__  # by identity (caches key on it)
 
     def _readable_copies(self, what: str) -> list[tuple[int, jax.Array]]:
         """``(mesh_id, copy)`` for each copy this process can read, lowest mesh first.
@@ -393,7 +398,7 @@ class MpmdArray:
         updated = {}
         for mesh_id, copy in self._arrays.items():
             sharding = copy.sharding
-            mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+            mesh = cast(Mesh, sharding.mesh) if isinstance(sharding, NamedSharding) else None
             # Explicit axes: an eager update of a sharded array needs its mesh.
             with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
                 new = copy.at[index].set(host_value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -58,6 +59,10 @@ def _path_text(path: Any) -> str:
 
 def _sort_key(path: Path) -> tuple[Any, ...]:
     return tuple((0, key, "") if isinstance(key, int) else (1, 0, str(key)) for key in path)
+
+
+def _looped_mesh(stage: int, num_meshes: int) -> int:
+    return stage % num_meshes
 
 
 def partition(
@@ -98,10 +103,7 @@ def partition(
     if isinstance(num_meshes, bool) or not isinstance(num_meshes, int) or num_meshes < 1:
         raise PartitionError(f"partition needs num_meshes >= 1, got {num_meshes!r}.")
     if mesh_of is None:
-
-        def mesh_of(stage: int) -> int:
-            return stage % num_meshes
-
+        mesh_of = partial(_looped_mesh, num_meshes=num_meshes)
     parts: list[list[tuple[Path, Any]]] = [[] for _ in range(num_meshes)]
     for path, leaf in nnx.to_flat_state(state):
         stage = variable_stage(leaf) if isinstance(leaf, nnx.Variable) else None

@@ -22,10 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nnx_mpmd._jax_compat import config_value
 from nnx_mpmd.annotate.annotate import (
     STAGE_KEY,
     _variable_stages,
@@ -239,7 +241,8 @@ def placement_decisions(
         if isinstance(leaf, nnx.Variable):
             decision = placement_of(leaf, path, mesh, schedule, num_stages, params=params)
         elif id(leaf) in attribute_stage:
-            owner = nnx.Variable(value, **{STAGE_KEY: attribute_stage[id(leaf)]})
+            metadata: dict[str, Any] = {STAGE_KEY: attribute_stage[id(leaf)]}
+            owner = nnx.Variable(value, **metadata)
             decision = placement_of(owner, path, mesh, schedule, num_stages, params=params)
         else:
             decision = everywhere
@@ -305,7 +308,7 @@ def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
 
 
 def _default_device() -> Any:
-    configured = jax.config.jax_default_device
+    configured = config_value("jax_default_device")
     return configured if isinstance(configured, jax.Device) else jax.local_devices()[0]
 
 

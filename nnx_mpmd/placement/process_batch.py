@@ -207,9 +207,11 @@ def make_microbatched_array(
     else:  # the process's devices are not neighbours along the axis: place slot by slot
         position = np.full(per_microbatch, -1)
         position[rows[: len(rows) // num_microbatches]] = np.arange(local.shape[1])
-        array = jax.make_array_from_callback(
-            global_shape, sharding, lambda index: local[index[0], position[index[1]]]
-        )
+
+        def rows_at(index: Any) -> np.ndarray:  # index: a tuple of slices, one per dimension
+            return local[index[0], position[index[1]]]
+
+        array = jax.make_array_from_callback(global_shape, sharding, rows_at)
     return MicrobatchedArray(array)
 
 

@@ -16,7 +16,7 @@ import os
 import statistics
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import optax
@@ -163,6 +163,7 @@ class Plan:
             layer_stages = chosen.unit_stages[i : i + stack.num_layers]
             stack.split(stage_ranges(layer_stages))
             for k, chunk in enumerate(stack.chunks):
+                chunk = cast(Stage, chunk)  # split: every chunk is a Stage
                 units.append((f"{stack_path}.chunks.{k}", chunk))
                 unit_stages.append(chunk.stage)
             i += stack.num_layers
@@ -282,6 +283,7 @@ class Plan:
                 "--no-spmd, to learn whether pipelining pays)"
             )
         (pipe, pipe_s, pipe_ran), (alt, alt_s, alt_ran) = pipes[0], alternatives[0]
+        pipe, alt = cast(Candidate, pipe), cast(SpmdCandidate, alt)  # as filtered above
         basis = {
             (True, True): "both measured",
             (False, False): "both predicted",
@@ -629,7 +631,7 @@ def _one_chunk_per_layer(model: Any) -> tuple[Any, dict[str, str]]:
     renamed: dict[str, str] = {}
     found = [(p, n) for p, n in nnx.iter_graph(copy) if isinstance(n, ScanStack)]
     for path, stack in found:
-        layer_stages = [
+        layer_stages: list[Any] = [
             getattr(chunk, "stage", None)
             for chunk, (lo, hi) in zip(stack.chunks, stack.chunk_ranges(), strict=True)
             for _ in range(lo, hi)

@@ -125,7 +125,10 @@ class UnitCosts:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UnitCosts:
         """Reads `to_dict`'s output."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
 
 def train_step_of(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
@@ -144,7 +147,7 @@ def one_submesh(mesh: MpmdMesh, index: int = 0) -> MpmdMesh:
     sub = mesh.submeshes[index]
     devices = np.asarray(sub.devices)[None]
     names = (mesh.mpmd_axis, *sub.axis_names)
-    types = (sub.axis_types[0] if sub.axis_types else None, *sub.axis_types)
+    types = (sub.axis_types[0], *sub.axis_types) if sub.axis_types else None
     return MpmdMesh(jax.sharding.Mesh(devices, names, axis_types=types), mesh.mpmd_axis)
 
 
@@ -163,10 +166,10 @@ def _profile_schedule(num_units: int, num_microbatches: int) -> Custom:
 
     split = [Task(u, 0, k) for u in reversed(range(num_units)) for k in ("BI", "BW")]
     if num_microbatches == 1:
-        return Custom(lists=[forwards(0) + split])
+        return Custom(lists=(tuple(forwards(0) + split),))
     last = split.pop()
     full = [Task(u, 1, "B") for u in reversed(range(num_units))]
-    return Custom(lists=[forwards(0) + split + forwards(1) + [last] + full])
+    return Custom(lists=(tuple(forwards(0) + split + forwards(1) + [last] + full),))
 
 
 def _rows(batch: Any, size: int) -> Any:
@@ -248,7 +251,7 @@ def _batch_bytes(compiled: Any, rows: Any, num_units: int, split: int) -> tuple[
         next(iter(where.values()), None) for where in compiled.input_slots[-len(leaves) :]
     ] if leaves else []  # fmt: skip
     first: dict[int, int] = {}
-    moved: dict[int, list[int]] = {}  # a host input's slot -> the slots it is copied to
+    moved: dict[int | None, list[int]] = {}  # a host input's slot -> the slots it is copied to
     for ins in compiled.instructions:
         members = ins.transfers if isinstance(ins, TransferBatch) else (ins,)
         for move in members:

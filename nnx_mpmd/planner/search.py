@@ -55,11 +55,14 @@ class Candidate:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Candidate:
         """Reads `to_dict`'s output."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
 
 def _stage_sums(values: Sequence[float], unit_stages: Sequence[int], num_stages: int) -> list[Any]:
-    sums = [0] * num_stages
+    sums: list[Any] = [0] * num_stages
     for value, stage in zip(values, unit_stages, strict=True):
         sums[stage] += value
     return sums

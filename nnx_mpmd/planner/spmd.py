@@ -102,7 +102,10 @@ class SpmdCandidate:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SpmdCandidate:
         """Reads `to_dict`'s output."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)

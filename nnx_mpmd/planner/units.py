@@ -58,7 +58,9 @@ def stage_units(
       >>> [path for path, _ in stage_units(model, loss, jnp.ones((2, 2)))]
       ['a', 'b']
     """
-    by_path = {path: node for path, node in nnx.iter_graph(model) if isinstance(node, Stage)}
+    by_path: dict[Any, Stage] = {
+        path: node for path, node in nnx.iter_graph(model) if isinstance(node, Stage)
+    }
     graphdef, state = nnx.split(model)
     called: list[Any] = []
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
@@ -105,8 +106,9 @@ class MicrobatchSplitter:
         # A PRNG key array has no ``weak_type``; its extended dtype declines it in `_splittable`.
         weak = getattr(value, "weak_type", None)
         key = (value.sharding, value.shape, value.dtype, weak, m, target)
-        plan = self._plans.get(key, False)
-        if plan is False:
+        try:
+            plan = self._plans[key]
+        except KeyError:
             plan = self._plans[key] = _plan(value, m, target)
         if plan is None:
             return None
@@ -158,7 +160,7 @@ def _splittable(value: jax.Array, m: int, target: Any) -> bool:
         and value.is_fully_addressable
         and len(value.sharding.device_set) == 1
         and getattr(value, "weak_type", None) is False
-        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended)
+        and not jnp.issubdtype(value.dtype, jax.dtypes.extended)
         and value.ndim >= 1
         and m > 0
         and value.shape[0] % m == 0

@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import DistributedError
 from nnx_mpmd.placement.mpmd_array import MpmdArray
@@ -219,7 +220,12 @@ def one_receiver_each(src_devices: Any, dst_devices: Any) -> bool:
     return all(len(targets) == 1 for targets in receivers.values())
 
 
-def _mesh_shape(mesh: Mesh) -> tuple[tuple[str, int], ...]:
+def _mesh_devices(sharding: Any) -> Any:
+    """The devices of a NamedSharding's (concrete) mesh, flat, in mesh order."""
+    return cast(Mesh, sharding.mesh).devices.flat
+
+
+def _mesh_shape(mesh: Mesh | AbstractMesh) -> tuple[tuple[str, int], ...]:
     return tuple(mesh.shape.items())
 
 
@@ -274,7 +280,7 @@ def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     if value.sharding == sharding:
         return value
     if _processes(value.sharding).isdisjoint(_processes(sharding)) and one_receiver_each(
-        value.sharding.mesh.devices.flat, sharding.mesh.devices.flat
+        _mesh_devices(value.sharding), _mesh_devices(sharding)
     ):
         return jax.device_put(value, sharding)  # every shard crosses: JAX moves it whole
     return _move_shards(value, sharding)
@@ -363,7 +369,7 @@ def to_every_process(x: Any) -> Any:
         if me in _processes(source.sharding):
             mine = _local_value(source)
         missing = sorted(set(missing) - _processes(source.sharding))
-    if jax.dtypes.issubdtype(source.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(source.dtype, jax.dtypes.prng_key):
         return _sent_by_device_put(source, missing, mine, me)
     return _sent_by_key_value_store(source, missing, mine, me)
 
@@ -418,5 +424,5 @@ def _sent_by_device_put(source: jax.Array, missing: list[int], mine: Any, me: in
 def _first_device(sharding: Any) -> Any:
     """The first device of ``sharding`` (in mesh order), the same on every process."""
     if isinstance(sharding, NamedSharding):
-        return sharding.mesh.devices.flat[0]
+        return _mesh_devices(sharding)[0]
     return min(sharding.device_set, key=lambda d: d.id)

@@ -43,7 +43,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -216,7 +216,8 @@ class DeviceOperations:
 
     def _reshaping_transfer(self, ins: Transfer) -> Step:
         """A batch split into microbatches: by the splitter when it can, else `transfer_value`."""
-        src, dst, m, shardings = ins.src, ins.dst, ins.reshape_microbatches, self.shardings
+        src, dst, shardings = ins.src, ins.dst, self.shardings
+        m = cast(int, ins.reshape_microbatches)  # set: this transfer splits a batch
         split, dst_mesh, spec = self.splitter.split, ins.dst_mesh, ins.spec
 
         def transfer(store: list[Any]) -> Any:

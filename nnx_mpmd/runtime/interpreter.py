@@ -115,7 +115,7 @@ class Observer:
 class PreparedStep(NamedTuple):
     """A step and the instruction it came from."""
 
-    index: int
+    index: int  # pyright: ignore[reportIncompatibleMethodOverride]: tuple.index is unused here
     instruction: Instruction
     run: Step
 

@@ -33,9 +33,10 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -434,7 +435,7 @@ def _whole_copies(x: jax.Array | MpmdArray, me: int) -> tuple[set[int], jax.Arra
 
 
 def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -505,7 +506,7 @@ def collect_local(values: Sequence[Any], where: str) -> list[Any]:
         if everyone - providers:
             exchanged = True
             if me == min(providers):
-                outgoing[i] = mine
+                outgoing[i] = cast(jax.Array, mine)  # a provider holds a whole copy
     if not exchanged:  # the same decision on every process: no collective needed
         return results
     coordination = get_coordination()

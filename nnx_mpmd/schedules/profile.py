@@ -176,7 +176,8 @@ def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any
         for stage, kinds_ in by_stage.items()
     }
     transfer = statistics.median(moves) if moves else 0.0
-    return Costs(**kinds, transfer=max(0.0, transfer), per_stage=per_stage)
+    times: dict[str, Any] = kinds  # the kinds' medians: F, B, BI, BW
+    return Costs(**times, transfer=max(0.0, transfer), per_stage=per_stage)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,7 +281,7 @@ def simulate(tasks: Iterable[Iterable[Task | str]], costs: Costs | None = None) 
         key=lambda entry: (entry[2], entry[0], entry[3]),
     )
     makespan = max((end for *_, end in entries), default=0)
-    busy = [0] * len(lists)
+    busy: list[float] = [0] * len(lists)
     for mesh, _, start, end in entries:
         busy[mesh] += end - start
     total = len(lists) * makespan

@@ -269,6 +269,7 @@ def _place_group(
         return end
     lengths = [duration(task) for task in group]
     span = group_work(lengths, overlap)
+    end = start
     for task, at, end in group_intervals(group, lengths, start, span):
         times[task] = (at, end)
     return end

@@ -162,6 +162,12 @@ def test_held_out_data_is_the_val_dataset_or_the_last_val_fraction(text_folder, 
     assert "held out (the last 25% of the tokens)" in split.notes[0]
 
 
+def test_an_empty_tokenizer_path_alone_is_an_mpmd_error(tmp_path):
+    # Before: build_data took "" for "no tokenizer" and then called None.encode.
+    with pytest.raises(MpmdError, match=r"--tokenizer \.: unknown tokenizer file type"):
+        datasets.build_data(_data_options(tokenizer="", corpus_bytes=5000), tmp_path / "run", 16)
+
+
 def test_a_tokenizer_file_alone_tokenizes_the_builtin_corpus(spm_model_file, tmp_path):
     from nnx_mpmd.apps.data import BatchIterator, stdlib_corpus
 

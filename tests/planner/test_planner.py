@@ -505,3 +505,13 @@ def test_plan_under_the_launcher_says_to_plan_in_one_process(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "one of 2 launched processes, but the planner runs in one process" in err
     assert "nnx-mpmd launch ... -- nnx-mpmd train --plan FILE" in err
+
+
+def test_one_submesh_of_a_mesh_with_only_the_stage_axis():
+    # Before: a submesh with no axes gave Mesh(axis_types=(None,)), a TypeError.
+    from nnx_mpmd.planner.profile_units import one_submesh
+
+    mesh = mp.MpmdMesh(jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2]), "stage")
+    one = one_submesh(mesh, 1)
+    assert one.num_meshes == 1
+    assert [d.id for d in one.submeshes[0].devices.flat] == [jax.devices()[1].id]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax import lax
@@ -81,7 +81,7 @@ class PackedTransfer:
         """Slot key of the array on ``mesh`` (`src` or `dst`)."""
         return PackOnMesh(self.vars, mesh)
 
-    def text(self, names: dict[Any, str]) -> str:
+    def text(self, names: Mapping[Any, str]) -> str:
         """What it moves, for reports: ``3 values (a, b, c)``."""
         shown = [names.get(v, "?") for v in self.vars[:3]]
         more = ", ..." if len(self.vars) > 3 else ""
@@ -177,7 +177,7 @@ def pack_transfers(levels: Any, kept: set[ValueOnMesh]) -> Any:
     return dataclasses.replace(levels, transfers=tuple(transfers))
 
 
-def transfer_text(pack: PackedTransfer, names: dict[Any, str]) -> str:
+def transfer_text(pack: PackedTransfer, names: Mapping[Any, str]) -> str:
     """`PackedTransfer`'s line in `outer_emit.OuterLevels`' text."""
     shown = tuple(names.get(v, "?") for v in pack.vars)
     return (
@@ -209,7 +209,7 @@ def _unpack_value(packed: Any, offset: int, shape: tuple[int, ...]) -> Any:
 
 
 def packed_function(
-    run: Callable[..., tuple[Any, ...]],
+    run: Callable[..., Sequence[Any]],
     unpack: Sequence[tuple[int, tuple[int, tuple[int, ...]] | None]],
     pack: Sequence[tuple[int, ...]],
     num_outputs: int,

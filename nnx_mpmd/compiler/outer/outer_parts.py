@@ -169,6 +169,7 @@ def split_common_parts(levels: OuterLevels) -> OuterLevels:
         pieces = {g: _pieces(eqns, levels.groups[g], names) for g in family}
         core = _core(family, pieces)
         for group in family if core is not None else ():
+            assert core is not None  # for the type checker: the loop is empty otherwise
             order = _match(pieces[core], pieces[group])
             if order is None:
                 continue

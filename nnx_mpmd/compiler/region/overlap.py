@@ -20,7 +20,7 @@ they were before the group, so either would be a silently wrong result.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from nnx_mpmd.compiler.ir import Call, Instruction, ProgramKey
 from nnx_mpmd.compiler.jaxpr_utils import named_jit
@@ -35,7 +35,7 @@ __all__ = ["overlap_tasks", "overlapped_call"]
 _OVERLAPPABLE = ("F", "B", "BI", "BW")
 
 
-def _starts_group(ins: Instruction) -> bool:
+def _starts_group(ins: Instruction) -> TypeGuard[Call]:
     return isinstance(ins, Call) and isinstance(ins.task, Task) and ins.task.with_next
 
 
@@ -84,7 +84,8 @@ def _composed(ctx: RegionContext, key: ProgramKey, calls: Sequence[Call]) -> Cal
     offset = 0
     for call in calls:
         method, always = STAGE_PROGRAMS[call.program.kind]
-        parts.append((getattr(ctx.fns[call.program.stage], method), offset, len(call.args)))
+        stage = cast(int, call.program.stage)  # a stage task's program names its stage
+        parts.append((getattr(ctx.fns[stage], method), offset, len(call.args)))
         donated += [offset + d for d in always]
         offset += len(call.args)
 
@@ -123,7 +124,7 @@ def overlapped_call(ctx: RegionContext, members: Sequence[Call]) -> Call:
     if key not in ctx.programs:
         ctx.programs[key] = _composed(ctx, key, calls)
     # The composed program is its members' programs side by side: equal members, equal program.
-    parts = tuple(ctx.fns[c.program.stage].structure(c.program.kind) for c in calls)
+    parts = tuple(ctx.fns[cast(int, c.program.stage)].structure(c.program.kind) for c in calls)
     return Call(
         members[0].mesh,
         key,

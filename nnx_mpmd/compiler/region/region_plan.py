@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -48,7 +48,7 @@ from nnx_mpmd.compiler.region.schedule_lowering import (
     fuse_forward_backward,
     lower_schedule,
 )
-from nnx_mpmd.compiler.trace.grad_reduction import reduce_gradients_once
+from nnx_mpmd.compiler.trace.grad_reduction import GradientReduction, reduce_gradients_once
 from nnx_mpmd.compiler.trace.grad_reduction_auto import StackedReduction
 from nnx_mpmd.compiler.trace.stage_programs import STAGE_PROGRAMS, StageFunctions
 from nnx_mpmd.compiler.trace.stages import StagePlan
@@ -141,8 +141,10 @@ class _LazyReduce:
         if self.jitted is None:
             # Stacked partials ([n, *shape]) and reduce-scattered gradients are
             # larger than their results: XLA could not reuse those buffers.
-            red = self.reduction
-            shrinks = isinstance(red, StackedReduction) or any(map(red.sharded_over, params))
+            red = self.reduction  # a stage with a reduce program has a reduction
+            shrinks = isinstance(red, StackedReduction) or any(
+                map(cast(GradientReduction, red).sharded_over, params)
+            )
             donate = {} if shrinks else {"donate_argnums": (0,)}
             self.jitted = named_jit(self.fn, self.label, **donate)
         return self.jitted
@@ -305,11 +307,10 @@ def assign_slots(
             numbers[value] = input_slot(value.ident[0], value.mesh)  # type: ignore[arg-type]
             continue
         numbers[value] = slots(value)
-        if value.kind == "idx":
-            sharding = jax.sharding.NamedSharding(
-                submeshes[value.mesh], jax.sharding.PartitionSpec()
-            )
-            constants[numbers[value]] = put_scalar(np.int32(value.microbatch), sharding)
+        if value.kind == "idx":  # a microbatch index: it has a mesh and a microbatch
+            mesh, microbatch = cast(int, value.mesh), cast(int, value.microbatch)
+            sharding = jax.sharding.NamedSharding(submeshes[mesh], jax.sharding.PartitionSpec())
+            constants[numbers[value]] = put_scalar(np.int32(microbatch), sharding)
     output_slots = [[(place, _renamed(v, numbers)) for place, v in locs] for locs in locations]
     instructions = [_renumbered(ins, numbers) for ins in program]
     return NumberedRegion(instructions, output_slots, constants)

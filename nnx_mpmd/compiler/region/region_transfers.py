@@ -10,6 +10,7 @@ overlaps with whatever the producing mesh runs next.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from nnx_mpmd.compiler.ir import Call, Instruction, Transfer
 from nnx_mpmd.compiler.jaxpr_utils import var_bytes
@@ -76,9 +77,16 @@ def _transfer(
     k, c = _stage_of(producer, src, ctx, True), _stage_of(reader, dst, ctx, False)
     label = f"{_MOVED[src.kind]} s{k}->s{c} mb{src.microbatch}"
     nbytes = var_bytes(ctx.boundary_vars[src.ident[0]])
+    # The region's slots are RegionValues until region_plan numbers them.
     return Transfer(
-        src, dst, dst.mesh, label, src_mesh=src.mesh, nbytes=nbytes, per_microbatch=True
-    )  # type: ignore[arg-type]
+        src,  # pyright: ignore[reportArgumentType]
+        dst,  # pyright: ignore[reportArgumentType]
+        cast(int, dst.mesh),
+        label,
+        src_mesh=cast(int, src.mesh),
+        nbytes=nbytes,
+        per_microbatch=True,
+    )
 
 
 def _missing_reads(
@@ -98,7 +106,7 @@ def _missing_reads(
             if value in written or value.kind in _GIVEN:
                 continue
             position, source = producers.get(value.on(None), (None, None))
-            if source is None or position >= n:
+            if source is None or position is None or position >= n:
                 raise CompileError(
                     f"{ins.label} on mesh {ins.mesh} reads {value!r}, which no earlier "
                     "instruction produces on any mesh: the task order is broken (check the "

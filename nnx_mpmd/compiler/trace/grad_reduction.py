@@ -62,12 +62,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from nnx_mpmd.compiler.collective_bytes import (
     all_reduce_bytes,
@@ -130,8 +130,8 @@ def _target_spec(like: Any) -> PartitionSpec | None:
     return _spec(like)
 
 
-def _partitions(spec: PartitionSpec, ndim: int) -> list[Any]:
-    parts = list(spec.partitions)
+def _partitions(spec: PartitionSpec | None, ndim: int) -> list[Any]:
+    parts = list(spec.partitions) if spec is not None else []  # no spec: not partitioned
     return parts + [None] * (ndim - len(parts))
 
 
@@ -218,7 +218,8 @@ class GradientReduction:
         if types.get(self.axis, AxisType.Explicit) != AxisType.Explicit:
             # A constant JAX made without the mesh (the zeros a transpose scatters
             # into) is typed on an Auto copy of it; unreduced needs the Explicit one.
-            mesh = mesh.update_axis_types({self.axis: AxisType.Explicit})
+            # (A traced value's sharding holds an AbstractMesh.)
+            mesh = cast(AbstractMesh, mesh).update_axis_types({self.axis: AxisType.Explicit})
         return NamedSharding(mesh, new)
 
     def unreduced(self, x: Any) -> Any:
@@ -278,6 +279,7 @@ class GradientReduction:
         if (
             len(dims) != 1
             or _names(parts[dims[0]]) != (self.axis,)
+            or spec is None
             or spec.unreduced != {self.axis}
         ):
             return None
@@ -428,11 +430,17 @@ def _reshard(eqn: Any, x: Any, red: GradientReduction) -> list[Any]:
     """
     target = eqn.params.get("dst_sharding")
     spec = target if isinstance(target, PartitionSpec) else getattr(target, "spec", None)
-    ndim = jnp.ndim(x)
+    ndim, x_spec = jnp.ndim(x), _spec(x)
     same = spec is not None and [red._without_axis(p) for p in _partitions(spec, ndim)] == (
-        _partitions(_spec(x), ndim)
+        _partitions(x_spec, ndim)
     )
-    if same and red.axis not in spec.unreduced and spec.unreduced <= _spec(x).unreduced:
+    if (
+        same
+        and spec is not None
+        and x_spec is not None
+        and red.axis not in spec.unreduced
+        and spec.unreduced <= x_spec.unreduced
+    ):
         return [x]
     return _bind(eqn, [x], dict(eqn.params))
 
@@ -491,7 +499,7 @@ def _local_scatter_add(eqn: Any, env: _Env) -> list[Any] | None:
         zeros = jax.lax.pcast(jnp.zeros(operand.shape, operand.dtype), red.axis, to="varying")
         return eqn.primitive.bind(zeros, i, u, **eqn.params)
 
-    out_spec = PartitionSpec(*[None] * jnp.ndim(operand), unreduced={red.axis})
+    out_spec = PartitionSpec(*[None] * jnp.ndim(operand), unreduced=frozenset({red.axis}))
     specs = (PartitionSpec(*index_parts), PartitionSpec(*parts))
     try:
         partial = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec)(
@@ -589,7 +597,7 @@ def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Inst
     for n, ins in enumerate(program):
         for part in ins.program.parts() if isinstance(ins, Call) else ():
             if part.kind in ("B", "BW", "FB"):
-                last[part.stage] = n
+                last[cast(int, part.stage)] = n  # a stage task's program has a stage
     after: dict[int, Call] = {}
     for k, n in last.items():
         if ctx.fns[k].param_inputs:

@@ -18,9 +18,10 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -208,7 +209,8 @@ def _unreduced_axis(with_grad: bool) -> str | None:
 def _stacked_axis(with_grad: bool) -> tuple[str, int] | None:
     """The Auto batch axis and its size, when gradients accumulate stacked over it."""
     axis = _reduction_axis(with_grad, AxisType.Auto)
-    return None if axis is None else (axis, dict(_region_state.submesh.shape)[axis])
+    submesh = cast(Mesh, _region_state.submesh)  # set whenever there is a reduction axis
+    return None if axis is None else (axis, dict(submesh.shape)[axis])
 
 
 def active_microbatches() -> int | None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_mpmd.errors import CompileError

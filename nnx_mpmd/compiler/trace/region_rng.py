@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.core import ShapedArray
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -174,7 +175,7 @@ def _count_increments(
         sub, used = dce_jaxpr(jaxpr, keep, instantiate=False)
         used_inputs = [i for i, u in enumerate(used) if u]
         fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, []))
-        shape = tuple(jaxpr.invars[first_in + j].aval.shape)
+        shape = tuple(cast(ShapedArray, jaxpr.invars[first_in + j].aval).shape)
 
         def at(count: int, fn: Any = fn, shape: tuple[int, ...] = shape) -> np.ndarray:
             # The concrete submesh in context: an update that runs a scan (the

@@ -18,9 +18,10 @@ deterministic, so BI and BW agree on it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
+from jax.core import ShapedArray
 from jax.extend import core as jcore
 
 from nnx_mpmd._jax_compat import convert_constvars_jaxpr
@@ -62,7 +63,7 @@ def abstract_like(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         aval = x
     else:
-        aval = x.aval if isinstance(x, jcore.Var) else jax.typeof(x)
+        aval = cast(ShapedArray, x.aval if isinstance(x, jcore.Var) else jax.typeof(x))
     sharding = getattr(aval, "sharding", None)
     if sharding is not None and not any(sharding.spec):
         sharding = None  # fully replicated: the plain type says the same

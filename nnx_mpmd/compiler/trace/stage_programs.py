@@ -20,11 +20,12 @@ import contextlib
 import functools
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nnx_mpmd.compiler.jaxpr_utils import structure_key
@@ -373,7 +374,8 @@ class StageFunctions:
         )
         if not isinstance(self.reduction, StackedReduction):
             return new  # typed: each sum has its accumulator's type
-        return tuple(self.reduction.constrain(a, s) for a, s in zip(new, self.result_specs))
+        specs = cast(tuple[PartitionSpec, ...], self.result_specs)  # stacked: each has one
+        return tuple(self.reduction.constrain(a, s) for a, s in zip(new, specs))
 
     def _add_grads(self, gacc, grads):
         """``gacc + grads``; an unreduced accumulator takes its gradient unreduced.
@@ -547,7 +549,7 @@ class StageFunctions:
         return [
             i
             for i, (a, r) in enumerate(zip(gacc, self.param_inputs))
-            if jnp.ndim(a) == len(body.invars[r].aval.shape) + 1
+            if jnp.ndim(a) == len(cast(ShapedArray, body.invars[r].aval).shape) + 1
         ]
 
     @property

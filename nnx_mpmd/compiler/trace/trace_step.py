@@ -574,7 +574,7 @@ class ReplicatedBatchWarning(UserWarning):
     """
 
 
-def _warn_replicated_batch(error: BaseException, mesh: MpmdMesh, batch_axis: str) -> None:
+def _warn_replicated_batch(error: BaseException, mesh: MpmdMesh, batch_axis: str | None) -> None:
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
     warnings.warn(
         f"the step's code cannot be traced with each microbatch sharded over the Explicit "
