@@ -381,9 +381,8 @@ def _placed_like(value: Any, like: Any) -> Any:
 def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
     """Temporarily gives every Variable in ``tree`` a fully replicated global value.
 
-    A collective: every process enters it with the same tree, and every array must
-    fit on every device. On exit each Variable gets its placement back, keeping any
-    value written meanwhile. Checkpoints do not need it.
+    A collective (same tree on every process; every array must fit on every device).
+    On exit each Variable gets its placement back, keeping values written meanwhile.
 
     Args:
       tree: NNX models and optimizers (placed on ``mesh``).

@@ -229,8 +229,7 @@ def auto_stage(layers: Any, num_stages: int, *, weights: list[float] | None = No
 def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """Maps each Variable's graph path under ``node`` to its logical path.
 
-    The logical path drops the ``module`` attribute a `Stage` adds
-    (``blocks.3.module.kernel`` -> ``blocks.3.kernel``); a Variable appears once.
+    Drops the ``module`` a `Stage` adds (``blocks.3.module.kernel`` -> ``blocks.3.kernel``).
 
     Args:
       node: an NNX graph node (model, optimizer, or a tuple/dict of them).
@@ -277,8 +276,7 @@ def _stage_numbers(module: Any) -> set[int]:
 def num_stages(module: Any) -> int:
     """Number of stages of ``module``: one more than the highest stage number used.
 
-    Stage numbers come from the Variables' stage metadata and from `Stage`
-    wrappers (so a stage without parameters still counts).
+    Stages come from Variables' metadata and `Stage` wrappers (a stage without parameters counts).
 
     Args:
       module: any NNX module (or graph node).

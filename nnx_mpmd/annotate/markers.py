@@ -163,11 +163,8 @@ def pipeline_tracing() -> Iterator[None]:
 def outer_tracing() -> Iterator[list[str]]:
     """Records the `Stage` calls a step makes outside its pipelined region.
 
-    Yields:
-      A list that receives one description per such call (``"Stage 1 (at
-      model.head)"``). The calls run unmarked; the compiler reads the list to
-      tell a forward-only step (stages and no region) from a training step
-      that also calls stages outside ``mp.value_and_grad`` (an error).
+    The compiler reads the yielded list to tell a forward-only step from a training
+    step that calls stages outside ``mp.value_and_grad`` (an error).
     """
     previous = _state.outer
     _state.outer = calls = []

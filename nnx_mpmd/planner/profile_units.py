@@ -294,7 +294,7 @@ def profile_units(
 ) -> list[UnitCosts]:
     """Measures every unit of ``model``, once per microbatch size and remat setting.
 
-    The model itself is not changed or placed: a copy is profiled.
+    A copy of the model is profiled; ``model`` is not changed or placed.
 
     Args:
       model: the model (its `Stage` wrappers are the units).

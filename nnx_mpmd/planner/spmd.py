@@ -201,8 +201,7 @@ def predict_spmd(
 ) -> SpmdCandidate:
     """The cost model's step time and peak memory of one SPMD configuration.
 
-    ``costs`` must be profiled at the same rows per device; every device computes
-    every unit under the contention of all meshes, plus the collectives per microbatch.
+    ``costs`` must be profiled at the same rows per device.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.
@@ -317,8 +316,7 @@ def spmd_step(
 ) -> tuple[SpmdStep, Any]:
     """The SPMD train step of ``model`` over every device of ``mesh``, and its placed state.
 
-    ``value_and_grad`` over microbatches and the update under `jax.jit`, state replicated
-    (``"dp"``) or sharded (``"fsdp"``): ``nnx.jit``'s numbers to float rounding.
+    State replicated (``"dp"``) or sharded (``"fsdp"``); ``nnx.jit``'s numbers to float rounding.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.
