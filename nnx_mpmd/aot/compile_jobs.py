@@ -134,9 +134,7 @@ def committed_to(args: Any, mesh: Any) -> bool:
 def on_devices_of(args: Any, mesh: Any) -> bool:
     """Whether some argument is on ``mesh``'s devices, in its order, and none elsewhere.
 
-    Unlike `committed_to`, an argument whose mesh has other axis types (an Auto
-    copy of an Explicit submesh, say) counts: the program still runs on
-    ``mesh``'s devices, so its executable can be kept and loaded for them.
+    Unlike `committed_to`, other axis types count (an Auto copy of an Explicit submesh).
 
     Example:
       >>> import jax, jax.numpy as jnp

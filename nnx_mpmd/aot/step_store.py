@@ -171,14 +171,7 @@ def step_key(
 def lookup(
     compiled: Any, inputs: Sequence[Any], mesh: Any, schedule: Any, num_microbatches: int
 ) -> tuple[str | None, dict[str, list[Any]] | None]:
-    """`step_key` and, if an earlier process stored that step, `load_step`.
-
-    Args:
-      compiled: the `CompiledStep`; ``inputs``, ``mesh``, ``schedule`` and
-        ``num_microbatches`` are `step_key`'s.
-
-    Returns:
-      ``(key, executables by program name)``; either may be None.
+    """``(step_key, load_step's executables)`` of a step; either may be None.
 
     Example:
       >>> lookup(None, [], None, None, 1)
@@ -189,16 +182,7 @@ def lookup(
 
 
 def stored_program(fn: Callable[..., Any], stored: dict[str, list[Any]], name: str) -> Any:
-    """The callable a stored step's calls of program ``name`` go to.
-
-    Args:
-      fn: the program's jitted function (what calls whose argument types no
-        stored executable was compiled for run).
-      stored: `load_step`'s executables.
-      name: the program's name.
-
-    Returns:
-      A `program_sharing.SharedProgram`, or ``fn`` when nothing is stored for ``name``.
+    """A `program_sharing.SharedProgram` for stored program ``name``, else ``fn`` itself.
 
     Example:
       >>> stored_program(abs, {}, "F0") is abs

@@ -250,8 +250,7 @@ def placement_decisions(
 def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
 
-    A Variable goes to the mesh of its ``mpmd_stage``, optimizer state with its
-    parameter, leaves of no parameter to every mesh; NNX objects are updated in place.
+    Optimizer state goes with its parameter; NNX objects are updated in place.
 
     Args:
       tree: NNX objects, ``nnx.State`` objects and Variables, possibly inside
