@@ -65,16 +65,7 @@ ArrayReader = Callable[[dict[str, Any], dict[str, Any], bool], dict[str, Any]]
 def save_args(
     tree: Any, metadata: dict[str, Any] | None = None, step: int | None = None
 ) -> ocp.args.Composite:
-    """The orbax ``Composite`` args that save ``tree`` (and optional JSON ``metadata``).
-
-    Args:
-      tree: a pytree of NNX objects, States and plain leaves.
-      metadata: optional JSON-able dict stored as the ``metadata`` item.
-      step: the `CheckpointManager` step, recorded in the manifest.
-
-    Returns:
-      ``ocp.args.Composite`` with items ``arrays`` (absent when there are none),
-      ``manifest`` and, if given, ``metadata``.
+    """The orbax ``Composite`` saving ``tree``: ``arrays`` (if any), ``manifest``, ``metadata``.
 
     Example:
       >>> args = save_args({"step": 3})
@@ -436,8 +427,7 @@ def _check_restorable(path: Path) -> None:
 def restore(path: str | Path, target: Any, *, partial: bool = False, verify: bool = True) -> Any:
     """Restores the checkpoint at ``path`` into ``target``, whatever its layout.
 
-    Each array is read onto the target leaf's placement (an `MpmdArray` on its lowest
-    mesh, then copied to its others); NNX objects are updated in place.
+    Each array is read onto the target leaf's placement; NNX objects are updated in place.
 
     Args:
       path: a directory written by `save`.

@@ -89,8 +89,7 @@ _ORBAX_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
 def use_coordination_barriers() -> None:
     """Makes orbax's barriers wait in the coordination service, not in a device collective.
 
-    A peer that dies in a device collective aborts (CPU) or hangs (GPU) the others;
-    the coordination barrier fails with an error instead.
+    A peer dying in a device collective aborts or hangs the others; this one raises.
 
     Example:
       >>> use_coordination_barriers()  # one process: nothing to change
@@ -276,25 +275,17 @@ def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[l
 def _batches_with_distinct_sources(cross: list) -> list[list]:
     """``cross`` cut into batches of one move each.
 
-    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put`` (the
-    receiver waited forever); one move per call is slower but always arrives.
+    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put``.
     """
     return [[pair] for pair in cross]
 
 
 def savable(array: Any, turn: int = 0, kept: list | None = None) -> Any:
-    """``array`` as orbax can save it: as it is, unless some process holds none of it.
-
-    A collective in a multi-process run; the module docstring says what moves.
+    """``array`` as orbax can save it, copied when some process holds none of it (a collective).
 
     Args:
-      array: a global ``jax.Array`` (or any other leaf, returned unchanged).
-      turn: which device of a receiving process takes the moved shard; pass a
-        running count.
-      kept: collects what the move must keep alive; call `settle_moves` with it.
-
-    Returns:
-      ``array``, or a copy with a shard on every process.
+      turn: which device of a receiving process takes the moved shard (a running count).
+      kept: collects what the move must keep alive; pass it to `settle_moves`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -461,17 +452,9 @@ _EXCHANGES = itertools.count()
 
 
 def exchange(table: np.ndarray, where: str) -> np.ndarray:
-    """Every process's ``table``, stacked by process index (a collective).
+    """Every process's small ``table``, stacked by process index (a collective).
 
-    Goes through the coordination key-value store, so a peer that dies is named
-    within the heartbeat timeout; every process calls it alike.
-
-    Args:
-      table: a small host array (a few numbers per checkpoint entry).
-      where: what the processes are doing, for messages.
-
-    Returns:
-      An array of shape ``(process_count, *table.shape)``.
+    Uses the coordination key-value store, so a dead peer is named within the timeout.
 
     Raises:
       DistributedError: a peer died, or did not take part within ``NNX_MPMD_PEER_TIMEOUT``.

@@ -92,12 +92,6 @@ def is_prng_key(value: Any) -> bool:
 def leaf_kind(value: Any) -> str:
     """How a leaf is stored: ``array``, ``key``, ``numpy`` or ``value`` (JSON).
 
-    Args:
-      value: a leaf of a checkpointed tree or the value of a Variable.
-
-    Returns:
-      One of the kind constants of this module.
-
     Example:
       >>> import numpy as np
       >>> leaf_kind(3), leaf_kind(np.zeros(2))

@@ -140,16 +140,9 @@ def _words(x: jax.Array) -> jax.Array:
 
 
 def checksum(array: Any) -> jax.Array | list[int]:
-    """A sharding-independent 64-bit checksum of an array's stored bits (two uint32).
+    """A sharding-independent 64-bit checksum of an array's bits: two uint32 (device array or list).
 
-    Unlike `fingerprint`, any change of the bits changes it except with probability
-    about 2**-64; each device hashes its own shard.
-
-    Args:
-      array: a jax.Array (any sharding) or a numpy array.
-
-    Returns:
-      Two uint32 numbers: a device array for a jax array, a list for numpy.
+    Unlike `fingerprint`, any bit change changes it (but with probability ~2**-64).
 
     Example:
       >>> import jax.numpy as jnp
@@ -334,13 +327,7 @@ def check_commit(
 ) -> None:
     """Refuses a step directory whose manifest, step and metadata do not belong together.
 
-    Call after `check_manifest`. Version-1 manifests record neither, and pass.
-
-    Args:
-      manifest: the checked manifest.
-      where: the step directory, for messages.
-      step: the step the directory is named for.
-      metadata: the step's JSON metadata as read, or None to skip that check.
+    Call after `check_manifest`; version-1 manifests pass. ``metadata=None`` skips its check.
 
     Raises:
       CheckpointDamagedError: the manifest was written for another step, or the
