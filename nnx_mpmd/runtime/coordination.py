@@ -54,10 +54,7 @@ _LIVENESS_EVERY_S = 0.5
 
 
 def peer_timeout_s() -> float:
-    """How long a process waits for a peer before giving up (``NNX_MPMD_PEER_TIMEOUT``).
-
-    Returns:
-      Seconds (default 300).
+    """Seconds a process waits for a peer before giving up (``NNX_MPMD_PEER_TIMEOUT``, default 300).
 
     Example:
       >>> peer_timeout_s() > 0
@@ -67,10 +64,7 @@ def peer_timeout_s() -> float:
 
 
 def distributed_client() -> Any:
-    """The ``jax.distributed`` coordination client of this process.
-
-    Returns:
-      The client object (with its key-value store and liveness queries).
+    """This process's ``jax.distributed`` coordination client (key-value store, liveness queries).
 
     Raises:
       DistributedError: ``jax.distributed.initialize`` was not called.
@@ -93,16 +87,9 @@ def distributed_client() -> Any:
 
 
 def transfer_address(coordinator: str | None) -> str:
-    """An address of this host that the peers can reach, port 0 (any free port).
+    """``ip:0``: this host's address the peers can reach, for JAX's cross-host transfers on CPU.
 
-    The interface that reaches the coordinator, or ``NNX_MPMD_TRANSFER_ADDRESS``;
-    for JAX's cross-host transfers on CPU.
-
-    Args:
-      coordinator: ``host:port`` of the coordination service, or None.
-
-    Returns:
-      ``ip:0``.
+    The interface that reaches ``coordinator`` (``host:port``), or ``NNX_MPMD_TRANSFER_ADDRESS``.
 
     Example:
       >>> transfer_address("127.0.0.1:1234")
@@ -308,14 +295,10 @@ class Coordination:
         raise error
 
     def blame_peers(self, where: str) -> None:
-        """After a failure that a dying peer may explain: raises naming it if one died.
+        """After a failure a dying peer may explain: raises naming it if one died.
 
-        Waits (at most ``heartbeat_s`` plus a second) until a peer's heartbeat is
-        stale, so the error names the dead process rather than the failed
-        transfer; returns when every peer still beats.
-
-        Args:
-          where: what this process was doing, for the message.
+        Waits up to ``heartbeat_s`` plus a second for a stale heartbeat, so the error names
+        the dead process rather than the failed transfer.
         """
         deadline = time.monotonic() + self.heartbeat_s + 1.0
         while True:
@@ -331,19 +314,10 @@ class Coordination:
         self.client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value), allow_overwrite=True)
 
     def fetch(self, key: str, peer: int, where: str, timeout_s: float | None = None) -> Any:
-        """Waits for the value a peer published under ``key``.
-
-        Args:
-          key: the key `publish` used.
-          peer: the process expected to publish it (named in errors).
-          where: what this process was doing, for the message.
-          timeout_s: how long to wait while the peer lives (default `peer_timeout_s`).
-
-        Returns:
-          The JSON value.
+        """The JSON value ``peer`` published under ``key``, waited for while the peer lives.
 
         Raises:
-          DistributedError: the peer died, or nothing arrived within the timeout.
+          DistributedError: the peer died, or nothing arrived within ``timeout_s``.
         """
         get = self.client.blocking_key_value_get
         raw = self._wait_for_key(key, peer, where, get, timeout_s)
@@ -421,9 +395,6 @@ _COORDINATION: Coordination | None = None
 def get_coordination() -> Coordination:
     """This process's `Coordination`, created on first use (with its exit hook).
 
-    Returns:
-      The coordination object.
-
     Raises:
       DistributedError: ``jax.distributed`` is not initialized.
 
@@ -447,19 +418,7 @@ def get_coordination() -> Coordination:
 def bounded_by_peers(where: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; in a multi-process run, a `DistributedError` as soon as a peer dies.
 
-    Orbax's barriers and device collectives wait for every process without asking
-    whether it lives; through this a dead peer is named within the heartbeat timeout.
-
-    Args:
-      where: what this process is doing ("saving checkpoint step 4"), for the message.
-      fn: the call that may wait for the other processes.
-      *args: its arguments.
-
-    Returns:
-      What ``fn`` returns.
-
-    Raises:
-      DistributedError: a peer died before ``fn`` returned.
+    Orbax's barriers and collectives never ask whether a peer lives; this names a dead one.
 
     Example:
       >>> bounded_by_peers("adding", lambda a, b: a + b, 1, 2)

@@ -77,15 +77,7 @@ def _canonical_host(value: Any) -> Any:
 def put_from_host(value: Any, sharding: NamedSharding) -> jax.Array:
     """A host value (the same on every process) placed with ``sharding``.
 
-    Each process builds only the shards on its own devices, so the sharding
-    may span processes or hold none of this process's devices.
-
-    Args:
-      value: a NumPy array, Python scalar, or an array on this process's devices.
-      sharding: where it goes.
-
-    Returns:
-      The global array.
+    Each process builds only its own devices' shards, so the sharding may span processes.
 
     Example:
       >>> import jax
@@ -117,22 +109,10 @@ def _one_device_sharding(device: Any) -> NamedSharding:
 
 @functools.lru_cache(maxsize=1024)
 def shard_plan(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[tuple, tuple]:
-    """Which source device gives each destination device its shard (shardings only).
+    """``(local, cross)`` ``(source, destination)`` device pairs moving each shard (process ``me``).
 
-    A destination device takes its shard from a device of its own process when
-    one holds it (a local copy), else from the first device that holds it (a
-    move between processes).
-
-    Args:
-      src: the source sharding (anything with ``devices_indices_map``).
-      dst: the destination sharding.
-      shape: the array's shape.
-      me: this process's index.
-
-    Returns:
-      ``(local, cross)``: ``(source, destination)`` device pairs this process
-      copies itself, and the pairs that cross processes (the same on every
-      process, in destination order).
+    A destination copies from a device of its own process when one holds the shard,
+    else from the first holder; ``cross`` is the same on every process.
 
     Example:
       >>> import jax
@@ -192,17 +172,9 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def one_receiver_each(src_devices: Any, dst_devices: Any) -> bool:
-    """Whether each source process sends to one destination process only.
+    """Whether each source process sends to one destination process only (devices in mesh order).
 
-    JAX 0.10.2 moves an array whole across processes only then (else "PjRtArray has
-    different number of buffers"), so `put_between_meshes` moves the rest shard by shard.
-
-    Args:
-      src_devices: the source mesh's devices in mesh order (``mesh.devices.flat``).
-      dst_devices: the destination mesh's devices, in the same order.
-
-    Returns:
-      True when the whole-array move works.
+    Only then does JAX 0.10.2 move an array whole across processes; else shard by shard.
 
     Example:
       >>> from types import SimpleNamespace as Device
@@ -282,14 +254,6 @@ def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 def put(value: Any, sharding: NamedSharding, from_host: bool) -> jax.Array:
     """A transfer's move: `put_from_host` for host values, else `put_between_meshes`.
-
-    Args:
-      value: the source value.
-      sharding: the destination.
-      from_host: whether the value comes from the host (the same on every process).
-
-    Returns:
-      The placed array.
 
     Example:
       >>> import jax

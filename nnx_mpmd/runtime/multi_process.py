@@ -106,19 +106,10 @@ class ProcessInfo:
 
 
 def coordinator_bind_address(coordinator: str, configured: str | None = None) -> str | None:
-    """The address the coordination service (on process 0) should listen on.
+    """The address the coordination service should listen on, or None for jax's default.
 
-    ``jax.distributed`` listens on every interface (``[::]:port``) by default.
-    A coordinator on the loopback interface is only ever reached locally, so it
-    listens on that interface alone; other coordinators keep jax's default.
-
-    Args:
-      coordinator: ``host:port`` every process connects to.
-      configured: an explicit bind address (``NNX_MPMD_COORDINATOR_BIND``); wins when set.
-
-    Returns:
-      ``host:port`` to pass as ``coordinator_bind_address``, or None for jax's default
-      (which also honours ``JAX_COORDINATOR_BIND_ADDRESS``).
+    A loopback coordinator listens on loopback only; ``configured`` (``NNX_MPMD_COORDINATOR_BIND``)
+    wins when set.
 
     Example:
       >>> coordinator_bind_address("127.0.0.1:9876")
@@ -142,19 +133,10 @@ def launch_env(
     devices_per_process: int | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment `nnx-mpmd launch` gives process ``process_id``.
+    """The environment `nnx-mpmd launch` gives process ``process_id`` (a new dict).
 
-    Args:
-      process_id: the process's index.
-      num_processes: how many processes.
-      coordinator: ``host:port`` of the coordination service (process 0 hosts it).
-      devices_per_process: simulated CPU devices per process (sets ``XLA_FLAGS``).
-      base: the environment to extend (default: ``os.environ``).
-
-    Returns:
-      A new environment dict. A loopback coordinator also gets
-      ``NNX_MPMD_COORDINATOR_BIND`` (see `coordinator_bind_address`), so the
-      coordination service does not listen on other interfaces.
+    ``devices_per_process`` sets ``XLA_FLAGS``; a loopback coordinator also gets
+    ``NNX_MPMD_COORDINATOR_BIND`` (`coordinator_bind_address`).
 
     Example:
       >>> env = launch_env(0, 2, "127.0.0.1:9", devices_per_process=4, base={})
@@ -183,16 +165,6 @@ def launch_env(
 def env_int(name: str, value: str) -> int:
     """``int(value)`` of environment variable ``name``, or a `DistributedError` saying so.
 
-    Args:
-      name: the variable's name (for the message).
-      value: its text.
-
-    Returns:
-      The integer.
-
-    Raises:
-      DistributedError: ``value`` is not an integer.
-
     Example:
       >>> env_int("NNX_MPMD_PROCESS_ID", "3")
       3
@@ -207,10 +179,7 @@ def env_int(name: str, value: str) -> int:
 
 
 def coordination_state() -> tuple[Any, str | None]:
-    """``(client, coordinator address)`` of this process's ``jax.distributed`` run.
-
-    Returns:
-      ``(None, None)`` when ``jax.distributed.initialize`` has not been called.
+    """``(client, coordinator address)`` of this ``jax.distributed`` run, or ``(None, None)``.
 
     Example:
       >>> coordination_state()  # a single-process test run
@@ -220,11 +189,7 @@ def coordination_state() -> tuple[Any, str | None]:
 
 
 def cluster_detected() -> bool:
-    """Whether ``jax.distributed`` would find a cluster (SLURM, MPI, TPU pod, ...) by itself.
-
-    Returns:
-      True when one of jax's cluster environments is present, or
-      ``JAX_COORDINATOR_ADDRESS`` is set.
+    """Whether ``jax.distributed`` would find a cluster itself (or ``JAX_COORDINATOR_ADDRESS``).
 
     Example:
       >>> isinstance(cluster_detected(), bool)
@@ -324,14 +289,6 @@ class ProcessOperations(DeviceOperations):
 
 def describe_transfer(index: int, ins: Transfer, submeshes: Sequence[Any]) -> str:
     """``transfer 3 'act s0->s1 mb0' from mesh 0 (processes [0, 1]) to mesh 1 (...)``.
-
-    Args:
-      index: the instruction's index in the step.
-      ins: the transfer.
-      submeshes: the jax Mesh of each mesh id.
-
-    Returns:
-      The description used in error messages.
 
     Example:
       >>> import jax

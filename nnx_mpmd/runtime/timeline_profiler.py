@@ -98,13 +98,10 @@ class Profile(list):
         return compare_profile(self, self.tasks, self.transfers)
 
     def plot(self, path: Any = None) -> Any:
-        """Draws the measured timeline above the simulated one (`ProfileComparison.plot`).
+        """Draws the measured timeline above the simulated one; returns the matplotlib Figure.
 
         Args:
           path: if given, save the picture there (``.png``, ``.svg`` or ``.pdf``).
-
-        Returns:
-          The ``matplotlib.figure.Figure``.
         """
         return self.compare().plot(path)
 

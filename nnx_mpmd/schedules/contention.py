@@ -27,15 +27,9 @@ __all__ = ["contention_factor", "run_shared"]
 
 
 def contention_factor(contention: Sequence[float], busy: int) -> float:
-    """How much slower a task runs while ``busy`` meshes run tasks at once.
+    """How much slower a task runs while ``busy`` (>= 1) meshes run tasks at once.
 
-    Args:
-      contention: the factor for 1, 2, ... busy meshes (an empty sequence:
-        no contention); beyond its end, its last value.
-      busy: the number of busy meshes (at least 1).
-
-    Returns:
-      The factor (1 when ``contention`` is empty).
+    ``contention`` holds the factors for 1, 2, ... busy meshes (its last beyond; empty: 1).
 
     Example:
       >>> contention_factor((1.0, 1.8, 2.5), 2), contention_factor((1.0, 1.8, 2.5), 6)
