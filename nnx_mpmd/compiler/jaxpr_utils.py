@@ -235,17 +235,9 @@ def structure_key(
 
 
 def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
-    """``jax.jit(fn)`` whose XLA module is named after ``label``: ``jit_F0``, ``jit_post_L0_mesh2``.
+    """``jax.jit(fn)`` whose XLA module is named after ``label`` (``jit_post_L0_mesh2``).
 
-    Profiler traces and HLO dumps then read like `Lowered.as_text()`.
-
-    Args:
-      fn: the function to compile.
-      label: the program's label (dots and other non-identifier characters become ``_``).
-      **jit_kwargs: passed to ``jax.jit``.
-
-    Returns:
-      The jitted function.
+    So profiler traces and HLO dumps read like `Lowered.as_text()`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -265,8 +257,7 @@ def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
 def put_scalar(value: Any, sharding: Any) -> jax.Array:
     """A NumPy scalar replicated with ``sharding``, built shard by shard on each process.
 
-    ``jax.device_put`` onto several processes' devices is a collective that times out
-    when processes compile at different speeds; a callback needs no other process.
+    A multi-process ``jax.device_put`` is a collective that times out when compiles differ in speed.
 
     Example:
       >>> import jax, numpy as np

@@ -76,10 +76,9 @@ def donate_step_inputs(
 
 
 def transfer_sources(program: Sequence[Instruction]) -> set[int]:
-    """The slots that some transfer of ``program`` reads: not to be donated across processes.
+    """The slots some transfer of ``program`` reads: not to be donated across processes.
 
-    A move to another process may read the sender's buffer after later programs
-    ran, and a donated buffer is gone by then.
+    A move to another process may read the buffer after later programs ran.
 
     Example:
       >>> transfer_sources([Transfer(0, 3, 1, "tied embedding", src_mesh=0)])

@@ -189,19 +189,9 @@ def schedule_tasks(
 
 
 def dedupe_programs(instructions: Sequence[Instruction]) -> dict[str, Any]:
-    """The programs the instruction list calls, one callable per name.
+    """``{name: program}`` of the programs some `Call` uses, in name order (unused ones dropped).
 
-    Programs built but never called (a backward the schedule fuses, say) are
-    dropped.
-
-    Args:
-      instructions: the step's instructions.
-
-    Returns:
-      ``{name: program}`` for the names some `Call` uses, in name order.
-
-    Raises:
-      AssertionError: two different callables under one name (a compiler bug).
+    Two callables under one name raise AssertionError (a compiler bug).
 
     Example:
       >>> from nnx_mpmd.compiler.ir import ProgramKey

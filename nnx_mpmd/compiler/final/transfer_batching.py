@@ -156,12 +156,7 @@ def ticks(program: Sequence[Instruction]) -> list[int]:
 def schedule_ticks(program: Sequence[Instruction]) -> list[Instruction]:
     """Pass: ``program`` reordered tick by tick; within a tick frees, calls, transfers.
 
-    Args:
-      program: the instruction list (after `insert_frees`).
-
-    Returns:
-      A new list with the same instructions: each mesh's calls in their order,
-      every instruction after all earlier ones that touch its slots.
+    Each mesh's calls keep their order; an instruction follows every earlier one touching its slots.
 
     Example:
       >>> from nnx_mpmd.compiler.ir import Free
@@ -223,13 +218,7 @@ def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
 
 
 def merge_frees(program: Sequence[Instruction]) -> list[Instruction]:
-    """Pass: each run of consecutive `Free`s becomes one `Free` of all their slots.
-
-    Args:
-      program: the instruction list.
-
-    Returns:
-      A new list; a merged `Free` lists its slots in order, each once.
+    """Pass: each run of consecutive frees becomes one `Free` of their slots, in order, each once.
 
     Example:
       >>> merge_frees([Free((3,)), Free((1, 3)), Transfer(0, 2, 1, "x"), Free((0,))])

@@ -374,16 +374,7 @@ SMALL_RESULT_BYTES = 64
 def choose_meshes(eqn: Any, wanted: frozenset[int], avail: Mapping[Any, Any]) -> frozenset[int]:
     """The meshes that run ``eqn``: everywhere it is wanted, or once and shipped.
 
-    The cheaper in bytes wins; a tie runs once for a result larger than
-    `SMALL_RESULT_BYTES` and everywhere for a small one (latency, not bytes, counts).
-
-    Args:
-      eqn: the equation.
-      wanted: the meshes that need its results.
-      avail: value -> the meshes holding it now.
-
-    Returns:
-      The meshes.
+    Fewer bytes wins; a tie runs once for results over `SMALL_RESULT_BYTES`, else everywhere.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -375,16 +375,9 @@ def emit_outer_program(
 
 
 def kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
-    """Values read outside their program: by a transfer, the region or the step's outputs.
+    """Values read outside their program, by mesh: by a transfer, the region or the outputs.
 
-    A `PackedTransfer`'s values are not: their program returns them packed.
-
-    Args:
-      problem: the step.
-      levels: `level_equations`'s result, or a later pass's.
-
-    Returns:
-      The values, by mesh.
+    A `PackedTransfer`'s values are not (their program returns them packed).
     """
     assignment = levels.assignment
     kept = {ValueOnMesh(t.var, t.src) for t in levels.transfers if isinstance(t, OuterTransfer)}
@@ -577,20 +570,10 @@ def _packed_transfer(problem: OuterProblem, pack: PackedTransfer, slots: SlotTab
 def report_transfers(
     problem: OuterProblem, levels: OuterLevels, *, stacklevel: int = 2
 ) -> list[CrossMeshTransfer]:
-    """Pass: the transfers between meshes outside the region; warns about large ones.
+    """Pass: the transfers between meshes outside the region, in order; warns about large ones.
 
-    Transfers from the host and batches on their way to the region are not
-    reported. Each transfer above ``problem.transfer_warning_bytes`` raises an
-    `MpmdTransferWarning` (once per transfer).
-
-    Args:
-      problem: the step.
-      levels: `level_equations`'s result.
-      stacklevel: the warning's ``stacklevel``, counted from this function's caller
-        (1: the caller).
-
-    Returns:
-      The `CrossMeshTransfer` list, in the order the transfers were needed.
+    Host transfers and batches bound for the region are left out; each one above
+    ``problem.transfer_warning_bytes`` warns `MpmdTransferWarning` once.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -631,16 +614,7 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
 def constrain_to(x: Any, sharding: Any) -> Any:
     """``x`` with ``sharding`` inside a traced program, on Explicit and Auto axes.
 
-    Explicit axes are part of the value's type, so they are set with
-    ``jax.sharding.reshard``; Auto axes take a ``with_sharding_constraint``
-    (which JAX allows only on Auto axes). A spec over both kinds does both.
-
-    Args:
-      x: a traced value.
-      sharding: a ``NamedSharding`` on one submesh.
-
-    Returns:
-      ``x`` resharded / constrained to ``sharding``.
+    ``reshard`` for Explicit axes (part of the type), ``with_sharding_constraint`` for Auto ones.
 
     Example:
       >>> import jax

@@ -64,16 +64,7 @@ class _Pieces:
 def drop_unread_equations(levels: OuterLevels, kept: set[ValueOnMesh]) -> OuterLevels:
     """Pass: removes each equation from the meshes where nothing reads its results.
 
-    An equation stays on a mesh when it has effects, or when a result of it
-    there is kept (`outer_emit.kept_values`), packed into a transfer, or read by
-    an equation that stays on that mesh. Programs left empty disappear.
-
-    Args:
-      levels: `outer_packing.pack_transfers`'s result.
-      kept: the values read outside their program (`outer_emit.kept_values`).
-
-    Returns:
-      The `OuterLevels` without the unread equations.
+    It stays where it has effects, or a result is kept, packed, or read by a staying equation.
 
     Example:
       >>> import dataclasses, jax, jax.numpy as jnp

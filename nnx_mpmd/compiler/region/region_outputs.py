@@ -215,16 +215,9 @@ def carry_state_home(
 def region_outputs(
     program: Sequence[Instruction], ctx: RegionContext, home_mesh: Callable[[int], int]
 ) -> tuple[list[Instruction], OutputLocations]:
-    """Appends what the region's outputs take and says where each one lies.
+    """Appends what the region's outputs take; returns ``(new list, locations per output)``.
 
-    Args:
-      program: the region's instructions so far.
-      ctx: the region's context.
-      home_mesh: ``region input index -> mesh`` of a parameter's or state's home copy.
-
-    Returns:
-      ``(instructions, locations)``: a new list (the input is not changed) and,
-      per region output in order (loss, aux, gradients, state), its locations.
+    Outputs are loss, aux, gradients, state, in order; ``home_mesh`` maps an input to its home.
     """
     result, locations = list(program), []
     for added, where in (

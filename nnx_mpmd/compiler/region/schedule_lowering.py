@@ -123,15 +123,7 @@ def dispatch_order(
 
 
 def init_accumulators(ctx: RegionContext) -> list[Instruction]:
-    """One ``init`` call per stage: zero gradient and loss/aux accumulators.
-
-    Args:
-      ctx: the region's context (training only: a forward-only step has none).
-
-    Returns:
-      The calls, stage by stage; each reads the stage's parameters (for their
-      shapes and shardings) and writes its ``grad`` and ``acc`` values.
-    """
+    """One ``init`` call per stage, writing its zero ``grad`` and ``acc`` accumulators."""
     calls: list[Instruction] = []
     for k, f in enumerate(ctx.fns if ctx.with_grad else []):
         q = ctx.stage_mesh[k]
@@ -204,16 +196,10 @@ def lower_task(ctx: RegionContext, mesh: int, task: Any) -> Call:
 
 
 def lower_schedule(ctx: RegionContext, tasks: Any) -> list[Instruction]:
-    """The schedule as calls: accumulator ``init`` calls, then one `Call` per task.
+    """The schedule as calls in `dispatch_order`: ``init`` calls, then one `Call` per task.
 
-    Args:
-      ctx: the region's context.
-      tasks: per-mesh task lists (from the schedule). A forward-only step runs
-        the lists' forward tasks, in their order.
-
-    Returns:
-      The calls in `dispatch_order`. Every argument is a `RegionValue` on the
-      call's own mesh; no value moves between meshes yet.
+    Each argument is a `RegionValue` on the call's own mesh; nothing moves yet.
+    A forward-only step runs the forward tasks only.
 
     Raises:
       ScheduleError: the task lists deadlock.

@@ -187,11 +187,7 @@ class GradientReduction:
         return spec is not None and any(self.axis in _names(p) for p in spec.partitions)
 
     def defers(self, param: Any) -> bool:
-        """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type.
-
-        A parameter sharded over the axis (FSDP) accumulates its gradient
-        unreduced at full size (the axis dropped from its partitions).
-        """
+        """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type."""
         return _float(param) and _spec(param) is not None
 
     def _without_axis(self, entry: Any) -> Any:
@@ -549,18 +545,9 @@ def _eval_jaxpr(
 
 
 def run_deferring(fn: Callable[..., Any], *args: Any, reduction: GradientReduction) -> Any:
-    """``fn(*args)`` with its reductions over ``reduction.axis`` left unreduced.
+    """``fn(*args)`` with its sums over ``reduction.axis`` left unreduced (typed ``{U:axis}``).
 
-    Call it while tracing on an Explicit mesh: sums over the axis come back
-    unreduced (typed ``{U:axis}``), other results as ``fn`` returns them.
-
-    Args:
-      fn: a function of arrays, e.g. the function ``jax.vjp`` returns.
-      *args: its arguments (pytrees of arrays or tracers).
-      reduction: the axis.
-
-    Returns:
-      ``fn``'s result, with the same tree structure.
+    Call it while tracing on an Explicit mesh.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, jax.tree.leaves(args), reduction)

@@ -97,11 +97,7 @@ class StackedReduction:
     size: int
 
     def defers(self, param: Any) -> bool:
-        """Whether ``param`` (a concrete array or ShapeDtypeStruct) accumulates stacked.
-
-        Float parameters not sharded over the axis; a parameter sharded over
-        it (FSDP) keeps its per-microbatch reduce-scatter.
-        """
+        """Whether float ``param`` accumulates stacked: not sharded over the axis (FSDP is not)."""
         spec = getattr(getattr(param, "sharding", None), "spec", None)
         if spec is None or not _float(param.dtype):
             return False
@@ -130,7 +126,7 @@ class StackedReduction:
         return self._shard_map(first, (PartitionSpec(),), PartitionSpec(self.axis), x)
 
     def rows_spec(self, shape: Sequence[int]) -> PartitionSpec:
-        """A layout for a per-microbatch value of ``shape``: rows over the axis, if it divides them.
+        """A layout for a per-microbatch value of ``shape``: rows over the axis if it divides them.
 
         Example:
           >>> StackedReduction("data", 2).rows_spec((4, 3)), StackedReduction("data", 2).rows_spec(())

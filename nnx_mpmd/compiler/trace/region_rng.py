@@ -34,16 +34,7 @@ __all__ = ["advance_counts", "rng_count_inputs", "rng_counts_from_index"]
 
 
 def rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) -> list[int]:
-    """Positions, among the region's state inputs, of the RNG counters (held, then captured).
-
-    Args:
-      other_state: the model's non-differentiated state (an ``nnx.State``).
-      n_other: how many leaves ``other_state`` has; captured leaves follow them.
-      captured: the captured variables (`captured.CapturedVariable`) the loss
-        function closes over.
-
-    Returns:
-      The positions of the ``nnx.RngCount`` leaves.
+    """Positions of the RNG counters among the region's state inputs: held ones, then ``captured``.
 
     Example:
       >>> from flax import nnx
@@ -67,25 +58,18 @@ def rng_counts_from_index(
     index_aval: Any,
     submesh: Mesh | None,
 ) -> tuple[Any, list[Any], dict[int, int]]:
-    """The body with its RNG counters derived from the microbatch index, if any advance.
+    """The body with RNG counters derived from the microbatch index, if any advance.
 
     Args:
-      closed: the traced body (a closed jaxpr): closure constants, then
-        ``num_diff`` differentiated leaves, the state leaves and the microbatch.
-      counts: positions of the RNG counters among the state leaves
-        (`rng_count_inputs`).
-      num_diff: how many differentiated leaves precede the state leaves.
+      closed: the traced body: closure constants, ``num_diff`` differentiated leaves,
+        the state leaves and the microbatch.
+      counts: positions of the RNG counters among the state leaves (`rng_count_inputs`).
       first_out: the position of the first state leaf among the body's outputs.
-      in_avals: the body's input types, without its closure constants.
-      paths: each state leaf's path, for error messages.
-      index_aval: the type of the microbatch-index input the new body takes.
-      submesh: a concrete submesh of the step: the counter updates, recorded
-        under its abstract mesh, are evaluated on it (None: on the default
-        device).
+      submesh: where the counter updates are evaluated (None: the default device).
 
     Returns:
-      ``(closed body, its closure constants, {counter position: K})``; the
-      increments are empty (and the body unchanged) when no counter advances.
+      ``(closed body, its closure constants, {counter position: K})``; no increments
+      (body unchanged) when no counter advances.
 
     Raises:
       CompileError: a counter is changed other than by drawing keys.
@@ -105,15 +89,7 @@ def rng_counts_from_index(
 def advance_counts(
     leaves: list[Any], increments: dict[int, int], num_microbatches: int
 ) -> list[Any]:
-    """``leaves`` with each counter advanced by what ``num_microbatches`` microbatches draw.
-
-    Args:
-      leaves: the region's new state leaves (the counters unchanged).
-      increments: ``{counter position: K}`` from `rng_counts_from_index`.
-      num_microbatches: m.
-
-    Returns:
-      The leaves, counter ``j`` now ``count + m * K``.
+    """``leaves`` with counter ``j`` advanced to ``count + num_microbatches * increments[j]``.
 
     Example:
       >>> advance_counts([np.uint32(3), 1.5], {0: 2}, 4)
@@ -127,10 +103,9 @@ def advance_counts(
 
 
 def _concrete_count(count: int, shape: tuple[int, ...], submesh: Mesh | None) -> Any:
-    """An RNG counter value of ``shape`` to evaluate a counter update with, eagerly.
+    """An RNG counter value to evaluate a counter update with eagerly, committed to ``submesh``.
 
-    Committed to ``submesh``: on Explicit axes an eager computation needs its devices
-    from an argument.
+    On Explicit axes an eager computation takes its devices from an argument.
     """
     value = np.full(shape, count, np.uint32)
     if submesh is None or not submesh.axis_names:

@@ -60,15 +60,10 @@ STAGE_PROGRAMS: dict[str, tuple[str, tuple[int, ...]]] = {
 def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
     """Raises if a JAX mesh context would conflict with the stage programs.
 
-    A concrete mesh context would pin every stage program to its devices; an
-    abstract mesh equal to the submeshes' is allowed.
-
-    Args:
-      mesh: the step's `MpmdMesh`, or its submeshes.
+    A concrete mesh would pin every stage program; an abstract mesh equal to the submeshes' is fine.
 
     Raises:
-      MeshError: a concrete mesh is set, or the abstract mesh differs from the
-        submeshes'.
+      MeshError: a concrete mesh is set, or the abstract mesh differs from the submeshes'.
 
     Example:
       >>> import jax
@@ -106,19 +101,11 @@ def _names_mpmd_axis(error: Exception, mpmd_axis: str) -> bool:
 def submesh_tracing(mesh: MpmdMesh) -> Iterator[None]:
     """Traces step code on the submeshes' abstract mesh (the user's axes, no mpmd axis).
 
-    So a ``PartitionSpec`` in ``reshard`` or ``out_sharding=`` names submesh axes,
-    as in a ``jax.jit`` step under ``jax.set_mesh(submesh)``.
-
-    Args:
-      mesh: the step's `MpmdMesh`.
-
-    Yields:
-      Nothing; trace the step inside the block.
+    So specs in ``reshard`` or ``out_sharding=`` name submesh axes, as under ``jax.set_mesh``.
 
     Raises:
-      MeshError: a conflicting mesh context is active (see `check_mesh_context`),
-        or the traced code shards over the mpmd axis (or a sharding of the
-        whole MpmdMesh), which does not exist inside a stage.
+      MeshError: a conflicting mesh context is active, or the traced code shards
+        over the mpmd axis (or the whole MpmdMesh).
 
     Example:
       >>> import jax
@@ -162,9 +149,7 @@ def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
 def _mean_zeros(aval: Any) -> Any:
     """A zero mean accumulator for values of ``aval``, sharded like each one.
 
-    On Explicit axes a replicated accumulator plus a sharded value is a
-    sharded sum: the program would return a type it was not traced for
-    (compiled again, its donated accumulator unusable).
+    Else on Explicit axes the sum's type changes (recompiled, donated accumulator unusable).
     """
     explicit = value_spec(aval) is not None
     return jnp.zeros(
@@ -302,16 +287,9 @@ class StageFunctions:
         )
 
     def structure(self, kind: str) -> tuple[Any, ...] | None:
-        """A key of what this stage's ``kind`` program computes, or None.
+        """A key of what this stage's ``kind`` program computes, or None (twin to none).
 
-        Stages with equal keys (equations, interface, microbatches, reduction, remat)
-        are twins: on equal-shaped submeshes one's executable serves the other.
-
-        Args:
-          kind: a `STAGE_PROGRAMS` kind, ``"init"`` or ``"reduce"``.
-
-        Returns:
-          A hashable key, or None when some value has no equality to rely on (twin to none).
+        Stages with equal keys are twins: on equal-shaped submeshes one executable serves both.
         """
         return None if self._structure is None else (kind, *self._structure)
 
@@ -557,8 +535,7 @@ class StageFunctions:
     def cotangents_fit_inputs(self) -> bool:
         """Whether the cotangents a backward receives have its input cotangents' types.
 
-        True when the differentiated sends' types are, as a multiset, the differentiated
-        inputs': the backward can then donate its cotangents to its ``ct_xd`` results.
+        Then the backward can donate its cotangents to its ``ct_xd`` results.
         """
         sends = sorted(_type_key(v.aval) for v in self.diff_sends)
         return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)

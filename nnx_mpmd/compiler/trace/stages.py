@@ -418,17 +418,9 @@ def cut_stages(info: RegionInfo) -> StagePlan:
 
 
 def input_stages(jaxpr: Any) -> dict[int, list[int]]:
-    """Which stages read each input of a jaxpr traced with stage markers.
+    """``{input index: [stages that read it]}`` of a jaxpr traced with stage markers.
 
-    The same dataflow as `cut_stages` (glue goes to the stage it reads from, or
-    else to the first stage that uses it), for a trace outside a step, e.g. to
-    find which stage a decoding cache belongs to.
-
-    Args:
-      jaxpr: a jaxpr traced under `pipeline_tracing`.
-
-    Returns:
-      ``{input index: [stages that read it]}``; inputs no stage reads are absent.
+    `cut_stages`'s dataflow for a trace outside a step (e.g. which stage a decoding cache is on).
 
     Raises:
       PartitionError: as `cut_stages`.
