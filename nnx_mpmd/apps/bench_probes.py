@@ -201,16 +201,9 @@ def measure_memory(variant: Variant) -> dict[str, Any]:
 
 
 def task_durations(records: Sequence[Sequence[Any]]) -> dict[tuple[int, str], list[float]]:
-    """Measured seconds per ``(stage, kind)`` of the stage tasks in a profile.
+    """Measured seconds per ``(stage, kind)`` of a profile's stage tasks, in profile order.
 
-    Fused programs keep the kind ``"FB"``; an overlapped program is split as
-    `nnx_mpmd.schedules.measured_timeline` draws it; records without a task are left out.
-
-    Args:
-      records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).
-
-    Returns:
-      The durations of each stage's tasks of each kind, in profile order.
+    Fused programs keep kind ``"FB"``; overlapped ones split as `measured_timeline` draws them.
 
     Example:
       >>> from nnx_mpmd.schedules.tasks import Task

@@ -297,15 +297,7 @@ class PackedBatches(ResumableBatches):
         return np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
     def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
-        """The batch number ``index`` (independent of ``position``), or only some of its rows.
-
-        Args:
-          index: the batch number.
-          rows: global row indices in ``[0, batch_size)`` to build (default: all).
-
-        Returns:
-          ``{"inputs", "targets"}`` int32 arrays ``[len(rows), seq_len]``.
-        """
+        """``{"inputs", "targets"}`` of batch ``index`` (not ``position``), or its ``rows`` only."""
         rows = np.arange(self.batch_size) if rows is None else self._checked_rows(rows)
         first = int(index) * self.batch_size
         chunk = np.stack([self.examples[first + int(r)] for r in rows]) if rows.size else None
@@ -365,8 +357,9 @@ class TrainingData:
 
 @contextlib.contextmanager
 def removed_on_error(run_dir: pathlib.Path) -> Iterator[None]:
-    """Removes ``run_dir`` (and the new folders above it) when the block fails and the
-    directory did not exist before it: a refused run leaves no files behind.
+    """Removes ``run_dir`` (and new folders above it) if it is new and the block fails.
+
+    So a refused run leaves no files behind.
 
     Example:
       >>> import tempfile
@@ -402,19 +395,8 @@ def build_data(
 ) -> TrainingData | None:
     """Tokenizer and tokens of a run with ``--dataset`` and/or ``--tokenizer``, else None.
 
-    Copies a ``--tokenizer`` file into ``run_dir``, tokenizes the dataset (or reads
-    the cache under ``run_dir/data_cache``) and splits off the held-out part. On
-    an error nothing this call created is left behind.
-
-    Args:
-      cfg: the parsed options (``dataset``, ``val_dataset``, ``val_fraction``,
-        ``text_field``, ``tokenizer``, ``corpus_bytes``).
-      run_dir: the run directory.
-      seq_len: tokens per sequence (the data must hold one sequence).
-      show_progress: draw the tokenizing progress bar (process 0).
-
-    Returns:
-      The `TrainingData`, or None when neither option is given.
+    Copies the tokenizer into ``run_dir``, tokenizes (or reads ``run_dir/data_cache``) and
+    splits off the held-out part; on an error it leaves nothing behind.
 
     Raises:
       MpmdError: an empty or too small dataset, an unreadable document, a bad tokenizer.

@@ -44,13 +44,7 @@ MEMORY_ENV_VAR = "NNX_MPMD_DEVICE_MEMORY_BYTES"
 
 
 def device_memory_limit(device: Any) -> int | None:
-    """The memory one device may use, in bytes; None when unknown.
-
-    Args:
-      device: a ``jax.Device``.
-
-    Returns:
-      ``$NNX_MPMD_DEVICE_MEMORY_BYTES`` if set, else the device's ``bytes_limit``.
+    """Bytes one device may use (``$NNX_MPMD_DEVICE_MEMORY_BYTES``, else ``bytes_limit``), or None.
 
     Example:
       >>> import jax
@@ -75,15 +69,7 @@ def _nbytes(leaf: Any) -> int:
 def activation_bytes_per_token(config: Any, seq_len: int) -> tuple[int, int]:
     """Bytes one token keeps for the backward: ``(per block, logits on the last stage)``.
 
-    A pre-norm block keeps about ``10·d + 2·d_ff + 2·heads·T`` values per token; the
-    head keeps the logits and their softmax.
-
-    Args:
-      config: a zoo model config (``d_model``, ``n_heads``, ``vocab_size``, ``dtype``).
-      seq_len: tokens per sequence.
-
-    Returns:
-      The two byte counts.
+    A pre-norm block keeps about ``10·d + 2·d_ff + 2·heads·T`` values per token.
 
     Example:
       >>> from nnx_mpmd.models.gpt import GPTConfig

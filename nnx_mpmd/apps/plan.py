@@ -122,14 +122,7 @@ def _verification_table(verifications: list[Any]) -> str:
 
 
 def run(cfg: Any) -> Any:
-    """Plans the run ``cfg`` describes and writes ``cfg.out``.
-
-    Args:
-      cfg: parsed options (`build_parser`).
-
-    Returns:
-      The `nnx_mpmd.planner.Plan` written.
-    """
+    """Plans the run ``cfg`` describes, writes ``cfg.out`` and returns the `Plan`."""
     from nnx_mpmd.apps.pretrained import apply_init_from
     from nnx_mpmd.apps.train_loop import Trainer
 

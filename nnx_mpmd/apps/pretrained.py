@@ -68,14 +68,7 @@ def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
 
 
 def pretrained_max_len(init_from: str | pathlib.Path) -> int:
-    """The context length of a Hugging Face directory's model (its ``config.json``).
-
-    Args:
-      init_from: the directory.
-
-    Returns:
-      The model's ``max_len`` (GPT-2's ``n_positions``, Llama's
-      ``max_position_embeddings``): the default ``--seq-len`` of a run from it.
+    """The ``max_len`` of a Hugging Face directory's model: a run's default ``--seq-len`` from it.
 
     Raises:
       MpmdError: a missing or unsupported ``config.json``.

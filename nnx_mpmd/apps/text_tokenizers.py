@@ -249,12 +249,7 @@ def load_tokenizer_file(
 ) -> HFTokenizer | SentencePieceTokenizer:
     """The tokenizer of a ``tokenizer.json`` or SentencePiece ``.model`` file.
 
-    Args:
-      path: the file (checked with `check_tokenizer_file`).
-      name: its file name inside the run directory (default: its own name).
-
-    Returns:
-      An `HFTokenizer` or a `SentencePieceTokenizer`.
+    ``name`` is its file name in the run directory (default: its own).
 
     Example:
       >>> load_tokenizer_file("tokenizer.json").vocab_size  # doctest: +SKIP
@@ -268,17 +263,9 @@ def load_tokenizer_file(
 def tokenizer_into_run(
     path: str | pathlib.Path, run_dir: str | pathlib.Path
 ) -> HFTokenizer | SentencePieceTokenizer:
-    """Copies a tokenizer file into the run directory and loads the copy.
+    """Copies a tokenizer file into ``run_dir`` (``tokenizer.json``/``.model``) and loads the copy.
 
-    The copy is named ``tokenizer.json`` or ``tokenizer.model``; an identical copy
-    already there (a resumed run) is kept.
-
-    Args:
-      path: the ``--tokenizer`` file.
-      run_dir: the run directory (created if needed).
-
-    Returns:
-      The tokenizer, reading the copy.
+    An identical copy already there (a resumed run) is kept.
 
     Example:
       >>> tokenizer_into_run("my/tokenizer.json", "runs/x").to_dict()  # doctest: +SKIP

@@ -112,15 +112,9 @@ __all__ = [
 
 
 def configure_compile_cache(cfg: TrainConfig) -> pathlib.Path | None:
-    """Turns JAX's persistent compilation cache on (or off, with ``--no-compile-cache``).
+    """Turns JAX's persistent compilation cache on (or off); returns its directory or None.
 
     Call it before anything compiles: JAX decides once per process.
-
-    Args:
-      cfg: the configuration.
-
-    Returns:
-      The cache directory, or None when the cache is off.
 
     Example:
       >>> import jax
@@ -201,9 +195,7 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
     """Trains as ``cfg`` says and writes the run directory.
 
     Args:
-      cfg: the configuration (see `config_from_args`).
-      stop: installed `nnx_mpmd.apps.stop_signals.StopSignals`, or None (signals keep
-        their default action).
+      stop: installed `nnx_mpmd.apps.stop_signals.StopSignals`, or None (default signal actions).
 
     Returns:
       A summary: ``run_dir``, ``first_loss``, ``last_loss``, ``steps_run``, ``sample``,

@@ -422,12 +422,7 @@ def _saved_config_path(cfg: argparse.Namespace) -> pathlib.Path | None:
 
 
 def set_cpu_devices(count: int) -> None:
-    """Asks XLA for ``count`` simulated CPU devices, unless XLA_FLAGS already sets a count.
-
-    Only effective before JAX initializes its backends.
-
-    Args:
-      count: the number of CPU devices.
+    """Asks XLA for ``count`` CPU devices unless XLA_FLAGS sets a count (before JAX starts).
 
     Example:
       >>> set_cpu_devices(8)

@@ -95,15 +95,7 @@ def _compile_cache_text() -> str:
 
 
 def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
-    """One optimizer step on the mean next-token loss (the step ``mp.jit`` compiles).
-
-    Args:
-      model: a zoo language model.
-      optimizer: its ``nnx.Optimizer``.
-      batch: ``{"inputs", "targets"}`` int arrays ``[batch, seq]``.
-
-    Returns:
-      The mean loss over the batch (before the update).
+    """One optimizer step on the mean next-token loss; returns the loss before the update.
 
     Example:
       >>> import numpy as np
@@ -134,13 +126,7 @@ def _train_step_in(precision: Precision) -> Any:
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
-    """Draws loss against step into ``path`` (matplotlib, without pyplot).
-
-    Args:
-      metrics: the logged records (``step`` and ``loss`` keys; those with an
-        ``eval_loss`` are drawn as the held-out points too).
-      path: the image file.
-      title: the chart title.
+    """Draws loss against step into ``path`` (matplotlib, no pyplot); ``eval_loss`` records too.
 
     Example:
       >>> import tempfile
@@ -343,18 +329,11 @@ class Trainer:
         return run_settings(self)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
-        """Resumes from the newest intact checkpoint (``--resume``, at or before
-        ``--resume-step``) or checks the run dir is fresh (`restore_or_start`)."""
+        """Resumes the newest intact checkpoint (``--resume[-step]``) or checks the run is new."""
         restore_or_start(self, manager)
 
     def save_checkpoint(self, manager: CheckpointManager, step: int) -> None:
-        """Saves the model, the optimizer, the data position, the settings and the
-        tokenizer as checkpoint ``step`` of ``manager`` (`save_checkpoint`).
-
-        Args:
-          manager: the run's `nnx_mpmd.checkpoint.CheckpointManager`.
-          step: the step number the checkpoint gets.
-        """
+        """Saves model, optimizer, data position, settings and tokenizer as checkpoint ``step``."""
         save_checkpoint(self, manager, step)
 
     # -- the loop ---------------------------------------------------------------------
