@@ -38,11 +38,7 @@ __all__ = [
 
 
 def take_cached_partial_nodes() -> Any | None:
-    """Takes out the node cache ``nnx.cached_partial`` set for the call running now (or None).
-
-    ``nnx.cached_partial`` raises after the call unless its cache was taken out.
-    Relies on: ``graphlib.GRAPH_CONTEXT.tmp_static_cache`` (flax 0.12).
-    """
+    """Takes out the node cache ``nnx.cached_partial`` set for this call (it raises otherwise)."""
     cache = graphlib.GRAPH_CONTEXT.tmp_static_cache
     graphlib.GRAPH_CONTEXT.tmp_static_cache = None
     return cache
@@ -238,10 +234,7 @@ def sharding_device_list(sharding: Any) -> Any:
 
 
 def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Sequence[Any]) -> Any:
-    """Copies arrays to shardings in one call, with ``jax.device_put``'s copy semantics.
-
-    Relies on: ``batched_copy_array_to_devices_with_sharding`` with ``REUSE_INPUT`` (jax 0.10).
-    """
+    """Copies arrays to shardings in one call, as ``jax.device_put`` does (``REUSE_INPUT``)."""
     return _batched_copy(
         list(values), list(device_lists), list(targets), [_REUSE_INPUT] * len(values)
     )

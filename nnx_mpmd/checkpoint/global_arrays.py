@@ -273,10 +273,7 @@ def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[l
 
 
 def _batches_with_distinct_sources(cross: list) -> list[list]:
-    """``cross`` cut into batches of one move each.
-
-    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put``.
-    """
+    """``cross`` in batches of one move each: JAX 0.10.2 on CPU lost moves batched together."""
     return [[pair] for pair in cross]
 
 

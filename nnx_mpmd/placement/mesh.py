@@ -128,10 +128,7 @@ class MpmdMesh:
 
     @property
     def submeshes(self) -> tuple[Mesh, ...]:
-        """The submeshes, one jax Mesh per index of the mpmd axis.
-
-        Stage code is traced against their common abstract mesh.
-        """
+        """The submeshes, one jax Mesh per mpmd index (stage code traces on their abstract mesh)."""
         return self._submeshes
 
     def check_submesh_axis(self, name: Any, *, argument: str, fix: str = "") -> str:

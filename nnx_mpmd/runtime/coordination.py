@@ -314,11 +314,7 @@ class Coordination:
         self.client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value), allow_overwrite=True)
 
     def fetch(self, key: str, peer: int, where: str, timeout_s: float | None = None) -> Any:
-        """The JSON value ``peer`` published under ``key``, waited for while the peer lives.
-
-        Raises:
-          DistributedError: the peer died, or nothing arrived within ``timeout_s``.
-        """
+        """The JSON value ``peer`` published under ``key``; `DistributedError` if dead or late."""
         get = self.client.blocking_key_value_get
         raw = self._wait_for_key(key, peer, where, get, timeout_s)
         return json.loads(raw)

@@ -112,17 +112,8 @@ def drop_unread_equations(levels: OuterLevels, kept: set[ValueOnMesh]) -> OuterL
 def split_common_parts(levels: OuterLevels) -> OuterLevels:
     """Pass: splits programs that contain an equal-shaped mesh's program into it and the rest.
 
-    Per segment and level, the smallest program whose pieces others contain is the
-    common part (`Part.COMMON`), compiled once for all of them; the rest of each
-    program is its `Part.WHOLE` (or `Part.PROLOGUE` for the core's own).
-
-    Args:
-      levels: `drop_unread_equations`'s result.
-
-    Returns:
-      The `OuterLevels` with the split programs (``post.L1.mesh0`` and
-      ``post_common.L1.mesh0``; ``post_prologue.L1.mesh1`` and
-      ``post_common.L1.mesh1``).
+    Per segment and level the smallest contained program is the common part (`Part.COMMON`,
+    ``post_common.L1.mesh0``), compiled once; the rest is `Part.WHOLE` or `Part.PROLOGUE`.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -545,10 +545,7 @@ def _eval_jaxpr(
 
 
 def run_deferring(fn: Callable[..., Any], *args: Any, reduction: GradientReduction) -> Any:
-    """``fn(*args)`` with its sums over ``reduction.axis`` left unreduced (typed ``{U:axis}``).
-
-    Call it while tracing on an Explicit mesh.
-    """
+    """``fn(*args)`` traced on Explicit axes, its sums over ``reduction.axis`` left unreduced."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, jax.tree.leaves(args), reduction)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -60,16 +60,8 @@ def rng_counts_from_index(
 ) -> tuple[Any, list[Any], dict[int, int]]:
     """The body with RNG counters derived from the microbatch index, if any advance.
 
-    Args:
-      closed: the traced body: closure constants, ``num_diff`` differentiated leaves,
-        the state leaves and the microbatch.
-      counts: positions of the RNG counters among the state leaves (`rng_count_inputs`).
-      first_out: the position of the first state leaf among the body's outputs.
-      submesh: where the counter updates are evaluated (None: the default device).
-
-    Returns:
-      ``(closed body, its closure constants, {counter position: K})``; no increments
-      (body unchanged) when no counter advances.
+    ``counts``: the counters' positions among the state leaves; ``first_out``: the first
+    state leaf's among the outputs. Returns ``(body, its consts, {counter position: K})``.
 
     Raises:
       CompileError: a counter is changed other than by drawing keys.

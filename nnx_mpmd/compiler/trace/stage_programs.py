@@ -287,10 +287,7 @@ class StageFunctions:
         )
 
     def structure(self, kind: str) -> tuple[Any, ...] | None:
-        """A key of what this stage's ``kind`` program computes, or None (twin to none).
-
-        Stages with equal keys are twins: on equal-shaped submeshes one executable serves both.
-        """
+        """A key of this stage's ``kind`` program (None: unique); twins share one executable."""
         return None if self._structure is None else (kind, *self._structure)
 
     # -- helpers -----------------------------------------------------------
@@ -432,8 +429,7 @@ class StageFunctions:
         return tuple(values[v] for v in self.sends), outputs, self._carried(values)
 
     def backward(self, kept, inputs, cts, gacc):
-        """``inputs``: the forward's inputs. cts: one tuple of contributions per
-        differentiated send. -> (ct_xd, gacc')."""
+        """``(ct_xd, gacc')`` from the forward's inputs and the differentiated sends' cotangents."""
         return self._backward(self._unpack(kept, inputs), cts, gacc, inputs[4])
 
     def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
@@ -533,9 +529,6 @@ class StageFunctions:
         return [v for v in self.yd if v is not self.loss_var]
 
     def cotangents_fit_inputs(self) -> bool:
-        """Whether the cotangents a backward receives have its input cotangents' types.
-
-        Then the backward can donate its cotangents to its ``ct_xd`` results.
-        """
+        """Whether received cotangents have the input cotangents' types (so they can be donated)."""
         sends = sorted(_type_key(v.aval) for v in self.diff_sends)
         return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)
