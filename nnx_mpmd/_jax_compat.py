@@ -55,15 +55,8 @@ def variables_bound_to_current_trace(
 ) -> Iterator[None]:
     """Lets code traced now read and update Variables created in an outer trace.
 
-    A Flax Variable remembers the JAX trace it was created in and refuses updates
-    from any other (``TraceContextError``), so a loss function that closes over an
-    ``nnx.Rngs`` cannot draw keys inside a transform. This binds each Variable to
-    the current trace with ``values`` (tracers of that trace) for the duration of
-    the block, and afterwards restores its original value and trace. Read the
-    new values with ``get_raw_value()`` inside the block.
-
-    Relies on: ``Variable._trace_state`` (a ``flax.nnx.tracers.TraceState``) and
-    ``Variable._raw_value`` (set without the trace check when restoring).
+    A Variable refuses updates from other traces (a loss closing over ``nnx.Rngs``);
+    this binds each to ``values`` for the block, then restores it. Relies on: ``_trace_state``.
     """
     saved = [(v.get_raw_value(), v._trace_state) for v in variables]
     try:

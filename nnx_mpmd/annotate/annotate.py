@@ -154,11 +154,8 @@ def _next_stage(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One step of the split's dynamic programme, from k - 1 stages to k, for every i at once.
 
-    ``previous[j]`` (k - 1 stages over the first j items) grows with j and the last
-    stage's weight ``prefix[i] - prefix[j]`` shrinks with j, so the best cut lies
-    where they cross, found by bisection over all i together (O(items log items)
-    in numpy, not a Python loop per item). The comparisons are the scalar
-    programme's own, so the split is the same; ties go to the earliest cut.
+    The best cut is found by bisection for all i together (numpy, no per-item loop),
+    with the scalar programme's comparisons: same split, ties to the earliest cut.
     """
     best = np.full(len(prefix), np.inf)
     cut = np.zeros(len(prefix), dtype=np.int64)

@@ -41,10 +41,7 @@ _RECORDERS: list[list[Any]] = []
 
 @contextlib.contextmanager
 def recording_stage_calls() -> Iterator[list[Any]]:
-    """Records every `Stage` called inside the block, in call order.
-
-    Returns:
-      A context manager giving the list it fills.
+    """Records every `Stage` called inside the block, in call order, in the list it yields.
 
     Example:
       >>> import jax.numpy as jnp

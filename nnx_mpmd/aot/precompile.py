@@ -119,15 +119,9 @@ def start_precompile(
     executables: dict[str, list[Any]] | None = None,
     loaded: dict[str, list[Any]] | None = None,
 ) -> Precompiling:
-    """`precompile`, returning as soon as every compilation is scheduled.
+    """`precompile`, returning a `Precompiling` handle once every compilation is scheduled.
 
-    The arguments are `precompile`'s. ``executables`` and ``loaded`` fill in
-    while the programs compile: read a program's entries after
-    ``wait_for(name)``, and ``loaded`` after ``finish()``.
-
-    Returns:
-      The `Precompiling` handle; call its ``finish()`` once (it shuts the
-      thread pool down).
+    Read ``executables[name]`` after ``wait_for(name)``, ``loaded`` after ``finish()`` (once).
 
     Example:
       >>> # `nnx_mpmd.jit` runs a new step's first tasks while later ones compile.

@@ -441,10 +441,7 @@ def _full_key(key: Any) -> tuple[Any, ...]:
 
 
 def backend_environment() -> tuple[str, ...]:
-    """What decides an executable besides its module: versions, backend, XLA flags.
-
-    Returns:
-      ``(jax version, jaxlib version, platform, platform version, XLA_FLAGS)``.
+    """What decides an executable besides its module: versions, platform, XLA_FLAGS.
 
     Example:
       >>> len(backend_environment())

@@ -82,13 +82,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd``.
-
-    Args:
-      argv: the arguments after the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-      The process exit status.
+    """Entry point of ``nnx-mpmd``; returns the exit status.
 
     Example:
       >>> main(["--help"])  # doctest: +ELLIPSIS

@@ -52,19 +52,9 @@ def stdlib_corpus(
     root: str | pathlib.Path | None = None,
     ascii_only: bool = True,
 ) -> str:
-    """Concatenated Python source of the standard library, at most ``max_bytes`` characters.
+    """The standard library's Python source, at most ``max_bytes`` characters, the same everywhere.
 
-    Files are read in sorted path order (relative to ``root``) and joined with a
-    blank line, so the result is the same on every machine with the same Python.
-
-    Args:
-      max_bytes: cap on the number of characters returned.
-      root: directory to read instead of the stdlib (e.g. in tests).
-      ascii_only: replace characters other than printable ASCII, newline and
-        tab by ``"?"`` (keeps the character vocabulary under 100).
-
-    Returns:
-      The corpus text.
+    Sorted paths under ``root`` (default: the stdlib); ``ascii_only`` keeps the vocabulary < 100.
 
     Example:
       >>> text = stdlib_corpus(10_000)

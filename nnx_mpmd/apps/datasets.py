@@ -86,14 +86,7 @@ _KINDS = ", ".join(DATASET_SUFFIXES)
 
 
 def resolve_dataset_files(spec: str, option: str = "--dataset") -> list[pathlib.Path]:
-    """The dataset files ``spec`` names: a file, a directory or a glob, in sorted order.
-
-    Args:
-      spec: the value of ``--dataset`` (or ``--val-dataset``).
-      option: the option, for messages.
-
-    Returns:
-      The files, each ending in ``.txt``, ``.jsonl`` or ``.parquet``.
+    """The ``.txt``/``.jsonl``/``.parquet`` files ``spec`` names (file, directory or glob), sorted.
 
     Raises:
       MpmdError: the path does not exist, the glob matches nothing, the directory
@@ -196,10 +189,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_data_args(cfg: Any) -> None:
-    """Checks the data options before anything is written (no JAX, no reading).
-
-    Args:
-      cfg: the parsed ``nnx-mpmd train`` options.
+    """Checks the data options of ``cfg`` before anything is written (no JAX, no reading).
 
     Raises:
       MpmdError: a missing dataset or tokenizer file, options that contradict each

@@ -184,16 +184,7 @@ def _status_of(code: int | None) -> str:
 def stop_summary(
     signum: int, codes: Sequence[int | None], killed: Sequence[int], grace_s: float
 ) -> str:
-    """The line the launcher prints after a stop signal, once every process is gone.
-
-    Args:
-      signum: the signal the launcher got (and forwarded).
-      codes: the processes' return codes (``Popen.returncode``: negative for a signal).
-      killed: the processes the launcher killed (SIGKILL) after ``grace_s``.
-      grace_s: ``--stop-grace``.
-
-    Returns:
-      One line saying which processes stopped on their own and which were killed.
+    """The launcher's line after a stop signal: which processes stopped and which were killed.
 
     Example:
       >>> stop_summary(signal.SIGTERM, [-9, 143], [0], 60)  # doctest: +ELLIPSIS
@@ -456,13 +447,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd launch``.
-
-    Args:
-      argv: the arguments after ``launch``.
-
-    Returns:
-      The exit status (see `launch`); 2 for bad arguments.
+    """Entry point of ``nnx-mpmd launch``: `launch`'s status, 2 for bad arguments.
 
     Example:
       >>> main(["--processes", "0", "--", "true"])

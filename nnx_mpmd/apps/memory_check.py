@@ -101,14 +101,7 @@ def _stage_activation_bytes(trainer: Any, rows: int) -> list[int]:
 
 
 def predicted_peaks(trainer: Any) -> tuple[int, ...]:
-    """Each mesh's predicted peak bytes per device, activations included (an estimate).
-
-    Args:
-      trainer: a `nnx_mpmd.apps.train_loop.Trainer` (model, optimizer, mesh and settings).
-
-    Returns:
-      One peak per mesh.
-    """
+    """Each mesh's predicted peak bytes per device, activations included (an estimate)."""
     cfg = trainer.cfg
     num_stages = trainer.num_stages
     param_bytes = [0] * num_stages
@@ -155,15 +148,7 @@ def predicted_peaks(trainer: Any) -> tuple[int, ...]:
 
 
 def check_memory(trainer: Any) -> None:
-    """Refuses a run whose predicted state does not fit a device.
-
-    Args:
-      trainer: a `nnx_mpmd.apps.train_loop.Trainer`, before its first step.
-
-    Raises:
-      PlanError: a mesh's predicted peak is above the device limit;
-        the message gives both and what to change.
-    """
+    """Refuses (`PlanError`) a run whose predicted peak on a mesh is above the device limit."""
     limit = device_memory_limit(jax.local_devices()[0])
     if limit is None:
         return

@@ -39,14 +39,7 @@ RUN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 def resolve_run_dir(cfg: Any) -> pathlib.Path:
     """The run directory of ``cfg``; creates nothing.
 
-    Without ``--run-dir`` a new run goes to ``runs/TIME`` and ``--resume``
-    takes the newest run under ``runs/`` that has checkpoints.
-
-    Args:
-      cfg: the configuration (``resume`` and ``run_dir``: a `nnx_mpmd.apps.train.TrainConfig`).
-
-    Returns:
-      The directory (it need not exist yet for a new run).
+    Without ``--run-dir``: ``runs/TIME``, or with ``--resume`` the newest run with checkpoints.
 
     Raises:
       CheckpointError: ``--resume`` without an earlier run to continue.

@@ -111,9 +111,6 @@ def _unit_line(text: str, scale: Fraction | None, stages: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nnx-mpmd schedule``.
 
-    Returns:
-      The parser.
-
     Example:
       >>> build_parser().parse_args(["--schedule", "gpipe"]).schedule
       'gpipe'

@@ -101,11 +101,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
-        """Installs the handlers (call it after joining ``jax.distributed``, if at all).
-
-        Returns:
-          ``self``.
-        """
+        """Installs the handlers; returns ``self`` (call it after joining ``jax.distributed``)."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return self
         self.collective = _preemption_service_running()

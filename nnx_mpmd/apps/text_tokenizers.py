@@ -91,13 +91,7 @@ def _import_optional(module: str, what: str) -> Any:
 
 
 def check_tokenizer_file(path: str | pathlib.Path) -> str:
-    """Checks a ``--tokenizer`` file before anything is written; returns its kind.
-
-    Args:
-      path: a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``.
-
-    Returns:
-      ``"hf"`` or ``"sentencepiece"``.
+    """The kind (``"hf"``/``"sentencepiece"``) of a ``--tokenizer`` file, checked before any write.
 
     Raises:
       MpmdError: the file is missing or unreadable, its extension is unknown, or the
@@ -294,14 +288,7 @@ def eos_id_of(tokenizer: Any) -> int | None:
 def tokenizer_from_dict(
     data: dict[str, Any], run_dir: str | pathlib.Path | None = None
 ) -> TextTokenizer:
-    """Rebuilds the tokenizer described by ``data`` (a ``to_dict()`` result).
-
-    Args:
-      data: the description saved in checkpoint metadata.
-      run_dir: the run directory, where tokenizer files of a run are kept.
-
-    Returns:
-      The tokenizer.
+    """Rebuilds the tokenizer a ``to_dict()`` result describes (files from ``run_dir``).
 
     Raises:
       MpmdError: for a description of an unknown type, or a tokenizer file that is

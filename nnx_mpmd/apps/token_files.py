@@ -174,19 +174,9 @@ def tokenize_to_cache(
     text_field: str = "text",
     show_progress: bool = False,
 ) -> np.ndarray:
-    """The token stream of ``files``, from the cache or tokenized into it.
+    """The token stream of ``files`` (read-only int32 memmap), from the cache or tokenized into it.
 
-    Args:
-      files: the dataset files, in order.
-      tokenizer: has ``encode(text)`` and ``to_dict()``.
-      separator: the id (or ids) appended after every document, or None.
-      cache_dir: where the token file goes (created if needed).
-      name: ``train`` or ``val`` (the file name's start).
-      text_field: the ``.jsonl`` field / ``.parquet`` column of the text.
-      show_progress: draw a rich progress bar while tokenizing.
-
-    Returns:
-      A read-only int32 `numpy.memmap` of every token.
+    ``separator`` id(s) follow every document; ``name`` (``train``/``val``) starts the file name.
 
     Raises:
       MpmdError: the files hold no tokens, or a document cannot be read.
