@@ -211,13 +211,9 @@ def _with_free_port(address: str) -> str:
 
 
 def _enable_cpu_transfers(coordinator: str | None) -> None:
-    """Lets CPU devices of different processes exchange arrays (``jax.device_put``).
+    """Lets CPU devices of different processes exchange arrays (before the CPU backend starts).
 
-    JAX moves arrays between processes on CPU over a socket it opens when the
-    backend starts, only if ``jax_cross_host_transfer_socket_address`` is set;
-    ``jax_cross_host_transport_addresses`` is set too so that it listens on
-    that interface only (JAX's default is every interface). A value already
-    configured is kept. Must run before the CPU backend starts.
+    Sets JAX's cross-host transfer socket, listening on that interface only; set values stay.
     """
     address = transfer_address(coordinator)
     configured = jax.config.values

@@ -144,14 +144,7 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
 
 
 def read_config_file(path: str | pathlib.Path, keys: Mapping[str, ConfigKey]) -> dict[str, Any]:
-    """Reads a flat TOML file of options and checks every key and value.
-
-    Args:
-      path: the file.
-      keys: the valid keys (`config_keys`).
-
-    Returns:
-      ``{key: value}`` as the file gives them (floats for float options).
+    """``{key: value}`` of a flat TOML options file, every key and value checked against ``keys``.
 
     Raises:
       MpmdError: the file is missing or not TOML, holds a table, an unknown key

@@ -109,15 +109,7 @@ class CompileCounter:
 
 
 def progress_bar(total: int, completed: int, shown: bool) -> tuple[Any, Any]:
-    """The run's rich progress bar: steps done, then the compile status or the loss.
-
-    Args:
-      total: the run's steps.
-      completed: the steps done before this process (a resumed run's checkpoint).
-      shown: whether to draw it (process 0 only).
-
-    Returns:
-      ``(progress, task)``; update the task's ``status`` field.
+    """``(progress, task)``: the run's rich progress bar (drawn if ``shown``); update ``status``.
 
     Example:
       >>> progress, task = progress_bar(300, 0, shown=False)

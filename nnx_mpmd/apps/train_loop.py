@@ -369,19 +369,10 @@ class Trainer:
         return [r for r in records if r["step"] <= self.start_step]
 
     def train(self, stop: StopSignals | None = None) -> dict[str, Any]:
-        """Runs the steps and writes the outputs.
+        """Runs the steps and writes the outputs; returns the run's summary.
 
-        Args:
-          stop: installed stop-signal handlers; after a stop signal the loop ends
-            after the step in progress, with a checkpoint of that step (see
-            `nnx_mpmd.apps.stop_signals`).
-
-        Returns:
-          ``run_dir``, ``first_loss``, ``last_loss`` (of this process's steps),
-          ``steps_run``, ``val_loss`` and ``sample`` (None and ``""`` on processes
-          other than 0, which neither score nor sample), ``stopped_at`` and
-          ``stop_signal`` (None unless a stop signal ended the run early; such a
-          run skips the validation loss, the sample and the pictures).
+        After a stop signal the loop ends with a checkpoint of the step in progress and skips
+        the validation loss, sample and pictures; processes other than 0 neither score nor sample.
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)

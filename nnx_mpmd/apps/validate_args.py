@@ -64,18 +64,9 @@ def check_output_dir(path: pathlib.Path, option: str) -> None:
 
 
 def read_plan_settings(path: str) -> dict[str, Any]:
-    """The settings ``nnx-mpmd train --plan`` takes from a plan file, checked.
+    """The settings ``nnx-mpmd train --plan`` takes from a plan file, checked without JAX.
 
-    The full plan (its layer split) is read and checked again when it is
-    applied to the model (`nnx_mpmd.planner.Plan.load`); this reads what the
-    options need without importing JAX.
-
-    Args:
-      path: the plan file (JSON written by ``nnx-mpmd plan``).
-
-    Returns:
-      ``num_meshes``, ``batch_size``, ``schedule``, ``num_stages``,
-      ``num_microbatches`` and ``donate``.
+    ``num_meshes``, ``batch_size``, ``schedule``, ``num_stages``, ``num_microbatches``, ``donate``.
 
     Raises:
       PlanError: the file cannot be read, is not JSON, or misses one of these

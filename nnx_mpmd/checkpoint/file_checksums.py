@@ -138,16 +138,7 @@ def _read_record(directory: Path) -> dict[str, Any] | None:
 
 
 def check_files(directory: Path, *, step: int | None, manifest_seal: str | None) -> bool:
-    """Compares ``directory``'s files with their record, before anything is read.
-
-    Args:
-      directory: the step (or checkpoint) directory.
-      step: the step it is named for (None for a plain checkpoint).
-      manifest_seal: the seal of its manifest as read.
-
-    Returns:
-      True when every recorded file matches; False when there is no record
-      (the value checksums then stand alone, see the module docstring).
+    """Compares ``directory``'s files with their record before anything is read (False: no record).
 
     Raises:
       CheckpointDamagedError: a recorded file is missing, has another size or

@@ -222,18 +222,9 @@ def _describe_layout(value: Any) -> dict[str, Any]:
 def build_manifest(
     layout: Layout, *, step: int | None = None, metadata: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sealed manifest of ``layout`` and the nested dict of arrays to write.
+    """``(sealed manifest, nested dict of arrays for orbax)`` of ``layout``.
 
-    Args:
-      layout: the collected tree.
-      step: the step number of a `CheckpointManager` step (None for `save`).
-      metadata: the JSON metadata saved beside it, recorded by its SHA-256.
-
-    Returns:
-      ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
-      logical path components, of the arrays to hand to orbax (in a
-      multi-process run, an array that some process holds no shard of gets one
-      there first, see `nnx_mpmd.checkpoint.global_arrays.savable`).
+    ``metadata`` is recorded by its SHA-256; arrays are made `savable` in a multi-process run.
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect
@@ -395,12 +386,6 @@ def check_target(
     records: dict[str, dict[str, Any]], layout: Layout, where: str, *, partial: bool = False
 ) -> None:
     """Raises `CheckpointError` naming the first path where target and checkpoint differ.
-
-    Args:
-      records: the manifest's entries.
-      layout: the collected target.
-      where: the checkpoint's location, for messages.
-      partial: allow checkpoint entries that the target does not have.
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect

@@ -103,18 +103,7 @@ def make_subprogram(
     fixed_invars: Sequence[Any] = (),
     substitute: dict[Any, Any] | None = None,
 ) -> tuple[SubProgram, list[Any]]:
-    """Builds a `SubProgram` reading every free variable of ``eqns``.
-
-    Args:
-      eqns: equations in program order.
-      outvars: what the slice returns.
-      fixed_invars: variables that must come first among the inputs, in order.
-      substitute: renaming of equation inputs.
-
-    Returns:
-      The sub-program and its full input list (``fixed_invars`` then the other
-      free variables in first-use order).
-    """
+    """``(SubProgram, inputs)`` reading every free variable of ``eqns``: ``fixed_invars`` first."""
     substitute = substitute or {}
 
     def resolve(v: Any) -> Any:
@@ -177,17 +166,8 @@ def structure_key(
 ) -> tuple[Any, ...] | None:
     """A hashable key of the function a slice of equations computes, or None.
 
-    Equal keys mean equal primitives, parameters and input types, wired alike, so
-    one slice's program can stand for the other's; None (matching nothing) when a
-    literal or parameter has no value equality.
-
-    Args:
-      eqns: the slice's equations, in program order.
-      invars: its inputs, in the program's argument order.
-      outvars: what it returns.
-
-    Returns:
-      The key, or None.
+    Equal keys: equal primitives, parameters and input types wired alike, so one program
+    stands for the other; None when a literal or parameter has no value equality.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -392,11 +392,7 @@ def measure_spmd(
     steps: int = 5,
     donate: bool = False,
 ) -> tuple[float, tuple[int, ...]]:
-    """Compiles and times ``candidate``'s step: the median of ``steps`` steps after one.
-
-    Returns:
-      ``(seconds per step, (peak bytes per device,))`` (`SpmdStep.peak_bytes`).
-    """
+    """``(seconds per step, (peak bytes per device,))``: median of ``steps`` after one, compiled."""
     step, state = spmd_step(
         candidate.kind, model, loss_fn, tx, mesh, candidate.num_microbatches, donate=donate
     )

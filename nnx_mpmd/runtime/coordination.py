@@ -204,10 +204,7 @@ class Coordination:
     # ------------------------------------------------------------------ liveness
 
     def dead_peers(self) -> list[int]:
-        """The peers whose heartbeat has not moved for ``heartbeat_s`` seconds.
-
-        Returns:
-          Sorted process indices (empty when every peer is alive).
+        """Sorted peers whose heartbeat has not moved for ``heartbeat_s`` seconds.
 
         Raises:
           DistributedError: the coordination service itself is gone (process 0 died).
@@ -234,12 +231,7 @@ class Coordination:
         return dead
 
     def check_peers(self, where: str, *, force: bool = False) -> None:
-        """Raises `DistributedError` if a peer died (rate-limited unless ``force``).
-
-        Args:
-          where: what this process was doing, for the message.
-          force: query now even if the last query was recent.
-        """
+        """Raises `DistributedError` if a peer died (rate-limited unless ``force``)."""
         now = time.monotonic()
         if not force and now - self._last_liveness < _LIVENESS_EVERY_S:
             return
@@ -256,16 +248,7 @@ class Coordination:
     def call_watching_peers(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, given up with a `DistributedError` as soon as a peer dies.
 
-        ``fn`` runs in a daemon thread while this thread checks the heartbeats; the
-        abandoned thread stays blocked until the process exits.
-
-        Args:
-          where: what this process is doing, for the message.
-          fn: the blocking call.
-          *args: its arguments.
-
-        Returns:
-          What ``fn`` returns (what it raises is raised here).
+        ``fn`` runs in a daemon thread (left blocked if abandoned) while this one checks heartbeats.
 
         Raises:
           DistributedError: a peer died (or the coordination service went away)
@@ -344,12 +327,7 @@ class Coordination:
                 )
 
     def barrier(self, name: str, where: str, timeout_s: float | None = None) -> None:
-        """Waits until every process reached barrier ``name`` (ids must be unique).
-
-        Args:
-          name: the barrier id, the same on every process.
-          where: what this process was doing, for the message.
-          timeout_s: how long to wait (default `peer_timeout_s`).
+        """Waits until every process reached barrier ``name`` (unique ids).
 
         Raises:
           DistributedError: a peer died or did not arrive in time.

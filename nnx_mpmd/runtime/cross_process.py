@@ -140,16 +140,8 @@ def shard_plan(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[tup
 def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``value`` moved shard by shard: local copies, and one-device cross-process moves.
 
-    JAX moves a whole array between processes only when every shard crosses
-    (disjoint process sets); this covers the rest (a stage spanning processes 0
-    and 1 to another one, overlapping process sets).
-
-    Each cross-process piece is its own ``jax.device_put``, in the same order
-    on every process. Batched into one call, a piece could be lost when a
-    process both receives one piece and sends another in that call (a ring of
-    stages, stage i on processes {i, i + 1}: process 1 receives from 0 and
-    sends to 2): on CPU, JAX 0.10.2's receiver of the other piece (process 2)
-    waited forever, and the first step hung every time.
+    One ``jax.device_put`` per piece, in the same order everywhere: batched, JAX 0.10.2 on
+    CPU lost pieces of a ring of stages and the first step hung.
     """
     me = jax.process_index()
     local, cross = shard_plan(value.sharding, sharding, tuple(value.shape), me)
@@ -198,16 +190,7 @@ def _mesh_shape(mesh: Mesh) -> tuple[tuple[str, int], ...]:
 def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``value`` (on one submesh) moved to ``sharding`` (on another); see the module docstring.
 
-    A collective of the processes of both submeshes: every process calls it
-    with the same arguments, in the same order.
-
-    Args:
-      value: a global array with a NamedSharding.
-      sharding: the destination.
-
-    Returns:
-      The moved array (no addressable shards on a process without devices in
-      ``sharding``).
+    A collective of both submeshes' processes, same arguments and order on each.
 
     Raises:
       DistributedError: the source has no NamedSharding, or the submeshes
@@ -284,20 +267,8 @@ def _whole_on(copy: jax.Array) -> frozenset[int]:
 def to_every_process(x: Any) -> Any:
     """A step's user output as an array this process holds whole (a collective).
 
-    Every process calls it with the same output. A copy this process holds
-    whole is returned (a replicated copy that spans processes as this process's
-    shard of it); when some process holds no whole copy, one copy (replicated
-    on its own submesh first if it is split over processes) is sent by the
-    lowest process that holds it to every such process, through the key-value
-    store (typed PRNG keys with ``jax.device_put``). The decisions depend on
-    shardings only, so every process makes the same ones.
-
-    Args:
-      x: a global jax.Array, an `MpmdArray` of them, or any other value
-        (returned unchanged).
-
-    Returns:
-      A fully addressable array (on one process: ``x`` itself).
+    A missing whole copy is sent by the lowest process holding one, through the key-value
+    store; decisions depend on shardings only, so every process makes the same ones.
 
     Example:
       >>> import jax.numpy as jnp
@@ -338,12 +309,8 @@ _OUTPUT_ROUNDS = itertools.count(1)
 def _sent_by_key_value_store(source: jax.Array, missing: list[int], mine: Any, me: int) -> Any:
     """A whole step output sent to the ``missing`` processes through the key-value store.
 
-    A step output is small (a loss, metrics). Sent with ``jax.device_put``, the
-    copy for one of two receivers sometimes never arrived on CPU (4 processes x
-    2 devices, about 1 run in 3: the receiver waited forever and its peers
-    with it); the coordination service's key-value store has no such race.
-    The lowest process that holds the value publishes one key per receiver,
-    and each receiver deletes its key once read.
+    With ``jax.device_put`` one receiver's copy sometimes never arrived on CPU; the store has
+    no such race. Each receiver deletes its key once read.
     """
     from nnx_mpmd.runtime.coordination import get_coordination
 

@@ -121,18 +121,7 @@ def transfer_value(
     shardings: Shardings,
     put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
 ) -> jax.Array:
-    """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec).
-
-    Args:
-      ins: the transfer.
-      value: the source value (a jax.Array, or a host value).
-      shardings: the sharding cache.
-      put: how the value moves, ``put(value, sharding, from_host)`` (default
-        ``jax.device_put`` of the value, host values as NumPy arrays).
-
-    Returns:
-      The array on the destination submesh.
-    """
+    """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec), by ``put`` if given."""
     if isinstance(value, MicrobatchedArray):  # placed by its maker: used as is
         target = shardings(ins.dst_mesh, ins.spec if ins.spec is not None else P())
         return take_microbatched(value, ins.reshape_microbatches, target)

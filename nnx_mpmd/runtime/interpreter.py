@@ -133,14 +133,7 @@ class Prepared(NamedTuple):
 
 
 def prepare(instructions: Sequence[Instruction], operations: Operations) -> Prepared:
-    """Turns ``instructions`` into steps, asking ``operations`` how each one runs.
-
-    Args:
-      instructions: the list, in dispatch order.
-      operations: makes the step of each instruction (see `Operations`).
-
-    Returns:
-      The `Prepared` steps; an instruction whose operation returned None has none.
+    """The `Prepared` steps of ``instructions``, each made by ``operations`` (None: no step).
 
     Raises:
       CompileError: an instruction is not a `Call`, `Transfer` or `Free`.

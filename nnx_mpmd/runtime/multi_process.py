@@ -316,22 +316,8 @@ def execute_multi_process(
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
-    Every process calls it with the same step and inputs, in the same order.
-
-    Args:
-      step: the compiled step (identical on every process).
-      inputs: one value per input of the step (consts, state leaves, other leaves).
-      mesh: the `MpmdMesh` (its submeshes may span processes).
-      shardings: a sharding cache to reuse across calls.
-      profile: a list to append a `TaskRecord` per call to, or an `Observer`
-        that records them.
-      observers: more `nnx_mpmd.runtime.interpreter.Observer` s (the finite
-        check), called around the steps this process runs.
-
-    Returns:
-      One value per output: user outputs are arrays this process holds whole;
-      state outputs are global arrays (remote on processes without their
-      devices), or `MpmdArray` of them.
+    Every process calls it alike. User outputs come back whole on every process; state
+    outputs are global arrays (remote where this process has no devices).
 
     Raises:
       DistributedError: a peer died or timed out, or a transfer cannot be made
@@ -406,23 +392,10 @@ def _from_host(host: np.ndarray, like: Any, device: Any) -> jax.Array:
 
 
 def collect_local(values: Sequence[Any], where: str) -> list[Any]:
-    """Every array of ``values`` as an array this process holds whole.
+    """Every array of ``values`` as an array this process holds whole (a collective).
 
-    A collective: every process calls it with the same sequence (same shapes,
-    dtypes and shardings). An array (or `MpmdArray`) that this process holds
-    whole comes back as that local copy; one it does not hold is sent by the
-    lowest process that does, through the coordination service's key-value
-    store, and arrives on this process's first local device. An array split
-    over processes (a sharded copy on a submesh that spans them) is first
-    replicated over its own submesh. Other values come back unchanged. The
-    keys are deleted once every process has read them.
-
-    Args:
-      values: arrays, `MpmdArray` objects and other values.
-      where: what the caller is doing, for error messages.
-
-    Returns:
-      A list like ``values`` with only local arrays.
+    A missing one is sent by the lowest holder through the key-value store (split ones are
+    replicated on their submesh first); other values come back unchanged.
 
     Raises:
       DistributedError: a peer died or timed out.

@@ -57,13 +57,7 @@ def matplotlib_missing() -> str | None:
 
 
 def time_axis_label(costs: Costs | None) -> str:
-    """The x-axis label of a simulated schedule: its time unit.
-
-    Args:
-      costs: the task costs the schedule was simulated with (None: ``Costs()``).
-
-    Returns:
-      The label, e.g. ``"time (units of one forward, F=1)"``.
+    """The x-axis label of a schedule simulated with ``costs`` (None: ``Costs()``): its time unit.
 
     Example:
       >>> time_axis_label(None)

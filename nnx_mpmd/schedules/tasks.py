@@ -132,13 +132,7 @@ TaskLists = tuple[tuple[Task, ...], ...]
 
 
 def normalize_tasks(tasks: Iterable[Iterable[Task | str]]) -> TaskLists:
-    """Turns per-mesh lists of tasks (or tokens) into a tuple of tuples of `Task`.
-
-    Args:
-      tasks: for every mesh, its ordered tasks; `Task` objects or text tokens.
-
-    Returns:
-      The same lists as ``tuple[tuple[Task, ...], ...]``.
+    """Per-mesh lists of tasks or tokens as ``tuple[tuple[Task, ...], ...]``.
 
     Example:
       >>> normalize_tasks([["F0.0", "B0.0"]])

@@ -193,15 +193,7 @@ class Playback:
         free_at: float,
         transfer: float,
     ) -> float | None:
-        """When ``group`` can start on ``mesh``, or None while a dependency has not run.
-
-        Args:
-          mesh: the group's mesh.
-          group: the unit.
-          done: when each finished task's outputs are ready.
-          free_at: when the unit before it on ``mesh`` ends.
-          transfer: the delay of a dependency from another mesh.
-        """
+        """When ``group`` can start on ``mesh``, or None while a dependency has not run."""
         deps = external_dependencies(group, self.num_stages, self.split)
         if any(dep not in done for dep in deps):
             return None

@@ -48,16 +48,7 @@ __all__ = ["donate_step_inputs", "transfer_sources"]
 def donate_step_inputs(
     program: Sequence[Instruction], keep: set[int], donated_slots: set[int]
 ) -> list[Instruction]:
-    """Pass: calls that last read a donated step input donate it (see the module docstring).
-
-    Args:
-      program: the instruction list (after `insert_frees`).
-      keep: slots the step returns.
-      donated_slots: the slots holding the donated arguments' state leaves.
-
-    Returns:
-      A new list; calls that donate run their program jitted to donate.
-    """
+    """Pass: calls that last read a donated step input donate it (see the module docstring)."""
     if not donated_slots:
         return list(program)
     last_read, _ = last_reads(program)

@@ -359,22 +359,8 @@ def compile_step(
 ) -> CompiledStep:
     """Lowers ``fn`` for ``mesh`` and ``schedule``: the passes in this module's order.
 
-    Args:
-      fn: the step.
-      flat: its arguments.
-      mesh: the `MpmdMesh`.
-      schedule: the schedule object.
-      num_microbatches: microbatches per step.
-      state_avals: where each state leaf lives (default: where it is now); give
-        where `place` would put it to lower without placing.
-      other_avals: the same for the other leaves (default: where they are).
-      batch_axis: the submesh axis microbatches are sharded over, or None.
-      transfer_warning_bytes: report transfers outside the region above this.
-      donated_state: indices of the state leaves whose buffers the step may
-        reuse (`donate_inputs.donate_step_inputs`).
-
-    Returns:
-      The `CompiledStep`, with the IR after every pass in ``passes``.
+    ``state_avals``/``other_avals`` say where leaves will be (default: where they are), to
+    lower without placing; ``donated_state`` are the state leaves whose buffers may be reused.
     """
     state_avals = state_avals or [placed_aval(x, mesh) for x in flat.state_leaves]
     other_avals = other_avals or [placed_aval(x, mesh) for x in flat.other_leaves]

@@ -97,13 +97,7 @@ def _meshes(ins: Instruction, slot_meshes: dict[int, set[int]]) -> set[int]:
 
 
 def ticks(program: Sequence[Instruction]) -> list[int]:
-    """The tick of every instruction (see the module docstring).
-
-    Args:
-      program: the instruction list.
-
-    Returns:
-      One tick per instruction, from 0.
+    """The tick of every instruction, from 0 (see the module docstring).
 
     Raises:
       CompileError: an instruction is not a `Call`, `Transfer`, `TransferBatch` or `Free`.
@@ -175,15 +169,7 @@ def _batchable(ins: Instruction) -> bool:
 def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
     """Pass: each run of consecutive independent transfers becomes one `TransferBatch`.
 
-    A run ends at any other instruction, at a transfer that reshapes
-    microbatches, and at a transfer that reads or writes a slot another
-    member writes. A run of one stays a `Transfer`.
-
-    Args:
-      program: the instruction list (after `schedule_ticks`).
-
-    Returns:
-      A new list.
+    A run ends at another instruction, a reshaping transfer, or a slot another member writes.
 
     Example:
       >>> from nnx_mpmd.compiler.ir import Transfer

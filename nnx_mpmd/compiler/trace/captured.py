@@ -56,17 +56,9 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
 
 
 def captured_graph_nodes(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """The NNX graph nodes ``fn`` reaches without arguments, with their names.
+    """``[(name, node)]`` of the NNX graph nodes ``fn`` reaches without arguments, each once.
 
-    Follows closure cells, ``functools.partial`` arguments, bound methods and the
-    module globals named by ``fn``'s code, into other plain functions up to a
-    small depth. Graph nodes are not searched inside.
-
-    Args:
-      fn: a function (the loss function, or a whole train step).
-
-    Returns:
-      ``[(name, node)]`` in discovery order, each node once.
+    Follows closures, ``functools.partial``, bound methods and named globals, to a small depth.
     """
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()

@@ -125,10 +125,8 @@ def region_tracing(
 ) -> Iterator[list[RegionInfo]]:
     """While active, `value_and_grad` records regions (yielded list) instead of computing.
 
-    Args:
-      submesh: where eager evaluation (RNG counters) runs; its axis types decide whether
-        microbatches are traced with a typed sharding.
-      batch_axis: the submesh axis each microbatch is sharded over, or None.
+    ``submesh`` evaluates the RNG counters and, by its axis types, decides whether microbatches
+    are traced with a typed sharding over ``batch_axis``.
     """
     state = _region_state
     previous = (state.num_microbatches, state.regions, state.submesh, state.batch_axis)
@@ -445,11 +443,8 @@ def trace_region(
 ) -> Any:
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
-    RNG state the loss function closes over is region state like the model's;
-    RNG counters are derived from the microbatch index (`region_rng`).
-    Returns what `value_and_grad` returns: ``(loss, grads)`` or
-    ``((loss, aux), grads)``, each aux leaf combined as ``aux_reduction`` says
-    (`region_aux`); with ``with_grad=False`` the stacked outputs.
+    Returns what `value_and_grad` returns (aux combined per ``aux_reduction``); RNG counters
+    are derived from the microbatch index (`region_rng`).
     """
     num_microbatches = _region_state.num_microbatches
     assert num_microbatches is not None and _region_state.regions is not None
@@ -585,11 +580,8 @@ def reference_value_and_grad(
 ) -> Any:
     """Unpipelined value-and-grad with the pipeline's microbatch semantics.
 
-    Splits the batch into ``num_microbatches`` along axis 0, runs the
-    microbatches in order (threading non-differentiated state such as RNG
-    counters and batch statistics, and RNG state the loss function closes
-    over), and returns the mean loss, the aux values (averaged or
-    concatenated as ``aux_reduction`` says, `region_aux`) and mean gradients.
+    Microbatches run in order, threading non-differentiated and closed-over RNG state; mean
+    loss and gradients, aux combined per ``aux_reduction``.
     """
     graphdef, diff_state, other_state = _split_model(model, wrt)
     captured = captured_variables(loss_fn, exclude=[model])

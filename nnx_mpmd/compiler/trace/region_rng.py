@@ -124,12 +124,9 @@ def _count_increments(
     paths: list[str],
     submesh: Mesh | None,
 ) -> dict[int, int]:
-    """How much each RNG counter advances per microbatch (``{other index: K}``).
+    """``{other index: K}``: how much each RNG counter advances per microbatch.
 
-    An NNX RNG stream adds 1 to its counter per key drawn, independently of the
-    data, so the counter after microbatch ``i`` is ``count0 + (i + 1) * K``. Each
-    counter's update is cut out of the body (dead-code elimination) and evaluated
-    at two concrete counts to find ``K`` and check that the update is that shift.
+    Each counter's update is cut out and evaluated at two counts to find ``K``.
 
     Raises:
       CompileError: a counter's new value depends on anything but the counter, or
