@@ -187,13 +187,7 @@ def zoo_config_from_hf(
 
 
 def hf_config_from_zoo(cfg: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a zoo config (`zoo_config_from_hf` reads it back).
-
-    Args:
-      cfg: a `GPTConfig` or `LlamaConfig`.
-
-    Returns:
-      The config dict (``architectures``, ``model_type`` and the shape fields).
+    """The Hugging Face ``config.json`` dict of a zoo config (`zoo_config_from_hf` reads it back).
 
     Raises:
       MpmdError: another config class, or a GPT with an untied head.

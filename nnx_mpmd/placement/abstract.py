@@ -118,14 +118,7 @@ def _sharding_key(sharding: Any) -> Any:
 
 
 def placed_aval(x: Any, mesh: MpmdMesh) -> PlacedAval:
-    """Where ``x`` lives now, as a `PlacedAval`.
-
-    Args:
-      x: an `MpmdArray`, a ``jax.Array`` or a host value.
-      mesh: the `MpmdMesh` whose submeshes count as placements.
-
-    Returns:
-      The `PlacedAval`; a ``jax.Array`` on no single submesh counts as host.
+    """Where ``x`` lives now, as a `PlacedAval` (an array on no single submesh counts as host).
 
     Example:
       >>> import jax, numpy as np

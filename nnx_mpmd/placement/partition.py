@@ -135,13 +135,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def merge_partitions(states: Sequence[nnx.State]) -> nnx.State:
-    """Merges per-mesh States (from `partition`) back into one State.
-
-    Args:
-      states: the per-mesh States.
-
-    Returns:
-      One State with every path once, holding the same leaves.
+    """Merges per-mesh States (from `partition`) back into one State, every path once.
 
     Raises:
       PartitionError: a path appears in two States with different values, or an

@@ -156,15 +156,7 @@ def make_microbatched_array(
 ) -> MicrobatchedArray:
     """A batch leaf where the step reads it, built from this process's rows only.
 
-    Args:
-      local_rows: the rows `process_batch_rows` names for this process, in
-        that order (``[len(rows), ...]``; none on a process without devices there).
-      sharding: where the step reads the leaf (as in `process_batch_rows`).
-      batch_size: ``B``.
-      num_microbatches: ``m``, the step's microbatches.
-
-    Returns:
-      The `MicrobatchedArray` to pass to the step in place of the leaf.
+    ``local_rows`` are the rows `process_batch_rows` names here, in that order.
 
     Raises:
       PlacementError: ``local_rows`` is not this process's share.
