@@ -52,28 +52,14 @@ def config_value(name: str) -> Any:
 
 
 def take_cached_partial_nodes() -> Any | None:
-    """Consumes the node cache ``nnx.cached_partial`` set for the call running now.
-
-    ``nnx.cached_partial(f, *nodes)`` calls ``f`` with private copies of
-    ``nodes`` (sharing their Variables) and expects ``f`` to take its cache out
-    of the graph context; it raises after the call otherwise.
-
-    Returns:
-      The cache (a mapping keyed by the private copies), or None outside such a
-      call.
-
-    Relies on: ``graphlib.GRAPH_CONTEXT.tmp_static_cache`` (flax 0.12).
-    """
+    """Takes out the node cache ``nnx.cached_partial`` set for this call (it raises otherwise)."""
     cache = graphlib.GRAPH_CONTEXT.tmp_static_cache
     graphlib.GRAPH_CONTEXT.tmp_static_cache = None
     return cache
 
 
 def variable_belongs_to_current_trace(variable: nnx.Variable) -> bool:
-    """Whether ``variable`` may be updated in the trace running now.
-
-    Relies on: ``Variable._can_update`` (flax 0.12).
-    """
+    """Whether ``variable`` may be updated in the trace running now (``Variable._can_update``)."""
     return bool(variable._can_update)
 
 
@@ -83,15 +69,8 @@ def variables_bound_to_current_trace(
 ) -> Iterator[None]:
     """Lets code traced now read and update Variables created in an outer trace.
 
-    A Flax Variable remembers the JAX trace it was created in and refuses updates
-    from any other (``TraceContextError``), so a loss function that closes over an
-    ``nnx.Rngs`` cannot draw keys inside a transform. This binds each Variable to
-    the current trace with ``values`` (tracers of that trace) for the duration of
-    the block, and afterwards restores its original value and trace. Read the
-    new values with ``get_raw_value()`` inside the block.
-
-    Relies on: ``Variable._trace_state`` (a ``flax.nnx.tracers.TraceState``) and
-    ``Variable._raw_value`` (set without the trace check when restoring).
+    A Variable refuses updates from other traces (a loss closing over ``nnx.Rngs``);
+    this binds each to ``values`` for the block, then restores it. Relies on: ``_trace_state``.
     """
     saved = [(v.get_raw_value(), v._trace_state) for v in variables]
     try:
@@ -114,46 +93,30 @@ def _restore(variables: Sequence[nnx.Variable], saved: list[tuple[Any, Any]]) ->
 
 
 def convert_constvars_jaxpr(jaxpr: Any) -> Any:
-    """A jaxpr whose constants are leading input variables instead.
-
-    Relies on: ``jax._src.interpreters.partial_eval.convert_constvars_jaxpr``.
-    """
+    """A jaxpr whose constants are leading input variables (``pe.convert_constvars_jaxpr``)."""
     from jax._src.interpreters import partial_eval as pe
 
     return pe.convert_constvars_jaxpr(jaxpr)
 
 
 def dce_jaxpr(jaxpr: Any, used_outputs: list[bool], instantiate: bool | list[bool] = False) -> Any:
-    """Dead-code elimination: ``(jaxpr, used_inputs)`` keeping ``used_outputs``.
-
-    ``instantiate=True`` keeps every input variable (the jaxpr's signature).
-
-    Relies on: ``jax._src.interpreters.partial_eval.dce_jaxpr``.
-    """
+    """``(jaxpr, used_inputs)`` keeping ``used_outputs`` (``pe.dce_jaxpr``)."""
     from jax._src.interpreters import partial_eval as pe
 
     return pe.dce_jaxpr(jaxpr, used_outputs, instantiate=instantiate)
 
 
 def jaxpr_value_types() -> tuple[type, type]:
-    """``(AbstractValue, JaxprEqnContext)``: the base class of avals, and an equation's context.
-
-    Relies on: ``jax._src.core.AbstractValue`` and ``jax._src.core.JaxprEqnContext``.
-    """
+    """``(AbstractValue, JaxprEqnContext)``: the avals' base class and an equation's context."""
     from jax._src import core
 
     return core.AbstractValue, core.JaxprEqnContext
 
 
 def primitive_rules(primitive: Any) -> list[Any]:
-    """The functions JAX differentiates, transposes and lowers ``primitive`` with.
+    """The jvp, transpose and lowering rules (every platform) JAX has for ``primitive``.
 
-    Lowering rules of every platform are included; each is the registered
-    callable as it is (often a ``functools.partial``).
-
-    Relies on: ``jax._src.interpreters.ad.primitive_jvps`` and
-    ``primitive_transposes``, ``jax._src.interpreters.mlir._lowerings`` and
-    ``_platform_specific_lowerings`` (entries with a ``rule``).
+    Relies on: ``ad.primitive_jvps``, ``ad.primitive_transposes`` and ``mlir``'s lowering tables.
     """
     from jax._src.interpreters import ad, mlir
 
@@ -179,11 +142,8 @@ def coordination_state() -> tuple[Any, Any]:
 def cluster_environment_present() -> bool:
     """Whether one of jax's cluster environments (SLURM, MPI, TPU pod, ...) is detected.
 
-    Environments JAX uses only when asked (``opt_in_only_method``: mpi4py, which is
-    "present" wherever the package is installed) are left out, as
-    ``jax.distributed.initialize()`` leaves them out of its own detection.
-
-    Relies on: ``jax._src.clusters.ClusterEnv._cluster_types`` and ``opt_in_only_method``.
+    Opt-in-only environments (mpi4py) are left out, as ``jax.distributed.initialize()`` does.
+    Relies on: ``jax._src.clusters.ClusterEnv._cluster_types``.
     """
     from jax._src.clusters import ClusterEnv
 
@@ -208,12 +168,9 @@ DIFFERENTIATION_FRAMES = {
 
 
 def explicit_sharding_rejection(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
-    """``(fn(*args), None)``, or ``(None, error)`` when JAX's Explicit sharding rules
-    reject an op of ``fn``.
+    """``(fn(*args), None)``, or ``(None, error)`` when Explicit sharding rejects an op of ``fn``.
 
-    JAX reports such a rejection (an op whose output sharding is ambiguous on
-    Explicit axes) only by raising its private ``ShardingTypeError``; this turns
-    that one error into data for the caller to decide on. Other errors propagate.
+    JAX signals that only with its private ``ShardingTypeError``; other errors propagate.
     """
     from jax._src.core import ShardingTypeError
 
@@ -238,21 +195,14 @@ except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
 
 
 def argument_aval(info: Any) -> Any:
-    """The abstract value of one argument of a lowered program (weak type, sharding).
-
-    Relies on: ``jax.stages.ArgInfo._aval`` (jax 0.10; the public fields give only
-    shape and dtype).
-    """
+    """The aval (weak type, sharding) of a lowered program's argument (``ArgInfo._aval``)."""
     return info._aval
 
 
 def kept_arguments(lowered: Any) -> tuple[int, ...] | None:
-    """The positions of the flat arguments a lowered program's module reads, or None.
+    """The positions of the flat arguments a lowered program's module reads, or None if unknown.
 
-    ``jax.jit`` leaves arguments the function does not read out of the module
-    (unless ``keep_unused``), so two programs can lower to one module text while
-    reading different arguments. None when this JAX does not say.
-
+    ``jax.jit`` drops unread arguments, so one module text can read different arguments.
     Relies on: ``Lowered._lowering.compile_args["kept_var_idx"]`` (jax 0.10).
     """
     try:
@@ -263,12 +213,9 @@ def kept_arguments(lowered: Any) -> tuple[int, ...] | None:
 
 
 def has_host_callbacks(lowered: Any) -> bool | None:
-    """Whether a lowered program calls back into Python (``pure_callback``, ``debug.print``).
+    """Whether a lowered program calls back into Python, or None if unknown.
 
-    The module text names a callback by index only, so two programs with other
-    callbacks can lower to one text. None when this JAX does not say.
-
-    Relies on: ``Lowered._lowering.compile_args["host_callbacks"]`` (jax 0.10).
+    The module text names callbacks by index only. Relies on: ``compile_args["host_callbacks"]``.
     """
     try:
         return bool(lowered._lowering.compile_args["host_callbacks"])
@@ -277,13 +224,9 @@ def has_host_callbacks(lowered: Any) -> bool | None:
 
 
 def concrete_mesh(mesh: Any) -> contextlib.AbstractContextManager[Any]:
-    """A context in which ``mesh`` is the concrete mesh, usable inside a trace.
+    """A context making ``mesh`` the concrete mesh inside a trace (no-op without the hook).
 
-    ``jax.set_mesh`` refuses to run while a function is traced; evaluating a
-    recorded computation eagerly there (under ``jax.ensure_compile_time_eval``)
-    can still need to compile it for the devices its abstract mesh stands for.
-    A no-op context when this JAX has no such hook.
-
+    ``jax.set_mesh`` refuses to run under a trace; eager evaluation there may still compile.
     Relies on: ``jax._src.sharding_impls._internal_use_concrete_mesh`` (jax 0.10).
     """
     try:
@@ -294,10 +237,7 @@ def concrete_mesh(mesh: Any) -> contextlib.AbstractContextManager[Any]:
 
 
 def sharding_device_list(sharding: Any) -> Any:
-    """The device list object a batched copy wants for ``sharding``.
-
-    Relies on: ``NamedSharding._internal_device_list`` (jax 0.10).
-    """
+    """The device list a batched copy wants (``NamedSharding._internal_device_list``)."""
     return sharding._internal_device_list
 
 
@@ -322,12 +262,7 @@ def batched_copy_prepared(
 
 
 def batched_copy(values: Sequence[Any], device_lists: Sequence[Any], targets: Sequence[Any]) -> Any:
-    """Copies arrays to shardings in one call, with ``jax.device_put``'s copy semantics.
-
-    Relies on: ``jaxlib.xla_client.batched_copy_array_to_devices_with_sharding``
-    and ``ArrayCopySemantics.REUSE_INPUT`` (what ``jax.device_put`` itself calls for
-    an array copied to another sharding of the same layout, jax 0.10).
-    """
+    """Copies arrays to shardings in one call, as ``jax.device_put`` does (``REUSE_INPUT``)."""
     return _batched_copy(
         list(values), list(device_lists), list(targets), [_REUSE_INPUT] * len(values)
     )

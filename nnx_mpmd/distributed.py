@@ -214,13 +214,9 @@ def _with_free_port(address: str) -> str:
 
 
 def _enable_cpu_transfers(coordinator: str | None) -> None:
-    """Lets CPU devices of different processes exchange arrays (``jax.device_put``).
+    """Lets CPU devices of different processes exchange arrays (before the CPU backend starts).
 
-    JAX moves arrays between processes on CPU over a socket it opens when the
-    backend starts, only if ``jax_cross_host_transfer_socket_address`` is set;
-    ``jax_cross_host_transport_addresses`` is set too so that it listens on
-    that interface only (JAX's default is every interface). A value already
-    configured is kept. Must run before the CPU backend starts.
+    Sets JAX's cross-host transfer socket, listening on that interface only; set values stay.
     """
     address = transfer_address(coordinator)
     configured = jax.config.values
@@ -384,9 +380,8 @@ def _placed_like(value: Any, like: Any) -> Any:
 def global_view(tree: Any, mesh: MpmdMesh) -> Iterator[Any]:
     """Temporarily gives every Variable in ``tree`` a fully replicated global value.
 
-    A collective: every process enters it with the same tree, and every array must
-    fit on every device. On exit each Variable gets its placement back, keeping any
-    value written meanwhile. Checkpoints do not need it.
+    A collective (same tree on every process; every array must fit on every device).
+    On exit each Variable gets its placement back, keeping values written meanwhile.
 
     Args:
       tree: NNX models and optimizers (placed on ``mesh``).

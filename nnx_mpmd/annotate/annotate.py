@@ -154,11 +154,8 @@ def _next_stage(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One step of the split's dynamic programme, from k - 1 stages to k, for every i at once.
 
-    ``previous[j]`` (k - 1 stages over the first j items) grows with j and the last
-    stage's weight ``prefix[i] - prefix[j]`` shrinks with j, so the best cut lies
-    where they cross, found by bisection over all i together (O(items log items)
-    in numpy, not a Python loop per item). The comparisons are the scalar
-    programme's own, so the split is the same; ties go to the earliest cut.
+    The best cut is found by bisection for all i together (numpy, no per-item loop),
+    with the scalar programme's comparisons: same split, ties to the earliest cut.
     """
     best = np.full(len(prefix), np.inf)
     cut = np.zeros(len(prefix), dtype=np.int64)
@@ -229,8 +226,7 @@ def auto_stage(layers: Any, num_stages: int, *, weights: list[float] | None = No
 def logical_paths(node: Any) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """Maps each Variable's graph path under ``node`` to its logical path.
 
-    The logical path drops the ``module`` attribute a `Stage` adds
-    (``blocks.3.module.kernel`` -> ``blocks.3.kernel``); a Variable appears once.
+    Drops the ``module`` a `Stage` adds (``blocks.3.module.kernel`` -> ``blocks.3.kernel``).
 
     Args:
       node: an NNX graph node (model, optimizer, or a tuple/dict of them).
@@ -277,8 +273,7 @@ def _stage_numbers(module: Any) -> set[int]:
 def num_stages(module: Any) -> int:
     """Number of stages of ``module``: one more than the highest stage number used.
 
-    Stage numbers come from the Variables' stage metadata and from `Stage`
-    wrappers (so a stage without parameters still counts).
+    Stages come from Variables' metadata and `Stage` wrappers (a stage without parameters counts).
 
     Args:
       module: any NNX module (or graph node).

@@ -38,11 +38,7 @@ def _matches(pattern: str, names: Mapping[str, Any]) -> list[str]:
 
 
 def _is_container(node: Any) -> bool:
-    """Whether ``node`` holds layers rather than being one: its elements get the stage.
-
-    Plain lists, tuples and dicts, and ``nnx.List`` / ``nnx.Dict`` (unless a
-    subclass makes them callable, in which case the whole module is a layer).
-    """
+    """Whether ``node`` holds layers (list, tuple, dict, non-callable ``nnx.List``/``nnx.Dict``)."""
     if isinstance(node, nnx.List | nnx.Dict):
         return not callable(node)
     return isinstance(node, list | tuple | dict)

@@ -70,12 +70,7 @@ _LIBRARY_PREFIXES = ("jax.", "jaxlib.", "flax.", "optax.", "nnx_mpmd.", "context
 
 
 def _differentiation_site() -> tuple[str, str]:
-    """The outermost differentiation transform on the Python stack, and its call site.
-
-    Returns:
-      ``(transform, where)``: e.g. ``("nnx.value_and_grad", " at step.py:12")``;
-      a generic name and ``""`` when the stack does not tell.
-    """
+    """``(transform, where)`` of the outermost differentiation transform on the Python stack."""
     transform, caller = "", None
     try:
         frame = inspect.currentframe()
@@ -164,11 +159,8 @@ def pipeline_tracing() -> Iterator[None]:
 def outer_tracing() -> Iterator[list[str]]:
     """Records the `Stage` calls a step makes outside its pipelined region.
 
-    Yields:
-      A list that receives one description per such call (``"Stage 1 (at
-      model.head)"``). The calls run unmarked; the compiler reads the list to
-      tell a forward-only step (stages and no region) from a training step
-      that also calls stages outside ``mp.value_and_grad`` (an error).
+    The compiler reads the yielded list to tell a forward-only step from a training
+    step that calls stages outside ``mp.value_and_grad`` (an error).
     """
     previous = _state.outer
     _state.outer = calls = []
@@ -255,21 +247,9 @@ def call_stage(
     policy: Callable[..., Any] | None = None,
     where: str = "",
 ) -> Any:
-    """Calls ``fn(*args, **kwargs)`` as the body of ``stage``.
+    """Calls ``fn(*args, **kwargs)`` as the body of ``stage`` (just the call outside a trace).
 
-    Outside the compiler's trace this is exactly ``fn(*args, **kwargs)``.
-
-    Args:
-      stage: the logical stage number.
-      fn: the wrapped module (or function) to call.
-      args: positional arguments.
-      kwargs: keyword arguments.
-      remat: whether the stage recomputes its forward in the backward pass.
-      policy: optional ``jax.checkpoint`` policy used with ``remat``.
-      where: a description of the call site for error messages.
-
-    Returns:
-      Whatever ``fn`` returns.
+    ``policy`` is the ``jax.checkpoint`` policy of ``remat``; ``where`` names the call site.
     """
     if not _state.active:
         if _state.outer is not None:

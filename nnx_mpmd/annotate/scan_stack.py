@@ -196,12 +196,8 @@ class ScanStack(nnx.Module):
 def _on_one_device(states: list[Any]) -> list[Any]:
     """The chunks' states on one device when a step placed them on their stages' submeshes.
 
-    Joining and slicing placed chunks would mix devices (or, on Explicit axes,
-    need each submesh as the context mesh); on one device they are as before
-    placement, and the next `mp.jit` step places the new chunks.
-
-    Raises:
-      PartitionError: some chunk lives on another process's devices.
+    Joining placed chunks would mix devices; the next `mp.jit` step places the new ones.
+    Raises `PartitionError` if a chunk lives on another process's devices.
     """
     arrays = [x for state in states for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
     device_sets = {frozenset(x.sharding.device_set) for x in arrays}
@@ -276,17 +272,7 @@ def stage_ranges(stages: Sequence[int]) -> dict[tuple[int, int], int]:
 
 
 def split_scan_stacks(model: Any, mapping: Mapping[str, int]) -> dict[str, int]:
-    """Splits every `ScanStack` that ``mapping`` names with ranges; returns the other patterns.
-
-    A pattern ``"path[start:stop]"`` (``start`` or ``stop`` may be left out, as
-    in Python slices) names layers of the `ScanStack` at ``path``.
-
-    Args:
-      model: the model (changed in place).
-      mapping: `assign_stages`'s ``{pattern: stage}``.
-
-    Returns:
-      The patterns that are not ranges, for `assign_stages` to match.
+    """Splits each `ScanStack` ``mapping`` names as ``"path[start:stop]"``; returns the rest.
 
     Raises:
       PartitionError: a range's path is not a `ScanStack`, or the ranges of one

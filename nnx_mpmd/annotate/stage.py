@@ -41,10 +41,7 @@ _RECORDERS: list[list[Any]] = []
 
 @contextlib.contextmanager
 def recording_stage_calls() -> Iterator[list[Any]]:
-    """Records every `Stage` called inside the block, in call order.
-
-    Returns:
-      A context manager giving the list it fills.
+    """Records every `Stage` called inside the block, in call order, in the list it yields.
 
     Example:
       >>> import jax.numpy as jnp
@@ -83,8 +80,7 @@ def variable_stage(variable: nnx.Variable) -> int | None:
 def tag_stage(module: Any, stage: int) -> None:
     """Records ``stage`` on every Variable under ``module``.
 
-    A Variable already tagged with another stage becomes shared: its owner is
-    the lowest stage and ``mpmd_stages`` lists all of them.
+    A Variable already tagged with another stage becomes shared (owner: the lowest).
 
     Args:
       module: an NNX graph node (module, Variable container).
@@ -105,8 +101,7 @@ def tag_stage(module: Any, stage: int) -> None:
 def tag_variables_created_later(node: Any) -> None:
     """Tags the Variables a `Stage` under ``node`` holds but did not see when it was made.
 
-    Modules that create Variables later (``nnx.bridge.lazy_init``, an assignment to
-    ``stage.module``) would otherwise leave them without a stage.
+    For Variables created later (``nnx.bridge.lazy_init``, assigning ``stage.module``).
 
     Args:
       node: an NNX graph node (the model); anything else is left alone.
@@ -230,8 +225,7 @@ class ArrayAttribute(NamedTuple):
 def array_attributes(node: Any) -> list[ArrayAttribute]:
     """The arrays held as plain attributes under ``node`` (``self.table = jnp...``).
 
-    Flax treats such arrays (and placed `MpmdArray` values) as state leaves without
-    metadata; their stage is that of the `Stage` they sit in.
+    Flax keeps them as state leaves without metadata; their stage is their `Stage`'s.
 
     Args:
       node: an NNX graph node.

@@ -55,9 +55,8 @@ ENV_VAR = "NNX_MPMD_COMPILE_CACHE"
 def default_cache_dir() -> pathlib.Path:
     """The cache directory used when none is given.
 
-    Returns:
-      ``$NNX_MPMD_COMPILE_CACHE`` (unless it is ``off``), else
-      ``$XDG_CACHE_HOME/nnx_mpmd/jax``, else ``~/.cache/nnx_mpmd/jax``.
+    ``$NNX_MPMD_COMPILE_CACHE`` (unless ``off``), else ``$XDG_CACHE_HOME/nnx_mpmd/jax``,
+    else ``~/.cache/nnx_mpmd/jax``.
 
     Example:
       >>> default_cache_dir().name
@@ -109,12 +108,6 @@ def enable_compile_cache(
 def untrusted(path: pathlib.Path) -> str | None:
     """Why loading from ``path`` could run code another user planted; None if it could not.
 
-    Args:
-      path: an existing file or directory.
-
-    Returns:
-      The reason (another owner, or writable by group or others), or None.
-
     Example:
       >>> import tempfile
       >>> untrusted(pathlib.Path(tempfile.mkdtemp())) is None
@@ -129,16 +122,9 @@ def untrusted(path: pathlib.Path) -> str | None:
 
 
 def safe_to_load(entry: pathlib.Path) -> bool:
-    """Whether a cache entry, its folder and the cache directory are this user's alone.
+    """Whether ``entry`` (``DIR/folder/entry``), its folder and ``DIR`` are this user's alone.
 
-    Entries are unpickled, which runs code: one another user could plant or change
-    is never loaded.
-
-    Args:
-      entry: a file two levels under the cache directory (``DIR/folder/entry``).
-
-    Returns:
-      True when none of the three is `untrusted` (or unreadable).
+    Entries are unpickled (which runs code), so nobody else may be able to plant one.
 
     Example:
       >>> import tempfile
@@ -157,15 +143,8 @@ def safe_to_load(entry: pathlib.Path) -> bool:
 def check_cache_dir(path: pathlib.Path) -> pathlib.Path:
     """Creates the cache directory (mode 0700), or checks that an existing one is safe.
 
-    Args:
-      path: the cache directory.
-
-    Returns:
-      ``path``.
-
     Raises:
-      CompileError: ``path`` is not a directory, is not writable, belongs to another
-        user, or its group or other users may write it.
+      CompileError: not a directory, not writable, another user's, or group/other-writable.
 
     Example:
       >>> import tempfile

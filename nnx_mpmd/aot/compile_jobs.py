@@ -134,9 +134,7 @@ def committed_to(args: Any, mesh: Any) -> bool:
 def on_devices_of(args: Any, mesh: Any) -> bool:
     """Whether some argument is on ``mesh``'s devices, in its order, and none elsewhere.
 
-    Unlike `committed_to`, an argument whose mesh has other axis types (an Auto
-    copy of an Explicit submesh, say) counts: the program still runs on
-    ``mesh``'s devices, so its executable can be kept and loaded for them.
+    Unlike `committed_to`, other axis types count (an Auto copy of an Explicit submesh).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -207,14 +205,8 @@ class ProgramCompiler:
     ) -> Any:
         """The abstract outputs of ``fn(*args)``, or a Future of them.
 
-        A Future comes back when another job compiles the same signature (or,
-        shared, the same module for another submesh): the caller finishes when
-        it does, without holding a thread meanwhile. ``on_traced`` is called
-        with the outputs' shapes (no shardings) as soon as they are known,
-        which is before compilation for the owning call. Shared, a program
-        whose ``structure`` (`Call.structure`) and argument types equal those
-        of one already traced for an equal-shaped submesh (its *twin*) is not
-        traced or lowered at all: it loads the twin's executable.
+        A Future when another job compiles the same signature (or a twin's module), so no thread
+        waits; ``on_traced`` gets the output shapes as soon as known. A twin is not even traced.
         """
         if contains_unknown(args) or not hasattr(fn, "trace"):
             on_traced(UNKNOWN)
@@ -330,11 +322,8 @@ class ProgramCompiler:
     ) -> Future:
         """``job``, done once the twin's executable is loaded for ``mesh``.
 
-        The twin's trace gives this program's output types (``on_traced``) as
-        soon as it is lowered, so the programs that read them need not wait
-        for its compilation. If the twin has no shareable module (it failed,
-        or runs elsewhere), this program is traced and compiled as usual once
-        that is known.
+        The twin's trace gives this program's output types early; without a shareable twin
+        module, this program is traced and compiled as usual.
         """
 
         def go(done: Future) -> None:

@@ -71,12 +71,7 @@ class _Refused(Exception):
 def jaxpr_fingerprint(jaxpr: Any) -> str | None:
     """The text of what ``jaxpr`` computes, or None (see the module docstring).
 
-    Args:
-      jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
-
-    Returns:
-      A text equal for two jaxprs exactly when they are written the same way
-      (variables by position, names and source locations left out), or None.
+    Equal for two jaxprs written the same way (variables by position, no names or locations).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -88,13 +83,7 @@ def jaxpr_fingerprint(jaxpr: Any) -> str | None:
 
 
 def value_fingerprint(value: Any) -> str | None:
-    """The text of any value a step's compilation reads, or None.
-
-    Args:
-      value: a jaxpr, an aval, a sharding, a schedule, a container of those...
-
-    Returns:
-      The text, or None where it cannot be complete.
+    """The text of any value a step's compilation reads, or None where it cannot be complete.
 
     Example:
       >>> value_fingerprint((1, 2.5, "a")) == value_fingerprint((1, 2.5, "a"))

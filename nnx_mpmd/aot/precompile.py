@@ -89,29 +89,15 @@ def precompile(
     executables: dict[str, list[Any]] | None = None,
     loaded: dict[str, list[Any]] | None = None,
 ) -> int:
-    """Compiles the programs of ``step``'s first run concurrently.
+    """Compiles the programs of ``step``'s first run concurrently; returns how many it compiled.
 
-    A transfer's receiver is compiled for a sharding guessed when its source is
-    traced (a microbatch's, else replicated), so that no stage waits for another's
-    compilation; a wrong guess costs one extra compilation.
+    A receiver is compiled for a guessed sharding so no stage waits for another's compilation.
 
     Args:
-      step: the compiled step.
-      inputs: its inputs (consts, state leaves, other leaves), values or their
-        `PlacedAval`; only shapes, dtypes and shardings are read.
+      inputs: consts, state leaves, other leaves (values or `PlacedAval`).
       submeshes: the jax Mesh of each mesh id.
-      shardings: a sharding cache to reuse.
-      max_workers: compile threads (default: the number of CPUs, at most 8).
-      batch_axis: the submesh axis activations are sharded over (default:
-        ``step.batch_axis``).
-      executables: if given, receives XLA's compiled programs by program name
-        (``F0``, ``post.L0.mesh1``), one per distinct argument signature.
-      loaded: if given (a dict), receives by program name the programs loaded
-        instead of compiled because an equal module was compiled already
-        (`nnx_mpmd.aot.program_sharing`); single-process steps only.
-
-    Returns:
-      How many programs were compiled here (loaded ones not included).
+      executables: if given, receives XLA's compiled programs by program name.
+      loaded: if given, receives the programs loaded from an equal compiled module.
 
     Example:
       >>> # `nnx_mpmd.jit` calls it before a new step's first run.
@@ -133,15 +119,9 @@ def start_precompile(
     executables: dict[str, list[Any]] | None = None,
     loaded: dict[str, list[Any]] | None = None,
 ) -> Precompiling:
-    """`precompile`, returning as soon as every compilation is scheduled.
+    """`precompile`, returning a `Precompiling` handle once every compilation is scheduled.
 
-    The arguments are `precompile`'s. ``executables`` and ``loaded`` fill in
-    while the programs compile: read a program's entries after
-    ``wait_for(name)``, and ``loaded`` after ``finish()``.
-
-    Returns:
-      The `Precompiling` handle; call its ``finish()`` once (it shuts the
-      thread pool down).
+    Read ``executables[name]`` after ``wait_for(name)``, ``loaded`` after ``finish()`` (once).
 
     Example:
       >>> # `nnx_mpmd.jit` runs a new step's first tasks while later ones compile.
@@ -446,14 +426,7 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
 def route_calls(
     compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
 ) -> dict[str, Any]:
-    """Replaces each call's function by ``make(program name, function)``, one per program.
-
-    Args:
-      compiled: the step; its ``instructions`` are replaced.
-      make: the new callable of a program, from its name and jitted function.
-
-    Returns:
-      The callables made, by program name.
+    """Replaces each call's function by ``make(program name, function)``; returns them by name.
 
     Example:
       >>> # `nnx_mpmd.jit` routes a step's calls to their compiled executables.

@@ -94,18 +94,8 @@ def share_key(
 ) -> tuple[Any, ...] | None:
     """The key under which a program's executable is shared, or None (never shared).
 
-    Args:
-      text: the lowered module's text (``jax.stages.Lowered.as_text()``).
-      mesh: the submesh the program runs on.
-      interface: the program's Python-level arguments (`interface_key`). The
-        module leaves out arguments it does not read, so two programs of one
-        text can take different arguments; an executable is called with its
-        own program's.
-
-    Returns:
-      ``(platform, axis names, axis sizes, axis types, text without the module
-      name, interface)``, or None when ``mesh`` is None, its platform is not in
-      `SHARED_PLATFORMS`, or the text does not start with a module header.
+    ``interface`` (`interface_key`) is part of it: one text can read different arguments.
+    None for no mesh, a platform not in `SHARED_PLATFORMS`, or no module header.
 
     Example:
       >>> import jax
@@ -138,8 +128,8 @@ def share_key(
 def interface_key(lowered: Any) -> tuple[Any, ...]:
     """A lowered program's arguments as a key: their tree, types, donation and read positions.
 
-    Programs whose modules are equal only because each leaves out different unread
-    arguments get different keys; a program with Python callbacks equals no other.
+    Modules equal only because they drop different unread arguments get different keys;
+    a program with Python callbacks equals no other.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -176,7 +166,7 @@ def interface_key(lowered: Any) -> tuple[Any, ...]:
 def runs_on(compiled: jax.stages.Compiled, mesh: Mesh) -> bool:
     """Whether every argument and result of ``compiled`` is a NamedSharding on ``mesh``.
 
-    Then ``mesh``'s flattened devices are the executable's devices, in order.
+    Then ``mesh``'s flattened devices are the executable's, in order.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -223,8 +213,7 @@ def _on_event(event: str, **kwargs: Any) -> None:
 def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
     """``lowered.compile()``, and whether XLA compiled it here (not a persistent-cache hit).
 
-    An executable loaded from JAX's persistent cache loses its kernels when
-    serialized again (CPU, jax 0.10), so it never feeds `load_for_devices`.
+    A persistent-cache hit loses its kernels when serialized again (CPU, jax 0.10).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -301,17 +290,7 @@ def load_serialized(executable: Serialized, target: Mesh) -> jax.stages.Compiled
 def load_for_devices(
     compiled: jax.stages.Compiled, source: Mesh, target: Mesh
 ) -> jax.stages.Compiled:
-    """``compiled`` (which runs on ``source``) loaded to run on ``target`` instead.
-
-    Args:
-      compiled: an executable XLA compiled in this process (not one loaded from
-        JAX's persistent cache: see `compile_fresh`) for which `runs_on`
-        ``(compiled, source)`` holds.
-      source: the submesh it was compiled for.
-      target: an equal-shaped submesh (same axis names, sizes and types).
-
-    Returns:
-      A ``jax.stages.Compiled`` whose device ``k`` is ``target``'s ``k``-th device.
+    """``compiled`` (fresh from XLA, `runs_on` ``source``) loaded to run on equal-shaped ``target``.
 
     Raises:
       CompileError: the submeshes differ in axis names, sizes or types.
@@ -381,8 +360,7 @@ _FRESH: collections.OrderedDict[Any, tuple[weakref.ref, Mesh]] = collections.Ord
 def keep_fresh(key: Any, compiled: jax.stages.Compiled, source: Mesh) -> None:
     """Notes ``compiled``, fresh from XLA for ``source``, as `recall` ``(key)``'s source.
 
-    Nothing is copied or serialized until `recall` asks for it, and only a weak
-    reference is kept: the executable lives as long as its step does.
+    Only a weak reference is kept, and nothing is serialized until `recall` asks.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -464,10 +442,7 @@ def _full_key(key: Any) -> tuple[Any, ...]:
 
 
 def backend_environment() -> tuple[str, ...]:
-    """What decides an executable besides its module: versions, backend, XLA flags.
-
-    Returns:
-      ``(jax version, jaxlib version, platform, platform version, XLA_FLAGS)``.
+    """What decides an executable besides its module: versions, platform, XLA_FLAGS.
 
     Example:
       >>> len(backend_environment())

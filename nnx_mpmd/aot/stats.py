@@ -49,11 +49,7 @@ def _listener(event: str, duration_secs: float, **kwargs: object) -> None:
 
 @contextlib.contextmanager
 def count_compilations() -> Iterator[CompilationCounter]:
-    """Counts XLA compilations in the ``with`` block.
-
-    Returns:
-      A context manager yielding a `CompilationCounter`.
-    """
+    """Counts XLA compilations in the ``with`` block (yields a `CompilationCounter`)."""
     global _installed
     with _lock:
         if not _installed:

@@ -118,19 +118,10 @@ def step_key(
     schedule: Any,
     num_microbatches: int,
 ) -> str | None:
-    """The key ``compiled``'s programs are stored under, or None (not stored).
+    """The hex key ``compiled``'s programs are stored under, or None (not stored).
 
-    Args:
-      compiled: the `CompiledStep`.
-      inputs: its inputs (consts, state leaves, other leaves), or their avals.
-      mesh: the `MpmdMesh`.
-      schedule: the schedule object.
-      num_microbatches: microbatches per step.
-
-    Returns:
-      A hex digest; None when the store is off (no compilation cache, several
-      processes, another platform) or some part cannot be written down
-      completely (see `nnx_mpmd.aot.fingerprint`).
+    None when the store is off (no compile cache, several processes, another platform)
+    or some part cannot be written down completely (`nnx_mpmd.aot.fingerprint`).
 
     Example:
       >>> step_key(None, [], None, None, 1) is None  # nothing compiled: no key
@@ -172,14 +163,7 @@ def step_key(
 def lookup(
     compiled: Any, inputs: Sequence[Any], mesh: Any, schedule: Any, num_microbatches: int
 ) -> tuple[str | None, dict[str, list[Any]] | None]:
-    """`step_key` and, if an earlier process stored that step, `load_step`.
-
-    Args:
-      compiled: the `CompiledStep`; ``inputs``, ``mesh``, ``schedule`` and
-        ``num_microbatches`` are `step_key`'s.
-
-    Returns:
-      ``(key, executables by program name)``; either may be None.
+    """``(step_key, load_step's executables)`` of a step; either may be None.
 
     Example:
       >>> lookup(None, [], None, None, 1)
@@ -190,16 +174,7 @@ def lookup(
 
 
 def stored_program(fn: Callable[..., Any], stored: dict[str, list[Any]], name: str) -> Any:
-    """The callable a stored step's calls of program ``name`` go to.
-
-    Args:
-      fn: the program's jitted function (what calls whose argument types no
-        stored executable was compiled for run).
-      stored: `load_step`'s executables.
-      name: the program's name.
-
-    Returns:
-      A `program_sharing.SharedProgram`, or ``fn`` when nothing is stored for ``name``.
+    """A `program_sharing.SharedProgram` for stored program ``name``, else ``fn`` itself.
 
     Example:
       >>> stored_program(abs, {}, "F0") is abs
@@ -210,14 +185,7 @@ def stored_program(fn: Callable[..., Any], stored: dict[str, list[Any]], name: s
 
 
 def load_step(key: str, submeshes: Sequence[Any]) -> dict[str, list[Any]] | None:
-    """The executables stored under ``key``, loaded on their submeshes, by program name.
-
-    Args:
-      key: a `step_key`.
-      submeshes: the jax Mesh of each mesh id.
-
-    Returns:
-      ``{program name: [executables]}``, or None when nothing (readable) is stored.
+    """``{program name: [executables]}`` stored under ``key``, loaded on their submeshes, or None.
 
     Example:
       >>> load_step("0" * 64, []) is None
@@ -250,16 +218,9 @@ def load_step(key: str, submeshes: Sequence[Any]) -> dict[str, list[Any]] | None
 def store_step(
     key: str, executables: dict[str, list[Any]], sources: StepSources
 ) -> threading.Thread | None:
-    """Writes ``executables`` under ``key``, in a thread; None if not all can be stored.
+    """Writes ``executables`` under ``key`` in a started non-daemon thread; None if not all can be.
 
-    Args:
-      key: a `step_key`.
-      executables: the step's executables by program name.
-      sources: how to serialize each of them, by ``id`` (programs JAX's own
-        cache loaded have no entry: then nothing is stored).
-
-    Returns:
-      The (started, non-daemon) writing thread, or None.
+    ``sources`` says how to serialize each by ``id`` (a program JAX's cache loaded has none).
 
     Example:
       >>> store_step("0" * 64, {"F0": [object()]}, {}) is None  # no source: not stored

@@ -240,10 +240,7 @@ def _pipelined(settings: BenchSettings, preset: str, name: str, batches: list) -
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, memory, JAX version and load of this machine.
-
-    Returns:
-      A JSON-able dict.
+    """CPU model, cores, memory, JAX version and load of this machine, as a JSON-able dict.
 
     Example:
       >>> "cores" in machine_info()
@@ -316,11 +313,8 @@ def _out_of_memory(error: Exception) -> bool:
 def _probes(variant: Variant, settings: BenchSettings) -> dict[str, Any]:
     """The overhead, memory and bubble probes of one pipelined variant.
 
-    Each probe holds buffers of its own beside every variant's model (the no-op
-    replay keeps every task's result), so on a large model one can run out of
-    device memory after the timed rounds: it is then recorded as
-    ``{"error": ...}`` and shown as ``OOM``, and the step times are kept.
-    Any other error is raised.
+    A probe running out of device memory is recorded as ``{"error": ...}`` (shown ``OOM``)
+    and the step times kept; other errors are raised.
     """
     probes = {
         "overhead": lambda: measure_overhead(variant, settings.overhead_repeats),
@@ -397,15 +391,7 @@ def _preset_report(settings: BenchSettings, preset: str, log: Callable[[str], No
 def run_benchmarks(
     settings: BenchSettings, log: Callable[[str], None] = lambda s: None
 ) -> dict[str, Any]:
-    """Runs every measurement of `BenchSettings` and returns the report.
-
-    Args:
-      settings: what to run.
-      log: called with a progress line now and then.
-
-    Returns:
-      A JSON-able report: ``machine``, ``settings``, and per preset its rows,
-      skipped schedules and first-step scaling.
+    """Runs every measurement of ``settings``; returns the JSON-able report (``log`` gets progress).
 
     Example:
       >>> callable(run_benchmarks)
@@ -487,13 +473,7 @@ def _probe_columns(row: dict[str, Any]) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The report as Markdown tables (one section per preset).
-
-    Args:
-      report: a `run_benchmarks` report.
-
-    Returns:
-      Markdown text.
+    """A `run_benchmarks` report as Markdown tables (one section per preset).
 
     Example:
       >>> format_markdown({"machine": {}, "settings": {}, "presets": {}}).startswith("Machine")
@@ -547,13 +527,7 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Reads the command line of ``nnx-mpmd bench``.
-
-    Args:
-      argv: the arguments after ``bench``.
-
-    Returns:
-      The parsed options.
+    """Reads the command line of ``nnx-mpmd bench`` (the arguments after ``bench``).
 
     Example:
       >>> parse_args([]).presets
@@ -609,13 +583,7 @@ def _settings(args: argparse.Namespace) -> BenchSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd bench``: runs, prints the tables, writes JSON.
-
-    Args:
-      argv: the arguments after ``bench`` (default: ``sys.argv[2:]``).
-
-    Returns:
-      The exit status.
+    """Entry point of ``nnx-mpmd bench``: runs, prints the tables, writes JSON; returns the status.
 
     Example:
       >>> main(["--help"])  # doctest: +SKIP

@@ -104,11 +104,8 @@ _WARM_REPLAYS = 20
 def measure_overhead(variant: Variant, repeats: int) -> dict[str, Any]:
     """Host time of the executor with every program replaced by a cached no-op.
 
-    One real run records each call's results; the replay returns them at once,
-    so what remains is the runtime's own work: building arguments, storing
-    results, transfers' ``device_put`` and freeing (timed after
-    ``_WARM_REPLAYS`` untimed replays, so the figure is the sustained loop's). ``dispatch_us_per_task`` is a real step's host time until
-    `execute` returns (not blocked), per task.
+    What remains is the runtime's own work (timed after ``_WARM_REPLAYS`` replays);
+    ``dispatch_us_per_task`` is a real step's host time until `execute` returns, per task.
     """
     from nnx_mpmd.compiler.ir import Call
     from nnx_mpmd.runtime.executor import execute
@@ -202,16 +199,9 @@ def measure_memory(variant: Variant) -> dict[str, Any]:
 
 
 def task_durations(records: Sequence[Sequence[Any]]) -> dict[tuple[int, str], list[float]]:
-    """Measured seconds per ``(stage, kind)`` of the stage tasks in a profile.
+    """Measured seconds per ``(stage, kind)`` of a profile's stage tasks, in profile order.
 
-    Fused programs keep the kind ``"FB"``; an overlapped program is split as
-    `nnx_mpmd.schedules.measured_timeline` draws it; records without a task are left out.
-
-    Args:
-      records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).
-
-    Returns:
-      The durations of each stage's tasks of each kind, in profile order.
+    Fused programs keep kind ``"FB"``; overlapped ones split as `measured_timeline` draws them.
 
     Example:
       >>> from nnx_mpmd.schedules.tasks import Task
@@ -239,11 +229,8 @@ def task_durations(records: Sequence[Sequence[Any]]) -> dict[tuple[int, str], li
 def measure_bubble(variant: Variant) -> dict[str, Any]:
     """Bubble of the schedule with measured task times vs nominal costs.
 
-    Profiling waits for every task, so real overlap cannot be observed on a
-    machine whose simulated devices share the cores; instead each stage's
-    measured forward and backward times (medians over microbatches) are fed
-    to the simulator. A fused forward+backward is split in the F:B ratio
-    measured on the other stages.
+    Profiling waits for every task, so measured medians are fed to the simulator;
+    a fused forward+backward is split in the other stages' F:B ratio.
     """
     from nnx_mpmd.schedules import Costs, simulate
 

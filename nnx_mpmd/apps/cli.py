@@ -32,9 +32,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def version() -> str:
     """The installed version of nnx-mpmd (package metadata; ``nnx_mpmd.__version__`` if absent).
 
-    Returns:
-      The version string, e.g. ``"0.27.0"``.
-
     Example:
       >>> import nnx_mpmd
       >>> version() == nnx_mpmd.__version__
@@ -51,18 +48,9 @@ def version() -> str:
 
 
 def report_unexpected(program: str, error: BaseException) -> int:
-    """Prints one line for an error that is not an `MpmdError` (a bug, or a failure of a
-    library or the system) and returns the exit status 1.
+    """Prints one line for an error that is not an `MpmdError` and returns exit status 1.
 
-    The traceback is printed only when ``NNX_MPMD_TRACEBACK=1``: a CLI user sees what
-    failed, not a hundred lines of frames.
-
-    Args:
-      program: the command that failed, e.g. ``"nnx-mpmd train"``.
-      error: the exception.
-
-    Returns:
-      1.
+    The traceback only with ``NNX_MPMD_TRACEBACK=1``: a CLI user sees what failed, not frames.
 
     Example:
       >>> report_unexpected("nnx-mpmd train", RuntimeError("boom"))  # doctest: +SKIP
@@ -94,13 +82,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd``.
-
-    Args:
-      argv: the arguments after the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-      The process exit status.
+    """Entry point of ``nnx-mpmd``; returns the exit status.
 
     Example:
       >>> main(["--help"])  # doctest: +ELLIPSIS

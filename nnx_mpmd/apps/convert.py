@@ -57,9 +57,6 @@ __all__ = [
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nnx-mpmd convert``.
 
-    Returns:
-      The parser.
-
     Example:
       >>> build_parser().parse_args(["--run-dir", "r", "--to-hf", "out"]).to_hf
       'out'
@@ -91,15 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[str]) -> int:
-    """Writes a run directory whose step-0 checkpoint holds ``source``'s weights.
-
-    Args:
-      source: the Hugging Face directory.
-      run_dir: the new run directory (must hold no checkpoints yet).
-      train_options: ``nnx-mpmd train`` options saved with the checkpoint.
-
-    Returns:
-      The number of parameters converted.
+    """Writes a new run directory whose step-0 checkpoint holds ``source``'s weights.
 
     Raises:
       MpmdError: bad options, an unsupported or unreadable directory, or a run
@@ -143,15 +132,7 @@ def import_hf(source: pathlib.Path, run_dir: pathlib.Path, train_options: list[s
 
 
 def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> int:
-    """Writes a run's checkpoint as a Hugging Face directory.
-
-    Args:
-      run_dir: the run directory (with ``checkpoints/``).
-      step: the step to export, or None for the latest.
-      out: the Hugging Face directory to write.
-
-    Returns:
-      The exported step.
+    """Writes checkpoint ``step`` (None: the latest) as a Hugging Face directory; returns the step.
 
     Raises:
       MpmdError: no checkpoint, a checkpoint without the model's configuration,
@@ -196,13 +177,7 @@ def export_run(run_dir: pathlib.Path, step: int | None, out: pathlib.Path) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd convert``.
-
-    Args:
-      argv: the arguments after ``convert`` (default: ``sys.argv[1:]``).
-
-    Returns:
-      The exit status: 0 on success, 2 on bad input.
+    """Entry point of ``nnx-mpmd convert``: 0 on success, 2 on bad input.
 
     Example:
       >>> main(["--run-dir", "r"])

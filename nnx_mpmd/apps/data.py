@@ -52,19 +52,9 @@ def stdlib_corpus(
     root: str | pathlib.Path | None = None,
     ascii_only: bool = True,
 ) -> str:
-    """Concatenated Python source of the standard library, at most ``max_bytes`` characters.
+    """The standard library's Python source, at most ``max_bytes`` characters, the same everywhere.
 
-    Files are read in sorted path order (relative to ``root``) and joined with a
-    blank line, so the result is the same on every machine with the same Python.
-
-    Args:
-      max_bytes: cap on the number of characters returned.
-      root: directory to read instead of the stdlib (e.g. in tests).
-      ascii_only: replace characters other than printable ASCII, newline and
-        tab by ``"?"`` (keeps the character vocabulary under 100).
-
-    Returns:
-      The corpus text.
+    Sorted paths under ``root`` (default: the stdlib); ``ascii_only`` keeps the vocabulary < 100.
 
     Example:
       >>> text = stdlib_corpus(10_000)
@@ -179,14 +169,7 @@ class CharTokenizer:
 
 
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """Splits a token stream into a leading training part and a trailing validation part.
-
-    Args:
-      tokens: a 1-D token array.
-      val_fraction: the share of tokens for validation, in (0, 1).
-
-    Returns:
-      ``(train_tokens, val_tokens)``.
+    """``(train_tokens, val_tokens)``: a 1-D token stream split, the last ``val_fraction`` held out.
 
     Example:
       >>> train, val = train_val_split(np.arange(10), 0.2)
@@ -312,16 +295,9 @@ class BatchIterator(ResumableBatches):
         self.position = 0
 
     def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
-        """The batch number ``index`` (independent of ``position``), or some of its rows.
+        """``{"inputs", "targets"}`` of batch ``index`` (not of ``position``), or its ``rows`` only.
 
-        Args:
-          index: the batch number.
-          rows: optional 1-D global row indices in ``[0, batch_size)``; only those
-            rows are gathered, in that order (a process of a multi-process run
-            reads just the rows its devices use: `nnx_mpmd.apps.local_batches`).
-
-        Returns:
-          ``{"inputs", "targets"}`` int32 arrays ``[len(rows) or batch_size, seq_len]``.
+        ``rows`` (global, in ``[0, batch_size)``) lets a process read just the rows its devices use.
 
         Example:
           >>> it = BatchIterator(np.arange(100), batch_size=4, seq_len=8, seed=1)

@@ -86,14 +86,7 @@ _KINDS = ", ".join(DATASET_SUFFIXES)
 
 
 def resolve_dataset_files(spec: str, option: str = "--dataset") -> list[pathlib.Path]:
-    """The dataset files ``spec`` names: a file, a directory or a glob, in sorted order.
-
-    Args:
-      spec: the value of ``--dataset`` (or ``--val-dataset``).
-      option: the option, for messages.
-
-    Returns:
-      The files, each ending in ``.txt``, ``.jsonl`` or ``.parquet``.
+    """The ``.txt``/``.jsonl``/``.parquet`` files ``spec`` names (file, directory or glob), sorted.
 
     Raises:
       MpmdError: the path does not exist, the glob matches nothing, the directory
@@ -196,10 +189,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_data_args(cfg: Any) -> None:
-    """Checks the data options before anything is written (no JAX, no reading).
-
-    Args:
-      cfg: the parsed ``nnx-mpmd train`` options.
+    """Checks the data options of ``cfg`` before anything is written (no JAX, no reading).
 
     Raises:
       MpmdError: a missing dataset or tokenizer file, options that contradict each
@@ -297,15 +287,7 @@ class PackedBatches(ResumableBatches):
         return np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
     def batch_at(self, index: int, rows: Any = None) -> dict[str, np.ndarray]:
-        """The batch number ``index`` (independent of ``position``), or only some of its rows.
-
-        Args:
-          index: the batch number.
-          rows: global row indices in ``[0, batch_size)`` to build (default: all).
-
-        Returns:
-          ``{"inputs", "targets"}`` int32 arrays ``[len(rows), seq_len]``.
-        """
+        """``{"inputs", "targets"}`` of batch ``index`` (not ``position``), or its ``rows`` only."""
         rows = np.arange(self.batch_size) if rows is None else self._checked_rows(rows)
         first = int(index) * self.batch_size
         # A mapped grain dataset may hold None (filtered); this one never does.
@@ -367,8 +349,9 @@ class TrainingData:
 
 @contextlib.contextmanager
 def removed_on_error(run_dir: pathlib.Path) -> Iterator[None]:
-    """Removes ``run_dir`` (and the new folders above it) when the block fails and the
-    directory did not exist before it: a refused run leaves no files behind.
+    """Removes ``run_dir`` (and new folders above it) if it is new and the block fails.
+
+    So a refused run leaves no files behind.
 
     Example:
       >>> import tempfile
@@ -404,19 +387,8 @@ def build_data(
 ) -> TrainingData | None:
     """Tokenizer and tokens of a run with ``--dataset`` and/or ``--tokenizer``, else None.
 
-    Copies a ``--tokenizer`` file into ``run_dir``, tokenizes the dataset (or reads
-    the cache under ``run_dir/data_cache``) and splits off the held-out part. On
-    an error nothing this call created is left behind.
-
-    Args:
-      cfg: the parsed options (``dataset``, ``val_dataset``, ``val_fraction``,
-        ``text_field``, ``tokenizer``, ``corpus_bytes``).
-      run_dir: the run directory.
-      seq_len: tokens per sequence (the data must hold one sequence).
-      show_progress: draw the tokenizing progress bar (process 0).
-
-    Returns:
-      The `TrainingData`, or None when neither option is given.
+    Copies the tokenizer into ``run_dir``, tokenizes (or reads ``run_dir/data_cache``) and
+    splits off the held-out part; on an error it leaves nothing behind.
 
     Raises:
       MpmdError: an empty or too small dataset, an unreadable document, a bad tokenizer.

@@ -63,10 +63,7 @@ class GenerateConfig(argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``nnx-mpmd generate``.
-
-    Returns:
-      The parser (its ``parse_args`` gives a `GenerateConfig`).
+    """The argument parser of ``nnx-mpmd generate`` (its ``parse_args`` gives a `GenerateConfig`).
 
     Example:
       >>> build_parser().parse_args(["--run-dir", "r", "--prompt", "x"]).max_tokens
@@ -111,16 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str]) -> GenerateConfig:
-    """Parses and checks the options that need no JAX.
-
-    Args:
-      argv: the command-line arguments after ``generate``.
-
-    Returns:
-      The parsed configuration.
-
-    Raises:
-      MpmdError: an option out of range.
+    """Parses and checks the options after ``generate`` that need no JAX (`MpmdError`: bad range).
 
     Example:
       >>> config_from_args(["--run-dir", "r", "--prompt", "x", "--top-k", "0"])
@@ -153,17 +141,7 @@ def config_from_args(argv: list[str]) -> GenerateConfig:
 
 
 def checkpoint_dir(run_dir: str | pathlib.Path) -> pathlib.Path:
-    """The ``checkpoints/`` directory of a run, checked to exist; creates nothing.
-
-    Args:
-      run_dir: the value of ``--run-dir``.
-
-    Returns:
-      ``run_dir/checkpoints``.
-
-    Raises:
-      CheckpointError: the run directory or its ``checkpoints/`` is missing.
-    """
+    """``run_dir/checkpoints``, checked to exist (`CheckpointError` if not); creates nothing."""
     from nnx_mpmd.errors import CheckpointError
 
     run_dir = pathlib.Path(run_dir)
@@ -282,18 +260,9 @@ def restore_run(
     layout: str,
     err: IO[str] | None = None,
 ) -> tuple[Any, Any, int]:
-    """The model and tokenizer of a run, restored from a checkpoint for ``num_stages``.
+    """``(unplaced model, tokenizer, step)`` of a run, restored for ``num_stages`` stages.
 
-    Args:
-      run_dir: the run directory.
-      step: the step to restore, or None for the newest intact one.
-      num_stages: the stages of the layout the model will run in.
-      layout: the layout in words, for messages.
-      err: where warnings about damaged steps go (default: ``sys.stderr``).
-
-    Returns:
-      ``(model, tokenizer, step)``: the model (unplaced), the run's tokenizer,
-      and the step restored.
+    ``step`` None: the newest intact one; warnings about damaged steps go to ``err``.
 
     Raises:
       CheckpointError: no checkpoint, no such step (the message lists the saved
@@ -403,17 +372,8 @@ def run(
 ) -> dict[str, Any]:
     """Restores the run's model and streams the continuation of the prompt to ``out``.
 
-    Args:
-      cfg: the configuration (see `config_from_args`).
-      out: where the text goes, as it comes (default: ``sys.stdout``).
-      err: where warnings and the speed go (default: ``sys.stderr``).
-
-    Returns:
-      ``step`` (restored), ``tokens`` (int32: the prompt's and the new ones),
-      ``text`` (their decoding), ``seconds`` and ``tokens_per_s``.
-
-    Raises:
-      MpmdError: see the module docstring.
+    Returns ``step``, ``tokens`` (prompt and new), ``text``, ``seconds``, ``tokens_per_s``;
+    raises `MpmdError` (see the module docstring).
     """
     import numpy as np
 
@@ -484,13 +444,7 @@ def _fail(message: str, err: IO[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd generate``.
-
-    Args:
-      argv: the arguments after ``generate`` (default: ``sys.argv[1:]``).
-
-    Returns:
-      The exit status: 0 on success, 2 on bad input (one line on stderr).
+    """Entry point of ``nnx-mpmd generate``: 0 on success, 2 on bad input (one line on stderr).
 
     Example:
       >>> main(["--run-dir", "/no/such/run", "--prompt", "x"])

@@ -62,12 +62,6 @@ NOISE = (
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free right now.
 
-    Args:
-      host: the address to bind.
-
-    Returns:
-      The port number.
-
     Example:
       >>> 0 < free_port() < 65536
       True
@@ -78,14 +72,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_noise(line: str) -> bool:
-    """Whether a line of a process's output is known noise (hidden without ``--verbose``).
-
-    Args:
-      line: one output line, without the ``[pI]`` prefix.
-
-    Returns:
-      True for Gloo's connection lines and the coordination service's warning
-      about recoverable tasks.
+    """Whether an output line (without ``[pI]``) is known noise, hidden without ``--verbose``.
 
     Example:
       >>> is_noise("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number ...")
@@ -197,16 +184,7 @@ def _status_of(code: int | None) -> str:
 def stop_summary(
     signum: int, codes: Sequence[int | None], killed: Sequence[int], grace_s: float
 ) -> str:
-    """The line the launcher prints after a stop signal, once every process is gone.
-
-    Args:
-      signum: the signal the launcher got (and forwarded).
-      codes: the processes' return codes (``Popen.returncode``: negative for a signal).
-      killed: the processes the launcher killed (SIGKILL) after ``grace_s``.
-      grace_s: ``--stop-grace``.
-
-    Returns:
-      One line saying which processes stopped on their own and which were killed.
+    """The launcher's line after a stop signal: which processes stopped and which were killed.
 
     Example:
       >>> stop_summary(signal.SIGTERM, [-9, 143], [0], 60)  # doctest: +ELLIPSIS
@@ -230,16 +208,9 @@ def stop_summary(
 
 
 def coordinator_lost_note(status: int) -> str:
-    """What the launcher prints when process 0, which hosts the coordination service, fails first.
+    """The line the launcher prints when process 0 (the coordinator) fails first, given its status.
 
-    JAX then aborts every other process before Python can react, so their own
-    messages only repeat that process 0 is gone; this note says where to look.
-
-    Args:
-      status: process 0's exit status (``128 + signal`` when killed).
-
-    Returns:
-      The note, one line.
+    JAX then aborts the others, whose messages only say process 0 is gone.
 
     Example:
       >>> coordinator_lost_note(137).split(". ")[0]
@@ -476,13 +447,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd launch``.
-
-    Args:
-      argv: the arguments after ``launch``.
-
-    Returns:
-      The exit status (see `launch`); 2 for bad arguments.
+    """Entry point of ``nnx-mpmd launch``: `launch`'s status, 2 for bad arguments.
 
     Example:
       >>> main(["--processes", "0", "--", "true"])

@@ -70,18 +70,9 @@ def leaf_rows(
     process: int | None = None,
     process_of: Callable[[Any], int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The rows of each batch leaf one process supplies.
+    """Sorted global rows of each batch leaf one process supplies.
 
-    Args:
-      shardings: where the step reads each leaf (``[m, B/m, ...]``), or None
-        for a leaf it does not split on one submesh (then every row).
-      batch_size: rows per batch.
-      num_microbatches: the step's microbatches.
-      process: the process (default: this one).
-      process_of: the process of a device (see `process_batch_rows`).
-
-    Returns:
-      Sorted global row indices per leaf.
+    A None sharding (a leaf not split on one submesh) means every row.
 
     Example:
       >>> import jax
@@ -172,14 +163,7 @@ class ProcessLocalBatches:
 def process_local_batches(source: Any, step: Any, model: Any, optimizer: Any) -> Any:
     """``source`` itself in one process; a `ProcessLocalBatches` over it in several.
 
-    Args:
-      source: the batch source.
-      step: the ``mp.jit`` train step, called as ``step(model, optimizer, batch)``.
-      model: its first argument.
-      optimizer: its second argument.
-
-    Returns:
-      The source to draw batches from.
+    ``step`` is the ``mp.jit`` train step, called as ``step(model, optimizer, batch)``.
 
     Example:
       >>> import numpy as np

@@ -44,13 +44,7 @@ MEMORY_ENV_VAR = "NNX_MPMD_DEVICE_MEMORY_BYTES"
 
 
 def device_memory_limit(device: Any) -> int | None:
-    """The memory one device may use, in bytes; None when unknown.
-
-    Args:
-      device: a ``jax.Device``.
-
-    Returns:
-      ``$NNX_MPMD_DEVICE_MEMORY_BYTES`` if set, else the device's ``bytes_limit``.
+    """Bytes one device may use (``$NNX_MPMD_DEVICE_MEMORY_BYTES``, else ``bytes_limit``), or None.
 
     Example:
       >>> import jax
@@ -75,15 +69,7 @@ def _nbytes(leaf: Any) -> int:
 def activation_bytes_per_token(config: Any, seq_len: int) -> tuple[int, int]:
     """Bytes one token keeps for the backward: ``(per block, logits on the last stage)``.
 
-    A pre-norm block keeps about ``10·d + 2·d_ff + 2·heads·T`` values per token; the
-    head keeps the logits and their softmax.
-
-    Args:
-      config: a zoo model config (``d_model``, ``n_heads``, ``vocab_size``, ``dtype``).
-      seq_len: tokens per sequence.
-
-    Returns:
-      The two byte counts.
+    A pre-norm block keeps about ``10·d + 2·d_ff + 2·heads·T`` values per token.
 
     Example:
       >>> from nnx_mpmd.models.gpt import GPTConfig
@@ -115,14 +101,7 @@ def _stage_activation_bytes(trainer: Any, rows: int) -> list[int]:
 
 
 def predicted_peaks(trainer: Any) -> tuple[int, ...]:
-    """Each mesh's predicted peak bytes per device, activations included (an estimate).
-
-    Args:
-      trainer: a `nnx_mpmd.apps.train_loop.Trainer` (model, optimizer, mesh and settings).
-
-    Returns:
-      One peak per mesh.
-    """
+    """Each mesh's predicted peak bytes per device, activations included (an estimate)."""
     cfg = trainer.cfg
     num_stages = trainer.num_stages
     param_bytes = [0] * num_stages
@@ -169,15 +148,7 @@ def predicted_peaks(trainer: Any) -> tuple[int, ...]:
 
 
 def check_memory(trainer: Any) -> None:
-    """Refuses a run whose predicted state does not fit a device.
-
-    Args:
-      trainer: a `nnx_mpmd.apps.train_loop.Trainer`, before its first step.
-
-    Raises:
-      PlanError: a mesh's predicted peak is above the device limit;
-        the message gives both and what to change.
-    """
+    """Refuses (`PlanError`) a run whose predicted peak on a mesh is above the device limit."""
     limit = device_memory_limit(jax.local_devices()[0])
     if limit is None:
         return

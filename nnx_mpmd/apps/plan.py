@@ -43,9 +43,6 @@ def _names(text: str | None) -> list[str] | None:
 def build_parser() -> argparse.ArgumentParser:
     """``nnx-mpmd train``'s options plus the planner's.
 
-    Returns:
-      The parser.
-
     Example:
       >>> build_parser().parse_args(["--verify", "2", "--budget-mib", "64"]).verify
       2
@@ -122,14 +119,7 @@ def _verification_table(verifications: list[Any]) -> str:
 
 
 def run(cfg: Any) -> Any:
-    """Plans the run ``cfg`` describes and writes ``cfg.out``.
-
-    Args:
-      cfg: parsed options (`build_parser`).
-
-    Returns:
-      The `nnx_mpmd.planner.Plan` written.
-    """
+    """Plans the run ``cfg`` describes, writes ``cfg.out`` and returns the `Plan`."""
     from nnx_mpmd.apps.pretrained import apply_init_from
     from nnx_mpmd.apps.train_loop import Trainer
 
@@ -223,14 +213,7 @@ def _launched_processes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd plan``.
-
-    Args:
-      argv: the arguments after ``plan`` (default: ``sys.argv[1:]``).
-
-    Returns:
-      The exit status: 0 on success, 2 on bad input.
-    """
+    """Entry point of ``nnx-mpmd plan``: 0 on success, 2 on bad input."""
     from nnx_mpmd.errors import MpmdError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -31,13 +31,8 @@ KEPT_FILES = ("config.json", "tokenizer.json")
 def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
     """Sets ``cfg.model`` and ``cfg.layers`` from a Hugging Face ``config.json``.
 
-    The directory is ``cfg.init_from``, or, for ``--resume`` of a run that started
-    from one, its copy ``run_dir/pretrained`` (then ``cfg.init_from`` is set to it). With a
-    ``tokenizer.json`` there and no ``--tokenizer``, ``cfg.tokenizer`` is set to it.
-
-    Args:
-      cfg: the `nnx_mpmd.apps.train.TrainConfig`.
-      run_dir: the run directory.
+    From ``cfg.init_from``, or on ``--resume`` its copy ``run_dir/pretrained``; a
+    ``tokenizer.json`` there becomes ``cfg.tokenizer`` unless one is given.
 
     Raises:
       MpmdError: a missing or unsupported ``config.json``, or ``--layers`` that
@@ -68,14 +63,7 @@ def apply_init_from(cfg: Any, run_dir: pathlib.Path) -> None:
 
 
 def pretrained_max_len(init_from: str | pathlib.Path) -> int:
-    """The context length of a Hugging Face directory's model (its ``config.json``).
-
-    Args:
-      init_from: the directory.
-
-    Returns:
-      The model's ``max_len`` (GPT-2's ``n_positions``, Llama's
-      ``max_position_embeddings``): the default ``--seq-len`` of a run from it.
+    """The ``max_len`` of a Hugging Face directory's model: a run's default ``--seq-len`` from it.
 
     Raises:
       MpmdError: a missing or unsupported ``config.json``.
@@ -94,15 +82,7 @@ def pretrained_model(
 ) -> Any:
     """The zoo model of a Hugging Face directory, with its weights when it has them.
 
-    Args:
-      init_from: the directory (``config.json``; ``model.safetensors`` if the weights
-        are to be loaded: a run's ``pretrained/`` keeps the config only).
-      num_stages: pipeline stages.
-      vocab_size: the tokenizer's vocabulary; must not exceed the checkpoint's.
-      **overrides: other zoo config fields (``scan_layers``).
-
-    Returns:
-      The `GPT` or `Llama`.
+    A run's ``pretrained/`` copy has the config only; ``vocab_size`` must fit the checkpoint's.
 
     Raises:
       MpmdError: the tokenizer does not fit the checkpoint's vocabulary, or the
@@ -135,12 +115,7 @@ def pretrained_model(
 
 
 def keep_pretrained_config(init_from: str | pathlib.Path, run_dir: pathlib.Path) -> None:
-    """Copies ``config.json`` (and ``tokenizer.json``) of ``init_from`` into ``run_dir/pretrained``.
-
-    Args:
-      init_from: the Hugging Face directory the run starts from.
-      run_dir: the run directory (exists).
-    """
+    """Copies ``init_from``'s ``config.json`` and ``tokenizer.json`` to ``run_dir/pretrained``."""
     source, kept = pathlib.Path(init_from), run_dir / PRETRAINED_DIR
     if source.resolve() == kept.resolve():
         return

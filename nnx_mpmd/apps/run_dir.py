@@ -39,14 +39,7 @@ RUN_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 def resolve_run_dir(cfg: Any) -> pathlib.Path:
     """The run directory of ``cfg``; creates nothing.
 
-    Without ``--run-dir`` a new run goes to ``runs/TIME`` and ``--resume``
-    takes the newest run under ``runs/`` that has checkpoints.
-
-    Args:
-      cfg: the configuration (``resume`` and ``run_dir``: a `nnx_mpmd.apps.train.TrainConfig`).
-
-    Returns:
-      The directory (it need not exist yet for a new run).
+    Without ``--run-dir``: ``runs/TIME``, or with ``--resume`` the newest run with checkpoints.
 
     Raises:
       CheckpointError: ``--resume`` without an earlier run to continue.
@@ -81,18 +74,9 @@ def resolve_run_dir(cfg: Any) -> pathlib.Path:
 
 
 def reuse_run_tokenizer(cfg: Any, given: str | None) -> None:
-    """With ``--resume``, takes the run directory's copy of its tokenizer file.
+    """With ``--resume``, points ``cfg.tokenizer`` at the run directory's copy of its tokenizer.
 
-    Unless ``--tokenizer`` is ``given`` anew, so the original may have moved or
-    gone; a ``given`` file with other contents is refused.
-
-    Args:
-      cfg: the configuration (``resume``, ``run_dir``, ``tokenizer``); its
-        ``tokenizer`` is set to the copy.
-      given: the ``--tokenizer`` of this invocation, or None.
-
-    Raises:
-      MpmdError: ``given`` differs from the run's copy.
+    The original may have moved; a ``given`` ``--tokenizer`` with other contents raises `MpmdError`.
 
     Example:
       >>> import argparse
@@ -147,13 +131,9 @@ def _check_same_tokenizer(given: pathlib.Path, copy: pathlib.Path) -> None:
 
 
 def join_processes() -> Any:
-    """Joins the multi-process run the environment describes (one process otherwise).
+    """Joins the multi-process run the environment describes; returns the `ProcessInfo`.
 
-    Under ``nnx-mpmd launch`` or a cluster launcher, every process of the job
-    calls it before JAX starts its backends (`nnx_mpmd.distributed.initialize`).
-
-    Returns:
-      The `nnx_mpmd.distributed.ProcessInfo`.
+    Every process calls it before JAX starts its backends.
 
     Example:
       >>> join_processes().num_processes  # no launcher, no cluster: one process
@@ -169,12 +149,6 @@ RUN_DIR_KEY = "train/run_dir"
 
 def agree_on_run_dir(run_dir: pathlib.Path) -> pathlib.Path:
     """Process 0's run directory, on every process (each may have timed its own name).
-
-    Args:
-      run_dir: this process's choice (`resolve_run_dir`).
-
-    Returns:
-      ``run_dir`` on one process; process 0's choice in a multi-process run.
 
     Raises:
       DistributedError: process 0 died or did not say in time.
@@ -230,13 +204,9 @@ def finish_together() -> None:
 
 
 def leave_after_dead_peer(status: int) -> None:
-    """Ends a multi-process run's process with ``status`` now, once a peer died.
+    """Ends this process with ``status`` now, once a peer died (returns on one process).
 
-    A normal exit would join threads still waiting for the dead peer and run the
-    exit barrier; the error was printed already. On one process this returns.
-
-    Args:
-      status: the exit status.
+    A normal exit would wait for the dead peer in threads and the exit barrier.
 
     Example:
       >>> leave_after_dead_peer(2)  # one process: returns

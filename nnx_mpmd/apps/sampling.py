@@ -150,18 +150,9 @@ def generate(
 def generate_text(
     model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, **kwargs: Any
 ) -> str:
-    """`generate` from a string prompt, returning the decoded text (prompt included).
+    """`generate` from a string prompt: the prompt and the generated text, decoded.
 
-    Args:
-      model: the language model.
-      tokenizer: a tokenizer with ``encode`` and ``decode``.
-      prompt: the prompt text.
-      max_new_tokens: how many tokens to append.
-      **kwargs: ``temperature``, ``top_k``, ``seed``, ``window`` as in `generate`
-        (ids are drawn below ``tokenizer.vocab_size``).
-
-    Returns:
-      The prompt followed by the generated text.
+    ``kwargs`` are `generate`'s; ids are drawn below ``tokenizer.vocab_size``.
 
     Example:
       >>> from flax import nnx

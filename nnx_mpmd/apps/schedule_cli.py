@@ -33,15 +33,6 @@ _PROG = "nnx-mpmd schedule"
 def positive_int(text: str) -> int:
     """An argparse ``type``: an int >= 1, so argparse names the flag the user typed.
 
-    Args:
-      text: the command-line value.
-
-    Returns:
-      The int.
-
-    Raises:
-      argparse.ArgumentTypeError: not an int, or < 1.
-
     Example:
       >>> positive_int("4")
       4
@@ -62,15 +53,6 @@ def positive_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite float > 0.
 
-    Args:
-      text: the command-line value.
-
-    Returns:
-      The float.
-
-    Raises:
-      argparse.ArgumentTypeError: not a number, or not > 0.
-
     Example:
       >>> positive_float("0.5")
       0.5
@@ -88,19 +70,10 @@ _KINDS = ("F", "B", "BI", "BW")
 
 
 def stage_costs(text: str, num_stages: int, num_meshes: int) -> tuple[Costs, Fraction | None]:
-    """The task costs to simulate with, in forwards of one mesh's share of the layers.
+    """``(costs, scale)`` to simulate with, in forwards of one mesh's share of the layers.
 
-    With ``k`` stages per mesh every default task costs ``1/k``, so that 4- and
-    8-stage makespans compare; costs given in ``text`` are taken as they are.
-
-    Args:
-      text: the ``--costs`` value (``name=value`` pairs, maybe empty).
-      num_stages: the schedule's stages.
-      num_meshes: the meshes.
-
-    Returns:
-      ``(costs, scale)``: ``scale`` is the factor applied to the default task
-      costs, or None where ``text`` sets a task cost or one stage runs per mesh.
+    With ``k`` stages per mesh default tasks cost ``1/k`` (``scale``), so makespans compare;
+    ``scale`` is None when ``text`` sets a cost or one stage runs per mesh.
 
     Example:
       >>> costs, scale = stage_costs("", 8, 4)
@@ -137,9 +110,6 @@ def _unit_line(text: str, scale: Fraction | None, stages: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``nnx-mpmd schedule``.
-
-    Returns:
-      The parser.
 
     Example:
       >>> build_parser().parse_args(["--schedule", "gpipe"]).schedule
@@ -286,13 +256,7 @@ def _make_parent(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd schedule``.
-
-    Args:
-      argv: the arguments after ``schedule`` (default: ``sys.argv[1:]``).
-
-    Returns:
-      0 on success, 2 on bad input (after printing the reason to stderr).
+    """Entry point of ``nnx-mpmd schedule``: 0 on success, 2 on bad input (reason on stderr).
 
     Example:
       >>> main(["--schedule", "gpipe", "--meshes", "2", "--microbatches", "2"])

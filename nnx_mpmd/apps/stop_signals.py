@@ -34,13 +34,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def exit_status(signum: int) -> int:
-    """The exit status of a run stopped by ``signum``: ``128 + signum``, as a shell reports it.
-
-    Args:
-      signum: the signal number.
-
-    Returns:
-      143 for SIGTERM, 130 for SIGINT.
+    """``128 + signum``: the exit status of a run stopped by ``signum``, as a shell reports it.
 
     Example:
       >>> exit_status(signal.SIGTERM), exit_status(signal.SIGINT)
@@ -50,16 +44,7 @@ def exit_status(signum: int) -> int:
 
 
 def stopped_message(step: int, signum: int, run_dir: Any, saved: bool) -> str:
-    """The line a stopped run prints last.
-
-    Args:
-      step: the last step run.
-      signum: the signal that stopped it.
-      run_dir: the run directory.
-      saved: whether a checkpoint of ``step`` was written.
-
-    Returns:
-      One line saying where the run stopped and how to continue it.
+    """The last line of a run stopped at ``step``: where it stopped and how to continue.
 
     Example:
       >>> stopped_message(7, signal.SIGTERM, "runs/a", saved=True)
@@ -116,11 +101,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
-        """Installs the handlers (call it after joining ``jax.distributed``, if at all).
-
-        Returns:
-          ``self``.
-        """
+        """Installs the handlers; returns ``self`` (call it after joining ``jax.distributed``)."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return self
         self.collective = _preemption_service_running()
@@ -154,11 +135,7 @@ class StopSignals:
     def begin(self, step: int) -> None:
         """Says which step the loop starts after (0, or the restored checkpoint's step).
 
-        JAX syncs at the step after the highest step any process reported, and orbax
-        reports saved steps too, hence absolute step numbers.
-
-        Args:
-          step: the last step already done.
+        JAX syncs at the step after the highest any process reported, so steps are absolute.
         """
         if self.collective:
             from jax.experimental import multihost_utils
@@ -168,15 +145,7 @@ class StopSignals:
     def should_stop(self, step: int) -> bool:
         """Whether the loop should stop now, after ``step``.
 
-        In a multi-process run every process must call it after every step (a
-        collective decision, true at the same step everywhere).
-
-        Args:
-          step: the step just finished (its number, the same on every process).
-
-        Returns:
-          True once a stop was asked for (in a multi-process run: once every
-          process reached the agreed step).
+        Multi-process: every process calls it after every step; true at the same step everywhere.
         """
         if not self.collective:
             return self.signum is not None

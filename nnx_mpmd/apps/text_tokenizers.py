@@ -91,13 +91,7 @@ def _import_optional(module: str, what: str) -> Any:
 
 
 def check_tokenizer_file(path: str | pathlib.Path) -> str:
-    """Checks a ``--tokenizer`` file before anything is written; returns its kind.
-
-    Args:
-      path: a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model``.
-
-    Returns:
-      ``"hf"`` or ``"sentencepiece"``.
+    """The kind (``"hf"``/``"sentencepiece"``) of a ``--tokenizer`` file, checked before any write.
 
     Raises:
       MpmdError: the file is missing or unreadable, its extension is unknown, or the
@@ -253,12 +247,7 @@ def load_tokenizer_file(
 ) -> HFTokenizer | SentencePieceTokenizer:
     """The tokenizer of a ``tokenizer.json`` or SentencePiece ``.model`` file.
 
-    Args:
-      path: the file (checked with `check_tokenizer_file`).
-      name: its file name inside the run directory (default: its own name).
-
-    Returns:
-      An `HFTokenizer` or a `SentencePieceTokenizer`.
+    ``name`` is its file name in the run directory (default: its own).
 
     Example:
       >>> load_tokenizer_file("tokenizer.json").vocab_size  # doctest: +SKIP
@@ -272,17 +261,9 @@ def load_tokenizer_file(
 def tokenizer_into_run(
     path: str | pathlib.Path, run_dir: str | pathlib.Path
 ) -> HFTokenizer | SentencePieceTokenizer:
-    """Copies a tokenizer file into the run directory and loads the copy.
+    """Copies a tokenizer file into ``run_dir`` (``tokenizer.json``/``.model``) and loads the copy.
 
-    The copy is named ``tokenizer.json`` or ``tokenizer.model``; an identical copy
-    already there (a resumed run) is kept.
-
-    Args:
-      path: the ``--tokenizer`` file.
-      run_dir: the run directory (created if needed).
-
-    Returns:
-      The tokenizer, reading the copy.
+    An identical copy already there (a resumed run) is kept.
 
     Example:
       >>> tokenizer_into_run("my/tokenizer.json", "runs/x").to_dict()  # doctest: +SKIP
@@ -311,14 +292,7 @@ def eos_id_of(tokenizer: Any) -> int | None:
 def tokenizer_from_dict(
     data: dict[str, Any], run_dir: str | pathlib.Path | None = None
 ) -> TextTokenizer:
-    """Rebuilds the tokenizer described by ``data`` (a ``to_dict()`` result).
-
-    Args:
-      data: the description saved in checkpoint metadata.
-      run_dir: the run directory, where tokenizer files of a run are kept.
-
-    Returns:
-      The tokenizer.
+    """Rebuilds the tokenizer a ``to_dict()`` result describes (files from ``run_dir``).
 
     Raises:
       MpmdError: for a description of an unknown type, or a tokenizer file that is

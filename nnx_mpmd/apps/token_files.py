@@ -100,14 +100,7 @@ def _parquet_documents(path: pathlib.Path, text_field: str) -> Iterator[str]:
 
 
 def read_documents(path: str | pathlib.Path, text_field: str = "text") -> Iterator[str]:
-    """The documents of one dataset file, in file order.
-
-    Args:
-      path: a ``.txt``, ``.jsonl`` or ``.parquet`` file.
-      text_field: the field (``.jsonl``) or column (``.parquet``) holding the text.
-
-    Returns:
-      An iterator of document strings.
+    """The documents of one ``.txt``, ``.jsonl`` or ``.parquet`` file, in file order.
 
     Raises:
       MpmdError: a ``.jsonl`` line that is not JSON or lacks the field, a parquet
@@ -181,19 +174,9 @@ def tokenize_to_cache(
     text_field: str = "text",
     show_progress: bool = False,
 ) -> np.ndarray:
-    """The token stream of ``files``, from the cache or tokenized into it.
+    """The token stream of ``files`` (read-only int32 memmap), from the cache or tokenized into it.
 
-    Args:
-      files: the dataset files, in order.
-      tokenizer: has ``encode(text)`` and ``to_dict()``.
-      separator: the id (or ids) appended after every document, or None.
-      cache_dir: where the token file goes (created if needed).
-      name: ``train`` or ``val`` (the file name's start).
-      text_field: the ``.jsonl`` field / ``.parquet`` column of the text.
-      show_progress: draw a rich progress bar while tokenizing.
-
-    Returns:
-      A read-only int32 `numpy.memmap` of every token.
+    ``separator`` id(s) follow every document; ``name`` (``train``/``val``) starts the file name.
 
     Raises:
       MpmdError: the files hold no tokens, or a document cannot be read.
@@ -242,20 +225,10 @@ def char_vocabulary(
     cache_dir: str | pathlib.Path,
     extra: str = "",
 ) -> str:
-    """Every character of the files' documents and ``extra``, sorted, cached like tokens.
+    """Every character of the files' documents and ``extra``, sorted; cached in ``cache_dir``.
 
-    The character tokenizer of a ``--dataset`` run without ``--tokenizer`` is built
-    from it; the vocabulary is saved beside the token files, so a second run reads
-    it instead of the documents.
-
-    Args:
-      files: the dataset files (training and validation).
-      text_field: the ``.jsonl`` field / ``.parquet`` column of the text.
-      cache_dir: where the vocabulary file goes (created if needed).
-      extra: characters always in the vocabulary (the end-of-document character).
-
-    Returns:
-      The characters, sorted by code point.
+    The character tokenizer of a ``--dataset`` run without ``--tokenizer``; the cache
+    spares a second run from reading the documents.
 
     Example:
       >>> import tempfile

@@ -112,15 +112,9 @@ __all__ = [
 
 
 def configure_compile_cache(cfg: TrainConfig) -> pathlib.Path | None:
-    """Turns JAX's persistent compilation cache on (or off, with ``--no-compile-cache``).
+    """Turns JAX's persistent compilation cache on (or off); returns its directory or None.
 
     Call it before anything compiles: JAX decides once per process.
-
-    Args:
-      cfg: the configuration.
-
-    Returns:
-      The cache directory, or None when the cache is off.
 
     Example:
       >>> import jax
@@ -145,19 +139,10 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``nnx-mpmd train``.
+    """Entry point of ``nnx-mpmd train``; returns the exit status.
 
-    Args:
-      argv: the arguments after ``train`` (default: ``sys.argv[1:]``).
-
-    Returns:
-      The exit status: 0 on success, 2 on bad input, 1 on an unexpected error
-      (not an `MpmdError`: one line, the traceback with ``NNX_MPMD_TRACEBACK=1``),
-      ``128 + signal`` (143, 130)
-      when SIGTERM or SIGINT stopped the run after saving a checkpoint
-      (`nnx_mpmd.apps.stop_signals`). After a `DistributedError` of a
-      multi-process run (a peer died) the process exits with 2 at once
-      (`leave_after_dead_peer`).
+    0 on success, 2 on bad input, 1 on an unexpected error, ``128 + signal`` when a
+    SIGTERM/SIGINT stopped the run after a checkpoint; a dead peer exits 2 at once.
 
     Example:
       >>> main(["--steps", "0"])
@@ -201,9 +186,7 @@ def run(cfg: TrainConfig, stop: Any = None) -> dict[str, Any]:
     """Trains as ``cfg`` says and writes the run directory.
 
     Args:
-      cfg: the configuration (see `config_from_args`).
-      stop: installed `nnx_mpmd.apps.stop_signals.StopSignals`, or None (signals keep
-        their default action).
+      stop: installed `nnx_mpmd.apps.stop_signals.StopSignals`, or None (default signal actions).
 
     Returns:
       A summary: ``run_dir``, ``first_loss``, ``last_loss``, ``steps_run``, ``sample``,

@@ -121,10 +121,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``nnx-mpmd train``.
-
-    Returns:
-      The parser (its ``parse_args`` gives a `TrainConfig`).
+    """The argument parser of ``nnx-mpmd train`` (its ``parse_args`` gives a `TrainConfig`).
 
     Example:
       >>> build_parser().parse_args(["--model", "llama"]).model
@@ -325,13 +322,7 @@ def apply_plan_file(cfg: TrainConfig) -> None:
 
 
 def config_from_args(argv: list[str]) -> TrainConfig:
-    """Parses and checks the options that need no JAX.
-
-    Args:
-      argv: the command-line arguments after ``train``.
-
-    Returns:
-      The parsed configuration.
+    """Parses and checks the options after ``train`` that need no JAX.
 
     Raises:
       MpmdError: an option out of range or a batch that does not split.
@@ -422,12 +413,7 @@ def _saved_config_path(cfg: argparse.Namespace) -> pathlib.Path | None:
 
 
 def set_cpu_devices(count: int) -> None:
-    """Asks XLA for ``count`` simulated CPU devices, unless XLA_FLAGS already sets a count.
-
-    Only effective before JAX initializes its backends.
-
-    Args:
-      count: the number of CPU devices.
+    """Asks XLA for ``count`` CPU devices unless XLA_FLAGS sets a count (before JAX starts).
 
     Example:
       >>> set_cpu_devices(8)

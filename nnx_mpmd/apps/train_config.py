@@ -125,13 +125,7 @@ def _kind(action: argparse.Action) -> type:
 
 
 def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
-    """The configuration file's keys: one per long option of ``parser`` but ``--help``.
-
-    Args:
-      parser: e.g. `nnx_mpmd.apps.train_args.build_parser` ().
-
-    Returns:
-      ``{key: ConfigKey}`` in the parser's order.
+    """``{key: ConfigKey}`` of the config file: one per long option of ``parser`` but ``--help``.
 
     Example:
       >>> from nnx_mpmd.apps.train_args import build_parser
@@ -150,14 +144,7 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
 
 
 def read_config_file(path: str | pathlib.Path, keys: Mapping[str, ConfigKey]) -> dict[str, Any]:
-    """Reads a flat TOML file of options and checks every key and value.
-
-    Args:
-      path: the file.
-      keys: the valid keys (`config_keys`).
-
-    Returns:
-      ``{key: value}`` as the file gives them (floats for float options).
+    """``{key: value}`` of a flat TOML options file, every key and value checked against ``keys``.
 
     Raises:
       MpmdError: the file is missing or not TOML, holds a table, an unknown key
@@ -210,15 +197,7 @@ def parse_layered(
 ) -> _Options:
     """Parses ``argv`` over the ``--config`` file over a resumed run's saved configuration.
 
-    Args:
-      parser: the parser (its defaults are changed).
-      argv: the command line.
-      namespace: the object to fill (e.g. a fresh `nnx_mpmd.apps.train_args.TrainConfig`).
-      saved_config: given the options so far (with ``resume`` true), the saved
-        ``config.toml`` of the run to continue, or None when there is none.
-
-    Returns:
-      ``namespace``, filled.
+    ``saved_config(options so far)`` gives the run's saved ``config.toml``, or None.
 
     Raises:
       MpmdError: a bad ``--config`` file or saved configuration (`read_config_file`).
@@ -296,14 +275,7 @@ def config_summary(values: Mapping[str, Any]) -> str:
 
 
 def write_run_config(run_dir: pathlib.Path, values: Mapping[str, Any]) -> pathlib.Path:
-    """Writes ``RUN/config.toml``: ``values`` without the `PER_INVOCATION_KEYS`.
-
-    Args:
-      run_dir: the run directory (exists).
-      values: the resolved configuration (`resolved_config`).
-
-    Returns:
-      The file written.
+    """Writes ``RUN/config.toml``: ``values`` without the `PER_INVOCATION_KEYS`; returns its path.
 
     Example:
       >>> import tempfile

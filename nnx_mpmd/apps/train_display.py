@@ -34,13 +34,7 @@ __all__ = [
 
 
 def schedule_label(schedule: Any) -> str:
-    """A schedule as ``--schedule`` spells it, with the parameters that differ from the default.
-
-    Args:
-      schedule: a registered `nnx_mpmd.schedules.Schedule`.
-
-    Returns:
-      E.g. ``"interleaved"`` or ``"interleaved (virtual_stages=3)"``.
+    """A schedule as ``--schedule`` spells it, with its non-default parameters in parentheses.
 
     Example:
       >>> from nnx_mpmd.schedules import get_schedule
@@ -107,14 +101,7 @@ class CompileCounter:
         jax.monitoring.unregister_event_listener(self._on_event)
 
     def text(self, cache_on: bool) -> str:
-        """E.g. ``"compiled 12 programs, 5 from the compile cache"``.
-
-        Args:
-          cache_on: whether JAX's persistent compilation cache is on.
-
-        Returns:
-          The counts, as the progress bar and the first step's line show them.
-        """
+        """The compile counts, e.g. ``"compiled 12 programs, 5 from the compile cache"``."""
         plural = "" if self.programs == 1 else "s"
         if not cache_on:
             return f"compiled {self.programs} program{plural}, compile cache off"
@@ -122,15 +109,7 @@ class CompileCounter:
 
 
 def progress_bar(total: int, completed: int, shown: bool) -> tuple[Any, Any]:
-    """The run's rich progress bar: steps done, then the compile status or the loss.
-
-    Args:
-      total: the run's steps.
-      completed: the steps done before this process (a resumed run's checkpoint).
-      shown: whether to draw it (process 0 only).
-
-    Returns:
-      ``(progress, task)``; update the task's ``status`` field.
+    """``(progress, task)``: the run's rich progress bar (drawn if ``shown``); update ``status``.
 
     Example:
       >>> progress, task = progress_bar(300, 0, shown=False)
@@ -162,15 +141,7 @@ def progress_bar(total: int, completed: int, shown: bool) -> tuple[Any, Any]:
 
 
 def first_step_status(step: int, counter: CompileCounter | None, cache_on: bool) -> str:
-    """What the progress bar says while a process's first step compiles.
-
-    Args:
-      step: the step being compiled (1, or the one after a restored checkpoint).
-      counter: the compilations so far (None: none finished yet).
-      cache_on: whether JAX's persistent compilation cache is on.
-
-    Returns:
-      E.g. ``"step 1: tracing and compiling the stage programs..."``.
+    """What the progress bar says while the first ``step`` compiles, with ``counter``'s counts.
 
     Example:
       >>> first_step_status(1, None, cache_on=True)
@@ -195,16 +166,7 @@ def step_status(loss: float, tokens_per_s: float) -> str:
 def venv_hint(prefix: str, base_prefix: str, path: str) -> str | None:
     """How to run the examples and ``nnx-mpmd`` from a virtual environment not on ``PATH``.
 
-    ``make demo`` installs into ``.venv``, which the user's shell has not activated.
-
-    Args:
-      prefix: ``sys.prefix`` of the running Python.
-      base_prefix: ``sys.base_prefix`` (equal to ``prefix`` outside a virtual environment).
-      path: the ``PATH`` environment variable.
-
-    Returns:
-      The hint's lines, or None outside a virtual environment or when its
-      ``bin`` is on ``PATH`` (it is activated).
+    ``make demo`` installs into ``.venv``, which the shell has not activated; None otherwise.
 
     Example:
       >>> print(venv_hint("/src/.venv", "/usr", "/usr/bin"))

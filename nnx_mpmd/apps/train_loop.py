@@ -96,15 +96,7 @@ def _compile_cache_text() -> str:
 
 
 def train_step(model: Any, optimizer: nnx.Optimizer, batch: dict[str, Any]) -> jax.Array:
-    """One optimizer step on the mean next-token loss (the step ``mp.jit`` compiles).
-
-    Args:
-      model: a zoo language model.
-      optimizer: its ``nnx.Optimizer``.
-      batch: ``{"inputs", "targets"}`` int arrays ``[batch, seq]``.
-
-    Returns:
-      The mean loss over the batch (before the update).
+    """One optimizer step on the mean next-token loss; returns the loss before the update.
 
     Example:
       >>> import numpy as np
@@ -135,13 +127,7 @@ def _train_step_in(precision: Precision) -> Any:
 
 
 def plot_losses(metrics: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
-    """Draws loss against step into ``path`` (matplotlib, without pyplot).
-
-    Args:
-      metrics: the logged records (``step`` and ``loss`` keys; those with an
-        ``eval_loss`` are drawn as the held-out points too).
-      path: the image file.
-      title: the chart title.
+    """Draws loss against step into ``path`` (matplotlib, no pyplot); ``eval_loss`` records too.
 
     Example:
       >>> import tempfile
@@ -349,18 +335,11 @@ class Trainer:
         return run_settings(self)
 
     def restore_or_start(self, manager: CheckpointManager | None) -> None:
-        """Resumes from the newest intact checkpoint (``--resume``, at or before
-        ``--resume-step``) or checks the run dir is fresh (`restore_or_start`)."""
+        """Resumes the newest intact checkpoint (``--resume[-step]``) or checks the run is new."""
         restore_or_start(self, manager)
 
     def save_checkpoint(self, manager: CheckpointManager, step: int) -> None:
-        """Saves the model, the optimizer, the data position, the settings and the
-        tokenizer as checkpoint ``step`` of ``manager`` (`save_checkpoint`).
-
-        Args:
-          manager: the run's `nnx_mpmd.checkpoint.CheckpointManager`.
-          step: the step number the checkpoint gets.
-        """
+        """Saves model, optimizer, data position, settings and tokenizer as checkpoint ``step``."""
         save_checkpoint(self, manager, step)
 
     # -- the loop ---------------------------------------------------------------------
@@ -396,19 +375,10 @@ class Trainer:
         return [r for r in records if r["step"] <= self.start_step]
 
     def train(self, stop: StopSignals | None = None) -> dict[str, Any]:
-        """Runs the steps and writes the outputs.
+        """Runs the steps and writes the outputs; returns the run's summary.
 
-        Args:
-          stop: installed stop-signal handlers; after a stop signal the loop ends
-            after the step in progress, with a checkpoint of that step (see
-            `nnx_mpmd.apps.stop_signals`).
-
-        Returns:
-          ``run_dir``, ``first_loss``, ``last_loss`` (of this process's steps),
-          ``steps_run``, ``val_loss`` and ``sample`` (None and ``""`` on processes
-          other than 0, which neither score nor sample), ``stopped_at`` and
-          ``stop_signal`` (None unless a stop signal ended the run early; such a
-          run skips the validation loss, the sample and the pictures).
+        After a stop signal the loop ends with a checkpoint of the step in progress and skips
+        the validation loss, sample and pictures; processes other than 0 neither score nor sample.
         """
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -148,15 +148,6 @@ def matmul_params(model: Any) -> int:
 def flops_per_token(matmul_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
     """Model FLOPs of one trained token, forward and backward: ``6·N + 12·L·d·T``.
 
-    Args:
-      matmul_params: ``N`` (`matmul_params`).
-      n_layers: ``L``, the blocks.
-      d_model: ``d``, the model width.
-      seq_len: ``T``, the tokens per sequence.
-
-    Returns:
-      The FLOPs per token.
-
     Example:
       >>> flops_per_token(matmul_params=10**6, n_layers=4, d_model=64, seq_len=64)
       6196608.0
@@ -166,13 +157,6 @@ def flops_per_token(matmul_params: int, n_layers: int, d_model: int, seq_len: in
 
 def peak_flops_per_device(device_kind: str, peak_tflops: float | None = None) -> float | None:
     """One device's peak FLOP/s: ``peak_tflops`` if given, else from `PEAK_TFLOPS`, else None.
-
-    Args:
-      device_kind: ``jax.devices()[0].device_kind``.
-      peak_tflops: ``--peak-tflops`` (per device), or None.
-
-    Returns:
-      FLOP/s, or None for an unlisted device (a CPU).
 
     Example:
       >>> peak_flops_per_device("TPU v5 lite"), peak_flops_per_device("cpu")

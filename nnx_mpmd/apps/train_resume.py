@@ -44,14 +44,7 @@ LAYOUT_KEYS = ("schedule", "meshes", "data", "stages", "microbatches", "scan_lay
 
 
 def run_settings(trainer: Any) -> dict[str, Any]:
-    """The JSON configuration of ``trainer``'s run, saved in checkpoint metadata.
-
-    Args:
-      trainer: the `nnx_mpmd.apps.train_loop.Trainer`.
-
-    Returns:
-      The settings by name (`RESUME_KEYS`, `LAYOUT_KEYS`, ``model_config``, ...).
-    """
+    """The JSON settings of ``trainer``'s run saved in checkpoint metadata (`RESUME_KEYS`, ...)."""
     cfg = trainer.cfg
     return {
         "model": cfg.model,
@@ -77,13 +70,7 @@ def run_settings(trainer: Any) -> dict[str, Any]:
 
 
 def save_checkpoint(trainer: Any, manager: CheckpointManager, step: int) -> None:
-    """Saves checkpoint ``step``: the model, the optimizer and the metadata a resume reads.
-
-    Args:
-      trainer: the `nnx_mpmd.apps.train_loop.Trainer`.
-      manager: the run's checkpoint manager.
-      step: the step number the checkpoint gets.
-    """
+    """Saves checkpoint ``step``: the model, the optimizer and the metadata a resume reads."""
     manager.save(
         step,
         {"model": trainer.model, "optimizer": trainer.optimizer},
@@ -121,16 +108,9 @@ def _file_of(description: Any) -> str:
 
 
 def check_resumable(trainer: Any, saved: dict[str, Any], where: pathlib.Path) -> bool:
-    """Compares the saved settings with this run's; returns whether any arithmetic differs.
+    """Whether an `ARITHMETIC_KEYS` setting differs (then only the data position is kept).
 
-    Args:
-      trainer: the `nnx_mpmd.apps.train_loop.Trainer` (its ``notes`` get the accepted
-        changes).
-      saved: the checkpoint's metadata.
-      where: the checkpoint directory, for messages.
-
-    Returns:
-      Whether a setting of `ARITHMETIC_KEYS` differs (then only the data position is kept).
+    Accepted changes are noted in ``trainer.notes``.
 
     Raises:
       CheckpointError: the parameters' shapes or the tokenizer differ, or an
@@ -179,14 +159,9 @@ def check_resumable(trainer: Any, saved: dict[str, Any], where: pathlib.Path) ->
 
 
 def restore_or_start(trainer: Any, manager: CheckpointManager | None) -> None:
-    """Resumes from the newest intact checkpoint (``--resume``, at or before
-    ``--resume-step``) or checks the run dir is fresh; damaged newer steps are skipped
-    with a warning.
+    """Resumes the newest intact checkpoint (``--resume[-step]``) or checks the run dir is fresh.
 
-    Args:
-      trainer: the `nnx_mpmd.apps.train_loop.Trainer` (its model, optimizer and
-        batches are restored; ``start_step`` is set).
-      manager: the run's checkpoint manager, or None when the run saves none.
+    Damaged newer steps are skipped with a warning; sets ``trainer.start_step``.
 
     Raises:
       CheckpointError: a new run in a directory with checkpoints, ``--resume``

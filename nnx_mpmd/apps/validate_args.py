@@ -28,13 +28,7 @@ MAX_SEED = 2**63
 
 
 def check_seed(seed: int) -> None:
-    """Refuses a seed that NumPy's or JAX's generators would reject.
-
-    Args:
-      seed: the value of ``--seed``.
-
-    Raises:
-      MpmdError: ``seed`` is negative or does not fit 63 bits.
+    """Refuses (`MpmdError`) a seed NumPy's or JAX's generators would reject.
 
     Example:
       >>> check_seed(0)
@@ -48,15 +42,9 @@ def check_seed(seed: int) -> None:
 
 
 def check_output_dir(path: pathlib.Path, option: str) -> None:
-    """Refuses a directory that cannot be created or written; creates nothing.
+    """Refuses (`MpmdError`) a directory ``option`` names that cannot be created or written.
 
-    Args:
-      path: the directory (need not exist yet).
-      option: the option that named it, for the message (e.g. ``"--run-dir"``).
-
-    Raises:
-      MpmdError: ``path`` (or the nearest existing folder above it) is a file,
-        or is not writable.
+    Creates nothing; checks the nearest existing folder above a new one.
 
     Example:
       >>> import tempfile
@@ -76,18 +64,9 @@ def check_output_dir(path: pathlib.Path, option: str) -> None:
 
 
 def read_plan_settings(path: str) -> dict[str, Any]:
-    """The settings ``nnx-mpmd train --plan`` takes from a plan file, checked.
+    """The settings ``nnx-mpmd train --plan`` takes from a plan file, checked without JAX.
 
-    The full plan (its layer split) is read and checked again when it is
-    applied to the model (`nnx_mpmd.planner.Plan.load`); this reads what the
-    options need without importing JAX.
-
-    Args:
-      path: the plan file (JSON written by ``nnx-mpmd plan``).
-
-    Returns:
-      ``num_meshes``, ``batch_size``, ``schedule``, ``num_stages``,
-      ``num_microbatches`` and ``donate``.
+    ``num_meshes``, ``batch_size``, ``schedule``, ``num_stages``, ``num_microbatches``, ``donate``.
 
     Raises:
       PlanError: the file cannot be read, is not JSON, or misses one of these
@@ -131,19 +110,11 @@ def _is_positive_int(value: Any) -> bool:
 
 
 def checked_metadata(saved: Any, where: pathlib.Path, step: int | None) -> dict[str, Any]:
-    """A checkpoint's metadata, checked for what ``--resume`` reads from it.
-
-    Args:
-      saved: the metadata read from the checkpoint.
-      where: the checkpoint directory, for the message.
-      step: the checkpoint's step number, for the message.
-
-    Returns:
-      ``saved``.
+    """``saved`` checkpoint metadata, checked for what ``--resume`` reads from it.
 
     Raises:
-      CheckpointError: ``saved`` is not a dict, or its ``step`` (an int >= 0) or
-        ``data`` (a dict with the data position) is missing or malformed.
+      CheckpointError: not a dict, or its ``step`` (an int >= 0) or ``data`` (the
+        data position) is missing or malformed.
 
     Example:
       >>> checked_metadata({"step": 3, "data": {"position": 3}}, pathlib.Path("c"), 3)["step"]

@@ -65,16 +65,7 @@ ArrayReader = Callable[[dict[str, Any], dict[str, Any], bool], dict[str, Any]]
 def save_args(
     tree: Any, metadata: dict[str, Any] | None = None, step: int | None = None
 ) -> ocp.args.Composite:
-    """The orbax ``Composite`` args that save ``tree`` (and optional JSON ``metadata``).
-
-    Args:
-      tree: a pytree of NNX objects, States and plain leaves.
-      metadata: optional JSON-able dict stored as the ``metadata`` item.
-      step: the `CheckpointManager` step, recorded in the manifest.
-
-    Returns:
-      ``ocp.args.Composite`` with items ``arrays`` (absent when there are none),
-      ``manifest`` and, if given, ``metadata``.
+    """The orbax ``Composite`` saving ``tree``: ``arrays`` (if any), ``manifest``, ``metadata``.
 
     Example:
       >>> args = save_args({"step": 3})
@@ -157,12 +148,8 @@ def _read_arrays(
 ) -> dict[str, Any]:
     """Reads ``entries`` onto their targets; the arrays as a nested dict by path.
 
-    In a multi-process run orbax reads, on each process, the shards of that
-    process's devices. It cannot build an array with no shards here (orbax
-    0.12.8 omits the dtype), so such targets are not passed to it: they are
-    made here, empty. Every process still calls orbax once (its restore is a
-    collective); one that holds no target at all reads the first entry onto a
-    local device and drops it.
+    Orbax cannot build an array with no shards on this process (0.12.8 omits the dtype), so
+    those are made here, empty; every process still calls orbax once (a collective).
     """
     if not entries:
         return {}
@@ -215,14 +202,9 @@ def _read_arrays(
 def _read_other_copies(
     reader: ArrayReader, entries: list[Entry], where: str
 ) -> dict[str, dict[int, Any]]:
-    """The other meshes' copies of `MpmdArray` targets, read from the checkpoint too.
+    """``{entry name: {mesh id: array}}``: the other meshes' copies of `MpmdArray` targets.
 
-    Reading each copy onto its own mesh needs no transfer between meshes (or
-    processes); round ``i`` reads the ``i``-th lowest mesh's copy of every
-    `MpmdArray` that has one, in one orbax call.
-
-    Returns:
-      ``{entry name: {mesh id: array}}``.
+    Each copy is read onto its own mesh (no transfer); round ``i`` reads every ``i``-th copy.
     """
     copies: dict[str, dict[int, Any]] = {}
     rounds = max(
@@ -322,18 +304,7 @@ def restore_layout(
     partial: bool = False,
     verify: bool = True,
 ) -> Any:
-    """Restores a collected target from a manifest and an array reader.
-
-    Args:
-      layout: the collected target (see `nnx_mpmd.checkpoint.layout.collect`).
-      manifest: the checkpoint's manifest (as read from JSON).
-      reader: reads arrays from the checkpoint with orbax.
-      where: the checkpoint's location, for messages.
-      partial: allow checkpoint entries that the target lacks.
-      verify: recompute checksums and fail on corrupted data.
-
-    Returns:
-      The target tree with plain leaves replaced; NNX objects updated in place.
+    """Restores a collected target from a manifest and an array reader (NNX objects in place).
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect
@@ -437,8 +408,7 @@ def _check_restorable(path: Path) -> None:
 def restore(path: str | Path, target: Any, *, partial: bool = False, verify: bool = True) -> Any:
     """Restores the checkpoint at ``path`` into ``target``, whatever its layout.
 
-    Each array is read onto the target leaf's placement (an `MpmdArray` on its lowest
-    mesh, then copied to its others); NNX objects are updated in place.
+    Each array is read onto the target leaf's placement; NNX objects are updated in place.
 
     Args:
       path: a directory written by `save`.

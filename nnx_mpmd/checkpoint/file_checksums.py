@@ -58,13 +58,7 @@ def _crc32(path: Path) -> int:
 
 
 def file_checksums(directory: Path) -> dict[str, dict[str, int]]:
-    """Size and CRC-32 of every file under ``directory`` but the record itself.
-
-    Args:
-      directory: a step (or checkpoint) directory.
-
-    Returns:
-      ``{relative path: {"size": bytes, "crc32": int}}``, sorted by path.
+    """``{relative path: {"size", "crc32"}}`` of every file under ``directory`` but the record.
 
     Example:
       >>> import tempfile
@@ -86,17 +80,9 @@ def file_checksums(directory: Path) -> dict[str, dict[str, int]]:
 
 
 def record_files(directory: Path, *, step: int | None, manifest_seal: str | None) -> Path:
-    """Writes the record of ``directory``'s files (atomically: a rename).
+    """Writes the record of ``directory``'s files atomically and returns its path.
 
-    Call once the save has committed, on one process (process 0).
-
-    Args:
-      directory: the committed step (or checkpoint) directory.
-      step: its step number (None for a plain `nnx_mpmd.checkpoint.save`).
-      manifest_seal: the ``seal`` of the manifest saved with it.
-
-    Returns:
-      The record's path.
+    Call once the save has committed, on process 0 only.
 
     Example:
       >>> import tempfile
@@ -152,16 +138,7 @@ def _read_record(directory: Path) -> dict[str, Any] | None:
 
 
 def check_files(directory: Path, *, step: int | None, manifest_seal: str | None) -> bool:
-    """Compares ``directory``'s files with their record, before anything is read.
-
-    Args:
-      directory: the step (or checkpoint) directory.
-      step: the step it is named for (None for a plain checkpoint).
-      manifest_seal: the seal of its manifest as read.
-
-    Returns:
-      True when every recorded file matches; False when there is no record
-      (the value checksums then stand alone, see the module docstring).
+    """Compares ``directory``'s files with their record before anything is read (False: no record).
 
     Raises:
       CheckpointDamagedError: a recorded file is missing, has another size or

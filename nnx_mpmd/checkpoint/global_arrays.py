@@ -89,8 +89,7 @@ _ORBAX_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
 def use_coordination_barriers() -> None:
     """Makes orbax's barriers wait in the coordination service, not in a device collective.
 
-    A peer that dies in a device collective aborts (CPU) or hangs (GPU) the others;
-    the coordination barrier fails with an error instead.
+    A peer dying in a device collective aborts or hangs the others; this one raises.
 
     Example:
       >>> use_coordination_barriers()  # one process: nothing to change
@@ -132,21 +131,9 @@ def _as_named(sharding: jax.sharding.Sharding) -> NamedSharding:
 def spanning_sharding(sharding: jax.sharding.Sharding, turn: int = 0) -> NamedSharding:
     """A sharding like ``sharding`` with at least one device on every process.
 
-    Args:
-      sharding: the array's sharding.
-      turn: spreads the added shards over each receiving process's devices
-        (its ``turn % count``-th device receives), so that a save does not pile
-        them all on one device.
-
-    Returns:
-      ``sharding`` itself when it has devices on every process. Otherwise, when
-      its mesh has at least as many devices as there are processes, the same
-      mesh shape and PartitionSpec with one device swapped in from each
-      process that has none (each replacing, from the end of the mesh, a
-      device of a process that has several), so every shard keeps its shape
-      and one shard moves per such process. With fewer devices than processes,
-      a one-axis mesh with one device per process (those of ``sharding``
-      where it has them), replicated.
+    Same mesh shape and spec with a device swapped in per missing process (one shard moves
+    each), or, with fewer devices than processes, one device per process, replicated.
+    ``turn`` spreads the added shards over a receiving process's devices.
 
     Raises:
       CheckpointError: a one-process run (nothing to span), or a sharding that
@@ -207,14 +194,10 @@ def _one_device(device: Any) -> NamedSharding:
 def _move_shards(
     value: jax.Array, sharding: NamedSharding, kept: list[Any] | None = None
 ) -> jax.Array:
-    """``value`` onto ``sharding``, whose shards are cut like the source's.
+    """``value`` onto ``sharding`` (cut like the source's), in one process or many (a collective).
 
-    A shard held in the destination device's process is copied there; the
-    others move between processes as one-device arrays, one
-    ``jax.device_put`` each. A collective: every process calls it with the same
-    arguments (`nnx_mpmd.runtime.cross_process` moves stage outputs the same way).
-    The one-device arrays are appended to ``kept``: a sender must keep them
-    until the receivers have them (`settle_moves`).
+    Other processes' shards move as one-device arrays appended to ``kept``, which the
+    sender keeps until they arrive (`settle_moves`).
     """
     me = jax.process_index()
     local, cross = _shard_moves(value.sharding, sharding, tuple(value.shape), me)
@@ -276,27 +259,14 @@ def _shard_moves(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[l
 
 
 def _batches_with_distinct_sources(cross: list) -> list[list]:
-    """``cross`` cut into batches of one move each.
-
-    JAX 0.10.2 on CPU lost some moves batched into one ``jax.device_put`` (the
-    receiver waited forever); one move per call is slower but always arrives.
-    """
+    """``cross`` in batches of one move each: JAX 0.10.2 on CPU lost moves batched together."""
     return [[pair] for pair in cross]
 
 
 def savable(array: Any, turn: int = 0, kept: list[Any] | None = None) -> Any:
-    """``array`` as orbax can save it: as it is, unless some process holds none of it.
+    """``array`` as orbax can save it, copied when some process holds none of it (a collective).
 
-    A collective in a multi-process run; the module docstring says what moves.
-
-    Args:
-      array: a global ``jax.Array`` (or any other leaf, returned unchanged).
-      turn: which device of a receiving process takes the moved shard; pass a
-        running count.
-      kept: collects what the move must keep alive; call `settle_moves` with it.
-
-    Returns:
-      ``array``, or a copy with a shard on every process.
+    ``turn`` picks a receiving process's device (a running count); ``kept`` goes to `settle_moves`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -325,15 +295,9 @@ _SETTLE_ROUNDS = itertools.count()
 
 
 def settle_moves(kept: list[Any]) -> None:
-    """Waits until every shard moved by `savable` has arrived, on every process.
+    """Waits until every shard `savable` moved has arrived, on every process, then empties ``kept``.
 
-    A collective: a sender keeps its one-device arrays (in ``kept``) until
-    every process has what it receives, then ``kept`` is emptied. Bounded: a
-    move that has not arrived within ``NNX_MPMD_PEER_TIMEOUT`` seconds raises,
-    and the other processes' barrier then times out with a `DistributedError`.
-
-    Args:
-      kept: the list passed to `savable`.
+    A collective, bounded by ``NNX_MPMD_PEER_TIMEOUT`` (the others' barrier then times out).
 
     Raises:
       CheckpointError: a moved shard did not arrive in time (names its device).
@@ -396,20 +360,9 @@ def _known_here(row: jax.Array) -> np.ndarray | None:
 
 
 def fingerprints(rows: Sequence[Any]) -> list[list[int]]:
-    """Fingerprint rows, computed on the arrays' devices, as host ints on every process.
+    """Fingerprint rows computed on the arrays' devices, as host int lists on every process.
 
-    In a multi-process run each process fills a table with the rows of the
-    arrays it holds (and a flag saying so), and one `exchange` of that small
-    ``uint32`` table (through the coordination service) gives every process
-    every row. A collective: every process calls it with rows of
-    the same shapes and shardings.
-
-    Args:
-      rows: one small device array per checkpoint entry (two ``uint32``), or a
-        host list of ints.
-
-    Returns:
-      Every row as a list of ints, the same on every process.
+    A collective: each process fills the rows it holds and one `exchange` shares them.
 
     Example:
       >>> import jax.numpy as jnp
@@ -464,17 +417,9 @@ _EXCHANGES = itertools.count()
 
 
 def exchange(table: np.ndarray, where: str) -> np.ndarray:
-    """Every process's ``table``, stacked by process index (a collective).
+    """Every process's small ``table``, stacked by process index (a collective).
 
-    Goes through the coordination key-value store, so a peer that dies is named
-    within the heartbeat timeout; every process calls it alike.
-
-    Args:
-      table: a small host array (a few numbers per checkpoint entry).
-      where: what the processes are doing, for messages.
-
-    Returns:
-      An array of shape ``(process_count, *table.shape)``.
+    Uses the coordination key-value store, so a dead peer is named within the timeout.
 
     Raises:
       DistributedError: a peer died, or did not take part within ``NNX_MPMD_PEER_TIMEOUT``.

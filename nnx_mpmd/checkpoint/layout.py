@@ -92,12 +92,6 @@ def is_prng_key(value: Any) -> bool:
 def leaf_kind(value: Any) -> str:
     """How a leaf is stored: ``array``, ``key``, ``numpy`` or ``value`` (JSON).
 
-    Args:
-      value: a leaf of a checkpointed tree or the value of a Variable.
-
-    Returns:
-      One of the kind constants of this module.
-
     Example:
       >>> import numpy as np
       >>> leaf_kind(3), leaf_kind(np.zeros(2))
@@ -226,19 +220,10 @@ def _strip_by_suffix(path: tuple[str, ...], table: dict[tuple, tuple]) -> tuple[
 
 
 def collect(tree: Any, *, where: str = "tree") -> Layout:
-    """Flattens ``tree`` into entries keyed by logical path.
+    """The `Layout` of ``tree``: one entry per logical path.
 
-    NNX objects (modules, optimizers, ``nnx.Rngs``) and Variables anywhere in
-    ``tree`` contribute one entry per Variable and per array held as a plain
-    attribute (`AttributeHolder`); ``nnx.State`` objects are
-    walked like dicts; every other leaf is one entry.
-
-    Args:
-      tree: a pytree (usually a dict) of NNX objects, States and plain leaves.
-      where: how to name the tree in error messages.
-
-    Returns:
-      The `Layout` of ``tree``.
+    NNX objects give one per Variable and per plain array attribute; ``nnx.State`` is walked
+    like a dict; any other leaf is one entry. ``where`` names the tree in errors.
 
     Raises:
       CheckpointError: a leaf of an unsupported type, or two leaves whose
@@ -362,13 +347,9 @@ def rebuild_like(
     convert: Callable[[Any], Any],
     other_copies: dict[int, Any] | None = None,
 ) -> Any:
-    """Places ``restored`` (already on the primary copy's sharding) like ``target``.
+    """Places ``restored`` (on the primary copy's sharding) like ``target``, converting each copy.
 
-    For an `MpmdArray` target the other meshes' copies come from
-    ``other_copies`` (``{mesh_id: array}``, read from the checkpoint onto each
-    copy's sharding) or, when missing, are copied from ``restored`` with that
-    copy's own sharding; ``convert`` is applied to every copy (e.g. wrapping
-    key data into typed keys).
+    An `MpmdArray`'s other copies come from ``other_copies`` or are copied from ``restored``.
 
     Example:
       >>> import jax.numpy as jnp

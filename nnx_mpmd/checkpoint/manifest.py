@@ -140,16 +140,9 @@ def _words(x: jax.Array) -> jax.Array:
 
 
 def checksum(array: Any) -> jax.Array | list[int]:
-    """A sharding-independent 64-bit checksum of an array's stored bits (two uint32).
+    """A sharding-independent 64-bit checksum of an array's bits: two uint32 (device array or list).
 
-    Unlike `fingerprint`, any change of the bits changes it except with probability
-    about 2**-64; each device hashes its own shard.
-
-    Args:
-      array: a jax.Array (any sharding) or a numpy array.
-
-    Returns:
-      Two uint32 numbers: a device array for a jax array, a list for numpy.
+    Unlike `fingerprint`, any bit change changes it (but with probability ~2**-64).
 
     Example:
       >>> import jax.numpy as jnp
@@ -229,18 +222,9 @@ def _describe_layout(value: Any) -> dict[str, Any]:
 def build_manifest(
     layout: Layout, *, step: int | None = None, metadata: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sealed manifest of ``layout`` and the nested dict of arrays to write.
+    """``(sealed manifest, nested dict of arrays for orbax)`` of ``layout``.
 
-    Args:
-      layout: the collected tree.
-      step: the step number of a `CheckpointManager` step (None for `save`).
-      metadata: the JSON metadata saved beside it, recorded by its SHA-256.
-
-    Returns:
-      ``(manifest, arrays)``: the JSON-able manifest and a nested dict, keyed by
-      logical path components, of the arrays to hand to orbax (in a
-      multi-process run, an array that some process holds no shard of gets one
-      there first, see `nnx_mpmd.checkpoint.global_arrays.savable`).
+    ``metadata`` is recorded by its SHA-256; arrays are made `savable` in a multi-process run.
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect
@@ -334,13 +318,7 @@ def check_commit(
 ) -> None:
     """Refuses a step directory whose manifest, step and metadata do not belong together.
 
-    Call after `check_manifest`. Version-1 manifests record neither, and pass.
-
-    Args:
-      manifest: the checked manifest.
-      where: the step directory, for messages.
-      step: the step the directory is named for.
-      metadata: the step's JSON metadata as read, or None to skip that check.
+    Call after `check_manifest`; version-1 manifests pass. ``metadata=None`` skips its check.
 
     Raises:
       CheckpointDamagedError: the manifest was written for another step, or the
@@ -408,12 +386,6 @@ def check_target(
     records: dict[str, dict[str, Any]], layout: Layout, where: str, *, partial: bool = False
 ) -> None:
     """Raises `CheckpointError` naming the first path where target and checkpoint differ.
-
-    Args:
-      records: the manifest's entries.
-      layout: the collected target.
-      where: the checkpoint's location, for messages.
-      partial: allow checkpoint entries that the target does not have.
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect

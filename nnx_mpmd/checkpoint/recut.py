@@ -59,12 +59,7 @@ class StackRecut:
     targets_stacked: bool = True
 
     def assemble(self, arrays: dict[str, Any], lookup: Any) -> None:
-        """Sets each target chunk from the saved chunks' layers it covers.
-
-        Args:
-          arrays: the arrays read for the proxies, nested by path.
-          lookup: ``lookup(arrays, path)`` gives one of them.
-        """
+        """Sets each target chunk from the saved layers it covers (``lookup(arrays, path)``)."""
         saved_ranges = _ranges(_layer_counts(self.saved, self.saved_stacked))
         target_ranges = _ranges(_layer_counts(self.targets, self.targets_stacked))
         for entry, (start, stop) in zip(self.targets, target_ranges, strict=True):
@@ -316,20 +311,10 @@ def _into_layers(
 def recut_stacks(
     layout: Layout, records: dict[str, dict[str, Any]]
 ) -> tuple[Layout, list[StackRecut]]:
-    """Stands in for scan-stack chunks cut into other ranges than the checkpoint's.
+    """``(layout, recuts)`` standing in for scan-stack chunks cut unlike the checkpoint's.
 
-    Also for a stack saved unrolled (one entry per layer) and restored stacked,
-    and the other way round.
-
-    Args:
-      layout: the collected target.
-      records: the checkpoint manifest's entries by name.
-
-    Returns:
-      ``(layout, recuts)``: the layout with each recut group's target entries
-      replaced by proxies of the saved chunks (read and verified like any
-      entry), and the recuts whose `StackRecut.assemble` sets the targets
-      once the proxies are read. Groups cut alike are left as they are.
+    Also a stack saved unrolled and restored stacked, or the reverse; proxies of the saved chunks
+    replace the targets, and each `StackRecut.assemble` sets them once the proxies are read.
 
     Example:
       >>> from nnx_mpmd.checkpoint.layout import collect

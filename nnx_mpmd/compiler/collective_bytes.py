@@ -49,13 +49,7 @@ def _shape_bytes(text: str) -> int:
 
 
 def all_reduce_bytes(hlo_text: str) -> int:
-    """Bytes all-reduced by one run of a compiled XLA program (its result shapes' sizes).
-
-    Args:
-      hlo_text: the compiled module's text (``compiled.as_text()``).
-
-    Returns:
-      The summed byte size of every ``all-reduce`` (or ``all-reduce-start``) result.
+    """Bytes all-reduced by one run of a compiled program: its ``all-reduce`` results' sizes.
 
     Example:
       >>> all_reduce_bytes("  %ar = f32[4,3]{1,0} all-reduce(f32[4,3]{1,0} %x), to_apply=%add")
@@ -75,16 +69,9 @@ def _group_size(line: str) -> int:
 
 
 def reduce_scatter_bytes(hlo_text: str) -> int:
-    """Bytes reduce-scattered by one run of a compiled XLA program (its operands' sizes).
+    """Bytes reduce-scattered by one run of a compiled program (its operands' sizes).
 
-    A reduce-scatter that XLA wrote as an all-reduce and a slice is counted by
-    `all_reduce_bytes` instead.
-
-    Args:
-      hlo_text: the compiled module's text (``compiled.as_text()``).
-
-    Returns:
-      The summed byte size of the reduce-scattered operands.
+    An all-reduce plus slice is counted by `all_reduce_bytes` instead.
 
     Example:
       >>> hlo = [
@@ -125,15 +112,9 @@ def step_all_reduce_bytes(
     executables: Any,
     count: Callable[[str], int] = all_reduce_bytes,
 ) -> int:
-    """Bytes all-reduced by one step: each program's all-reduce bytes times its calls.
+    """Bytes all-reduced by one step: each program's bytes (``count``) times its calls.
 
-    Args:
-      instructions: the step's instruction list (``lowered.compiled.instructions``).
-      executables: ``compiled.executables()`` (program name -> compiled variants).
-      count: what to count in one program's HLO text (`reduce_scatter_bytes`, say).
-
-    Returns:
-      The total; a program compiled in several variants counts its first.
+    A program compiled in several variants counts its first.
     """
     total = 0
     for name, calls in program_calls(instructions).items():
@@ -144,28 +125,12 @@ def step_all_reduce_bytes(
 
 
 def step_reduce_scatter_bytes(instructions: Sequence[Instruction], executables: Any) -> int:
-    """Bytes reduce-scattered by one step (`reduce_scatter_bytes` times each program's calls).
-
-    Args:
-      instructions: the step's instruction list (``lowered.compiled.instructions``).
-      executables: ``compiled.executables()`` (program name -> compiled variants).
-
-    Returns:
-      The total; a program compiled in several variants counts its first.
-    """
+    """Bytes reduce-scattered by one step (`reduce_scatter_bytes` times each program's calls)."""
     return step_all_reduce_bytes(instructions, executables, count=reduce_scatter_bytes)
 
 
 def step_reduced_bytes(instructions: Sequence[Instruction], executables: Any) -> int:
-    """Bytes one step reduces over devices: all-reduced plus reduce-scattered.
-
-    Args:
-      instructions: the step's instruction list (``lowered.compiled.instructions``).
-      executables: ``compiled.executables()`` (program name -> compiled variants).
-
-    Returns:
-      `step_all_reduce_bytes` plus `step_reduce_scatter_bytes`.
-    """
+    """Bytes one step reduces over devices: all-reduced plus reduce-scattered."""
     return step_all_reduce_bytes(instructions, executables) + step_reduce_scatter_bytes(
         instructions, executables
     )

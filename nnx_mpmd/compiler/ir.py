@@ -317,23 +317,10 @@ def last_use(
     keep: set[int],
     passed: Mapping[int, int] | None = None,
 ) -> bool:
-    """Whether call ``i`` could hand ``slot``'s buffer to XLA: the step's last reader of it.
+    """Whether call ``i`` could donate ``slot``: its last reader, not kept, passed once.
 
-    Nothing reads the slot after the call, the step does not return it
-    (``keep``), and the call passes it once.
-
-    Args:
-      i: the call's index in the instruction list.
-      ins: the call.
-      slot: one of its argument slots.
-      last_read: slot -> index of its last reader (`last_reads`).
-      keep: slots the step returns.
-      passed: how many times the call passes each slot
-        (``collections.Counter(slots_in(ins.args))``); counted here if not
-        given, which costs a walk of the arguments per slot asked about.
-
-    Returns:
-      Whether it may be donated, as far as its readers go.
+    ``last_read`` maps a slot to its last reader's index (`last_reads`); ``passed`` counts how
+    often the call passes each slot (``Counter(slots_in(ins.args))``, counted here if omitted).
 
     Example:
       >>> call = Call(0, ProgramKey("B", stage=0), abs, (1, 1, 2), ((3,),), "B0.0")
@@ -365,17 +352,7 @@ def donate_dead_arguments(
 ) -> list[Instruction]:
     """Pass: a program whose every call is the last reader of an argument donates it.
 
-    Only arguments written by the step, not kept, passed once and read by nothing
-    after any call are donated; the `Free` after the call stays (dropping a donated
-    array costs next to nothing).
-
-    Args:
-      program: the instruction list (after `insert_frees`).
-      keep: slots the step returns.
-      donatable: per program, the argument it could donate.
-
-    Returns:
-      A new list; calls of programs that donate get the donating callable.
+    Only step-written, unkept arguments passed once qualify; the `Free` after stays (it is cheap).
 
     Example:
       >>> import jax
@@ -402,15 +379,9 @@ def donate_dead_arguments(
 
 
 def format_instruction(ins: Instruction) -> str:
-    """One instruction as one line of text (see `format_instructions`).
+    """One instruction as one line of text, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0``.
 
-    Args:
-      ins: the instruction.
-
-    Returns:
-      The line, e.g. ``call 1 F1 args=(3,4) outs=(5,6) label=F1.0 task=F1.0``;
-      a `TransferBatch` is ``transfers`` and its members' transfer text
-      (without the word ``transfer``) separated by `` ; ``.
+    A `TransferBatch` joins its members' transfer text with `` ; ``.
 
     Example:
       >>> format_instruction(Free((3, 4)))
@@ -497,16 +468,9 @@ def _parse_spec(text: str, line_no: int) -> PartitionSpec:
 
 
 def format_instructions(program: Sequence[Instruction]) -> str:
-    """The text form of an instruction list, one line per instruction.
+    """The text form of an instruction list, one line each; `parse_instructions` reads it back.
 
-    A `Call` prints its program's name (its `ProgramKey`), not the callable:
-    `parse_instructions` looks the callable up by that name.
-
-    Args:
-      program: the instructions, in dispatch order.
-
-    Returns:
-      The text; `parse_instructions` reads it back.
+    A `Call` prints its program's name, by which `parse_instructions` finds the callable.
 
     Example:
       >>> key = ProgramKey("F", stage=0)
@@ -610,15 +574,7 @@ def _parse_transfer(tokens: list[str], line_no: int, line: str) -> Transfer | No
 
 
 def parse_instructions(text: str, programs: Mapping[str, Any]) -> list[Instruction]:
-    """Reads the text form written by `format_instructions`.
-
-    Args:
-      text: one instruction per line (blank lines and lines starting with ``#`` are
-        skipped).
-      programs: the callables by name, for the `Call` lines.
-
-    Returns:
-      The instructions.
+    """Reads the text `format_instructions` writes (``#`` comments and blank lines skipped).
 
     Raises:
       CompileError: a line is not an instruction, or names an unknown program.

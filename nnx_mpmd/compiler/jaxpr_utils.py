@@ -104,18 +104,7 @@ def make_subprogram(
     fixed_invars: Sequence[Any] = (),
     substitute: dict[Any, Any] | None = None,
 ) -> tuple[SubProgram, list[Any]]:
-    """Builds a `SubProgram` reading every free variable of ``eqns``.
-
-    Args:
-      eqns: equations in program order.
-      outvars: what the slice returns.
-      fixed_invars: variables that must come first among the inputs, in order.
-      substitute: renaming of equation inputs.
-
-    Returns:
-      The sub-program and its full input list (``fixed_invars`` then the other
-      free variables in first-use order).
-    """
+    """``(SubProgram, inputs)`` reading every free variable of ``eqns``: ``fixed_invars`` first."""
     substitute = substitute or {}
 
     def resolve(v: Any) -> Any:
@@ -178,17 +167,8 @@ def structure_key(
 ) -> tuple[Any, ...] | None:
     """A hashable key of the function a slice of equations computes, or None.
 
-    Equal keys mean equal primitives, parameters and input types, wired alike, so
-    one slice's program can stand for the other's; None (matching nothing) when a
-    literal or parameter has no value equality.
-
-    Args:
-      eqns: the slice's equations, in program order.
-      invars: its inputs, in the program's argument order.
-      outvars: what it returns.
-
-    Returns:
-      The key, or None.
+    Equal keys: equal primitives, parameters and input types wired alike, so one program
+    stands for the other; None when a literal or parameter has no value equality.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -236,17 +216,9 @@ def structure_key(
 
 
 def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
-    """``jax.jit(fn)`` whose XLA module is named after ``label``: ``jit_F0``, ``jit_post_L0_mesh2``.
+    """``jax.jit(fn)`` whose XLA module is named after ``label`` (``jit_post_L0_mesh2``).
 
-    Profiler traces and HLO dumps then read like `Lowered.as_text()`.
-
-    Args:
-      fn: the function to compile.
-      label: the program's label (dots and other non-identifier characters become ``_``).
-      **jit_kwargs: passed to ``jax.jit``.
-
-    Returns:
-      The jitted function.
+    So profiler traces and HLO dumps read like `Lowered.as_text()`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -266,8 +238,7 @@ def named_jit(fn: Callable[..., Any], label: str, **jit_kwargs: Any) -> Any:
 def put_scalar(value: Any, sharding: Any) -> jax.Array:
     """A NumPy scalar replicated with ``sharding``, built shard by shard on each process.
 
-    ``jax.device_put`` onto several processes' devices is a collective that times out
-    when processes compile at different speeds; a callback needs no other process.
+    A multi-process ``jax.device_put`` is a collective that times out when compiles differ in speed.
 
     Example:
       >>> import jax, numpy as np

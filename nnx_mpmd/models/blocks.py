@@ -51,8 +51,7 @@ def assign_block_stages(
 ) -> list[int]:
     """Balances transformer blocks over stages, counting embedding and head costs.
 
-    The embedding's cost goes to the first block and the head's to the last, then
-    `nnx_mpmd.annotate.annotate.auto_stage` splits the blocks.
+    The embedding's cost goes to the first block and the head's to the last.
 
     Args:
       num_blocks: number of transformer blocks.
@@ -107,17 +106,9 @@ def block_flops(cfg: Any, block_params: int) -> float:
 def staged_blocks(
     cfg: Any, make_block: Callable[[nnx.Rngs], nnx.Module], *, rngs: nnx.Rngs, where: str
 ) -> tuple[nnx.List | ScanStack, tuple[int, ...]]:
-    """``cfg.n_layers`` blocks balanced over ``cfg.num_stages`` stages, unrolled or scanned.
+    """``(blocks, stage of each block)``: ``cfg.n_layers`` blocks balanced over ``cfg.num_stages``.
 
-    Args:
-      cfg: the model's config (`ModelConfig`); ``cfg.scan_layers`` picks the form.
-      make_block: ``make_block(rngs) -> block``.
-      rngs: the model's random streams.
-      where: the model name for error messages.
-
-    Returns:
-      ``(blocks, stages)``: an ``nnx.List`` of `Stage`-wrapped blocks, or a
-      `ScanStack` cut into one chunk per stage; and the stage of each block.
+    ``cfg.scan_layers`` picks a `ScanStack` (one chunk per stage) over an ``nnx.List`` of stages.
 
     Example:
       >>> from nnx_mpmd.models.gpt import GPTBlock, GPTConfig

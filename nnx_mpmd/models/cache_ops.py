@@ -31,20 +31,17 @@ def query_positions(positions: jax.Array, length: int) -> jax.Array:
 def write_cache(
     cache: jax.Array, cache_rows: jax.Array, positions: jax.Array, new: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Writes ``new`` into ``cache`` at each row's positions; returns the cache and its rows.
+    """Writes ``new`` ``[n, L, heads, head_dim]`` into ``cache`` at each row's positions.
 
-    Only slicing and elementwise selects, so rows stay sharded like the call's rows
-    on an Explicit mesh.
+    Only slicing and selects, so rows stay sharded like the call's on an Explicit mesh.
 
     Args:
       cache: ``[slots, rows, max_len, heads, head_dim]``.
-      cache_rows: ``[n]`` int rows of the cache the call's rows are (contiguous).
-      positions: ``[n]`` int position of each row's first new token.
-      new: ``[n, L, heads, head_dim]``, written at ``positions[r] .. positions[r]+L-1``.
+      cache_rows: ``[n]`` contiguous rows of the cache the call's rows are.
+      positions: ``[n]`` position of each row's first new token.
 
     Returns:
-      ``(cache, block)``: the updated cache and the call's rows of it
-      ``[n, max_len, heads, head_dim]``.
+      ``(cache, block)``: the updated cache and the call's rows ``[n, max_len, heads, head_dim]``.
 
     Raises:
       MpmdError: the call's row count does not divide the cache's rows.
@@ -77,20 +74,9 @@ def write_cache(
 def cached_attention(
     q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array
 ) -> jax.Array:
-    """Attention of each query to the cached keys at or before its position.
+    """Attention of queries ``[rows, L, heads, head_dim]`` to cached keys up to their positions.
 
-    Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``, as
-    in `causal_attention`, which this equals when the cache holds the whole
-    sequence.
-
-    Args:
-      q: ``[rows, L, n_heads, head_dim]``.
-      keys: ``[rows, max_len, n_kv_heads, head_dim]`` (the rows' caches).
-      values: like ``keys``.
-      positions: ``[rows, L]`` the queries' positions.
-
-    Returns:
-      ``[rows, L, n_heads, head_dim]`` in the dtype of ``q``.
+    Grouped heads as in `causal_attention`, which this equals for a whole-sequence cache.
 
     Example:
       >>> q = jnp.ones((1, 1, 2, 4)); kv = jnp.ones((1, 8, 1, 4))

@@ -51,12 +51,6 @@ def _supported_text() -> str:
 def read_hf_config(path: str | pathlib.Path) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face model directory, as a dict.
 
-    Args:
-      path: the directory (holding ``config.json``).
-
-    Returns:
-      The parsed JSON object.
-
     Raises:
       MpmdError: the directory or its ``config.json`` is missing or not a JSON object.
 
@@ -164,17 +158,7 @@ def _llama_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def zoo_config_from_hf(
     hf: dict[str, Any], *, num_stages: int = 1, where: str = "config.json", **overrides: Any
 ) -> tuple[str, ModelConfig]:
-    """The zoo family and config of a Hugging Face ``config.json``.
-
-    Args:
-      hf: the parsed ``config.json``.
-      num_stages: pipeline stages of the zoo model.
-      where: the file, for messages.
-      **overrides: other zoo config fields (``scan_layers``, ``dtype``, mesh axes...);
-        they win over the values read from ``hf``.
-
-    Returns:
-      ``(family, config)``: ``"gpt"`` or ``"llama"`` and its `GPTConfig` / `LlamaConfig`.
+    """``(family, config)`` of a Hugging Face ``config.json``; ``overrides`` win over its values.
 
     Raises:
       MpmdError: an architecture or setting the zoo does not compute, or a missing field.
@@ -203,13 +187,7 @@ def zoo_config_from_hf(
 
 
 def hf_config_from_zoo(cfg: ModelConfig) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a zoo config (`zoo_config_from_hf` reads it back).
-
-    Args:
-      cfg: a `GPTConfig` or `LlamaConfig`.
-
-    Returns:
-      The config dict (``architectures``, ``model_type`` and the shape fields).
+    """The Hugging Face ``config.json`` dict of a zoo config (`zoo_config_from_hf` reads it back).
 
     Raises:
       MpmdError: another config class, or a GPT with an untied head.

@@ -202,12 +202,7 @@ def _is_ignored(name: str) -> bool:
 
 
 def assign_hf_tensors(model: Any, tensors: dict[str, np.ndarray], where: str = "") -> None:
-    """Sets every parameter of a zoo model from Hugging Face tensors (by name mapping).
-
-    Args:
-      model: a zoo `GPT` or `Llama` of the checkpoint's shapes.
-      tensors: tensor name -> array, as in ``model.safetensors``.
-      where: the checkpoint, for messages.
+    """Sets every parameter of a zoo model of the checkpoint's shapes from Hugging Face tensors.
 
     Raises:
       MpmdError: a tensor is missing, has another shape, or is left over.
@@ -255,13 +250,7 @@ def _stacked(model: Any) -> bool:
 
 
 def hf_tensors_from_model(model: Any) -> dict[str, np.ndarray]:
-    """The Hugging Face tensors of a zoo model (float32 numpy, by name mapping).
-
-    Args:
-      model: a zoo `GPT` or `Llama`, in any stage layout, on one process.
-
-    Returns:
-      Tensor name -> contiguous array, as `save_pretrained` writes them.
+    """The Hugging Face tensors (float32 numpy, by name) of a zoo model in any stage layout.
 
     Example:
       >>> from nnx_mpmd.models import build_model

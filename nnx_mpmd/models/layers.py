@@ -218,10 +218,9 @@ def _param(
 
 
 def gathered(value: jax.Array) -> jax.Array:
-    """``value`` replicated, when it is sharded along Explicit mesh axes.
+    """``value`` replicated when it is sharded along Explicit mesh axes (else unchanged).
 
-    Explicit meshes refuse ops with an ambiguous output sharding; parameters stay
-    sharded at rest and are all-gathered where used. Auto meshes: unchanged.
+    Explicit meshes refuse ops whose output sharding is ambiguous: gather parameters where used.
 
     Example:
       >>> gathered(jnp.ones(3)).shape
@@ -368,18 +367,10 @@ class RMSNorm(nnx.Module):
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding, "rotate half" layout (as in Llama checkpoints).
+    """Rotary position embedding of ``x`` ``[batch, seq, heads, head_dim]``, "rotate half" layout.
 
-    Dimension ``i`` and ``i + head_dim/2`` of every head form a pair rotated by
-    the angle ``position * theta ** (-2i / head_dim)``.
-
-    Args:
-      x: ``[batch, seq, heads, head_dim]`` with an even ``head_dim``.
-      positions: ``[seq]`` integer positions, or ``[batch, seq]`` (one row each).
-      theta: the RoPE base.
-
-    Returns:
-      ``x`` rotated, same shape and dtype.
+    Dimensions ``i`` and ``i + head_dim/2`` rotate by ``position * theta ** (-2i / head_dim)``.
+    ``positions`` is ``[seq]`` or ``[batch, seq]``.
 
     Example:
       >>> x = jnp.ones((1, 3, 2, 4))
@@ -400,17 +391,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention with grouped-query heads.
-
-    Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``.
-
-    Args:
-      q: ``[batch, seq, n_heads, head_dim]``.
-      k: ``[batch, seq, n_kv_heads, head_dim]``.
-      v: ``[batch, seq, n_kv_heads, head_dim]``.
-
-    Returns:
-      ``[batch, seq, n_heads, head_dim]`` in the dtype of ``q``.
+    """Causal attention; query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``.
 
     Example:
       >>> q = k = v = jnp.ones((1, 3, 4, 2))

@@ -67,17 +67,7 @@ def preset_names(model: str) -> list[str]:
 
 
 def preset_fields(model: str, preset: str) -> dict[str, Any]:
-    """The config fields of one preset (a copy), e.g. to read its ``n_layers``.
-
-    Args:
-      model: ``"gpt"`` or ``"llama"``.
-      preset: one of `preset_names` of that family.
-
-    Returns:
-      The fields the preset sets.
-
-    Raises:
-      MpmdError: an unknown family or preset.
+    """The config fields of one preset (a copy); raises `MpmdError` for an unknown one.
 
     Example:
       >>> preset_fields("gpt", "tiny")["n_layers"]

@@ -67,17 +67,9 @@ class PlacedAval:
         return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type)
 
     def traced_on(self, abstract_mesh: AbstractMesh) -> jax.ShapeDtypeStruct:
-        """What the step is traced with: the value typed on the submeshes' abstract mesh.
+        """The value typed on the submeshes' abstract mesh, with its placement's sharding.
 
-        Its sharding is its placement's on a submesh (replicated for a host
-        value), so that on Explicit axes an op mixing an input with a value
-        computed in the step types as under ``nnx.jit`` inside ``jax.set_mesh``.
-
-        Args:
-          abstract_mesh: the abstract mesh every submesh shares.
-
-        Returns:
-          A ``jax.ShapeDtypeStruct`` whose sharding names ``abstract_mesh``.
+        So on Explicit axes an op mixing it with a computed value types as under ``nnx.jit``.
 
         Example:
           >>> import jax, numpy as np
@@ -126,14 +118,7 @@ def _sharding_key(sharding: Any) -> Any:
 
 
 def placed_aval(x: Any, mesh: MpmdMesh) -> PlacedAval:
-    """Where ``x`` lives now, as a `PlacedAval`.
-
-    Args:
-      x: an `MpmdArray`, a ``jax.Array`` or a host value.
-      mesh: the `MpmdMesh` whose submeshes count as placements.
-
-    Returns:
-      The `PlacedAval`; a ``jax.Array`` on no single submesh counts as host.
+    """Where ``x`` lives now, as a `PlacedAval` (an array on no single submesh counts as host).
 
     Example:
       >>> import jax, numpy as np
@@ -192,17 +177,9 @@ def _avals_on(mesh: MpmdMesh) -> dict[Any, PlacedAval]:
 def planned_avals(
     nodes: Sequence[Any], state_leaves: Sequence[Any], mesh: MpmdMesh, schedule: Any
 ) -> list[PlacedAval]:
-    """Where `place` would put each state leaf of ``nodes``, without moving anything.
+    """One `PlacedAval` per state leaf of ``nodes``: where `place` would put it, moving nothing.
 
-    Args:
-      nodes: the NNX objects (in the order ``nnx.split(nodes)`` flattens them).
-      state_leaves: the leaves of ``nnx.split(nodes)``'s state, in order.
-      mesh: the `MpmdMesh`.
-      schedule: the schedule whose ``mesh_of`` places stages.
-
-    Returns:
-      One `PlacedAval` per state leaf; a leaf `place` leaves alone keeps its
-      current placement.
+    A leaf `place` leaves alone keeps its current placement.
 
     Example:
       >>> import jax

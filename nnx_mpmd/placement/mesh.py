@@ -31,16 +31,7 @@ __all__ = ["MpmdMesh", "mesh_shape_key"]
 
 
 def mesh_shape_key(mesh: Any) -> tuple[tuple[Any, ...], ...]:
-    """A hashable key of a mesh without its devices: axis names, sizes and types.
-
-    Equal for equal-shaped submeshes, so a program built for one can stand for
-    the other.
-
-    Args:
-      mesh: a ``jax.sharding.Mesh`` (or an abstract mesh).
-
-    Returns:
-      ``(axis names, axis sizes, axis types)``.
+    """``(axis names, axis sizes, axis types)`` of a mesh: equal for equal-shaped submeshes.
 
     Example:
       >>> import jax
@@ -137,19 +128,13 @@ class MpmdMesh:
 
     @property
     def submeshes(self) -> tuple[Mesh, ...]:
-        """The submeshes, one jax Mesh per index of the mpmd axis.
-
-        Each keeps its slice's devices, axis names and axis types; stage code is traced
-        against their common abstract mesh.
-        """
+        """The submeshes, one jax Mesh per mpmd index (stage code traces on their abstract mesh)."""
         return self._submeshes
 
     def check_submesh_axis(self, name: Any, *, argument: str, fix: str = "") -> str:
         """Checks that ``name`` is an axis of every submesh (not the mpmd axis).
 
-        Use it wherever a user names a mesh axis for sharding inside a stage: the
-        mpmd axis does not exist inside a stage, and a name the submeshes lack
-        would otherwise be ignored silently.
+        The mpmd axis does not exist inside a stage; other unknown names would be ignored silently.
 
         Args:
           name: the axis name the user gave.

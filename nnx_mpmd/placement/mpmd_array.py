@@ -50,12 +50,6 @@ def normalize_spec(spec: None) -> None: ...
 def normalize_spec(spec: PartitionSpec | None) -> PartitionSpec | None:
     """Drops trailing ``None`` entries, so ``P('a', None)`` and ``P('a')`` compare equal.
 
-    Args:
-      spec: a PartitionSpec, or None.
-
-    Returns:
-      The spec without trailing ``None`` entries (None stays None).
-
     Example:
       >>> normalize_spec(PartitionSpec("data", None)) == PartitionSpec("data")
       True

@@ -137,13 +137,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
 
 
 def merge_partitions(states: Sequence[nnx.State]) -> nnx.State:
-    """Merges per-mesh States (from `partition`) back into one State.
-
-    Args:
-      states: the per-mesh States.
-
-    Returns:
-      One State with every path once, holding the same leaves.
+    """Merges per-mesh States (from `partition`) back into one State, every path once.
 
     Raises:
       PartitionError: a path appears in two States with different values, or an
@@ -332,23 +326,16 @@ def leaf_sharding(
 ) -> NamedSharding:
     """The sharding of a Variable inside its submesh, from its ``out_sharding``.
 
+    Auto axes of size 1 are left out of the spec, as XLA leaves them out.
+
     Args:
-      variable_or_metadata: an NNX Variable, or its metadata mapping.
-      submesh: the submesh the value goes to.
       path: the Variable's path, for error messages.
-      shape: the value's shape for the divisibility check (default: the
-        Variable's value shape; none for a bare metadata mapping).
+      shape: for the divisibility check (default: the Variable's value shape).
       mpmd_axis: the whole mesh's mpmd axis, to report it if named.
 
-    Returns:
-      ``NamedSharding(submesh, spec)``; replicated when there is no out_sharding.
-      Auto axes of size 1 are left out of ``spec``, as XLA leaves them out of
-      the shardings it chooses (so placed state comes back from a step as it went in).
-
     Raises:
-      PlacementError: an axis is the mpmd axis, a dimension is not divisible by
-        its axes' size, or the spec is malformed (axes the submesh lacks are
-        replicated, with a warning).
+      PlacementError: the mpmd axis is named, a dimension is not divisible by its
+        axes' size, or the spec is malformed.
 
     Example:
       >>> import jax
@@ -421,23 +408,10 @@ def placement_of(
     *,
     params: Mapping[Path, nnx.Variable] | None = None,
 ) -> tuple[tuple[int, ...], PartitionSpec]:
-    """Where `place` puts one Variable: its mesh(es) and its spec inside them.
+    """``(mesh_ids, spec)``: where `place` puts one Variable.
 
-    The stage is the Variable's ``mpmd_stage``; without one, an optimizer-state
-    leaf follows the parameter in ``params`` whose path is the longest suffix of
-    ``path``. A leaf that belongs to no parameter goes to every mesh.
-
-    Args:
-      variable: the Variable.
-      path: its path (tuple or dotted string), for suffix matching and messages.
-      mesh: the `MpmdMesh`.
-      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``;
-        default looped placement ``stage % num_meshes``.
-      num_stages: the model's number of stages (required with ``schedule``).
-      params: optional ``{path: Param}`` of the model, for the suffix fallback.
-
-    Returns:
-      ``(mesh_ids, spec)``; ``spec`` without Auto axes of size 1 (see `leaf_sharding`).
+    Without ``mpmd_stage``, a leaf follows the ``params`` entry whose path is the longest
+    suffix of ``path``; a leaf of no parameter goes to every mesh.
 
     Raises:
       PlacementError: a Param has no stage, the schedule maps the stage outside
@@ -492,15 +466,7 @@ def _fits_axes(spec: PartitionSpec, submesh: Mesh, mpmd_axis: str) -> bool:
 
 
 def leaf_mesh_ids(x: Any, mesh: MpmdMesh) -> tuple[int, ...] | None:
-    """Where a leaf lives.
-
-    Args:
-      x: a leaf (``jax.Array``, `MpmdArray`, anything else).
-      mesh: the `MpmdMesh`.
-
-    Returns:
-      ``(i,)`` for a ``jax.Array`` exactly on submesh ``i``; an MpmdArray's
-      ``mesh_ids``; None otherwise.
+    """Where a leaf lives: ``(i,)`` for an array on submesh ``i``, an `MpmdArray`'s ids, or None.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -148,18 +148,8 @@ def placement_decisions(
 ) -> list[tuple[Any, Path, Any, Any, tuple[tuple[int, ...], PartitionSpec]]]:
     """Where `place` would put every placeable leaf of ``tree``, without moving anything.
 
-    Args:
-      tree: the objects to place (as for `place`).
-      mesh: the `MpmdMesh`.
-      schedule: optional object with ``mesh_of(stage, num_stages, num_meshes)``, or
-        a registered schedule name (``"1f1b"``).
-
-    Returns:
-      ``(root, path, leaf, value, (mesh_ids, spec))`` per placeable leaf, where
-      ``leaf`` is the Variable (or the bare leaf of a State) and ``value`` its value.
-
-    Raises:
-      PlacementError: as `place`.
+    One ``(root, path, leaf, value, (mesh_ids, spec))`` per leaf (``leaf``: the Variable or
+    bare State leaf); raises `PlacementError` as `place` does.
 
     Example:
       >>> import jax
@@ -253,8 +243,7 @@ def placement_decisions(
 def place(tree: Any, mesh: MpmdMesh, schedule: Any = None) -> Any:
     """Puts every Variable in ``tree`` on its mesh's submesh, with its sharding.
 
-    A Variable goes to the mesh of its ``mpmd_stage``, optimizer state with its
-    parameter, leaves of no parameter to every mesh; NNX objects are updated in place.
+    Optimizer state goes with its parameter; NNX objects are updated in place.
 
     Args:
       tree: NNX objects, ``nnx.State`` objects and Variables, possibly inside

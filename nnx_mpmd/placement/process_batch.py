@@ -111,21 +111,13 @@ def process_batch_rows(
     process: int | None = None,
     process_of: Callable[[Any], int] | None = None,
 ) -> np.ndarray:
-    """The rows of a batch leaf that one process's devices hold where the step reads it.
+    """The sorted global rows of a ``[B]`` batch leaf that one process's devices hold.
+
+    The step reads it as ``[m, B/m, ...]``; row ``i*B/m + j`` is held where slot ``j`` lies.
 
     Args:
-      sharding: where the step puts the leaf, as ``[m, B/m, ...]`` (from
-        ``step.batch_shardings(...)``, `nnx_mpmd.jit`).
-      batch_size: ``B``, divisible by ``num_microbatches``.
-      num_microbatches: ``m``, the step's microbatches.
-      process: the process (default: this one, ``jax.process_index()``).
-      process_of: the process of a device (default: ``device.process_index``;
-        tests give another to lay out processes on local devices).
-
-    Returns:
-      Sorted int64 global row indices in ``[0, B)``: for each microbatch ``i``
-      the rows ``i*B/m + j`` whose slot ``j`` lies on a device of the process;
-      empty when it has no device there.
+      sharding: the step's sharding of the leaf (``step.batch_shardings(...)``).
+      process_of: the process of a device (default ``device.process_index``; tests fake it).
 
     Raises:
       PlacementError: ``batch_size`` does not split into ``num_microbatches``.
@@ -164,15 +156,7 @@ def make_microbatched_array(
 ) -> MicrobatchedArray:
     """A batch leaf where the step reads it, built from this process's rows only.
 
-    Args:
-      local_rows: the rows `process_batch_rows` names for this process, in
-        that order (``[len(rows), ...]``; none on a process without devices there).
-      sharding: where the step reads the leaf (as in `process_batch_rows`).
-      batch_size: ``B``.
-      num_microbatches: ``m``, the step's microbatches.
-
-    Returns:
-      The `MicrobatchedArray` to pass to the step in place of the leaf.
+    ``local_rows`` are the rows `process_batch_rows` names here, in that order.
 
     Raises:
       PlacementError: ``local_rows`` is not this process's share.
@@ -222,17 +206,9 @@ def _contiguous(slots: np.ndarray) -> bool:
 def take_microbatched(value: MicrobatchedArray, num_microbatches: int | None, target: Any) -> Any:
     """``value.array`` for a batch transfer to ``target``: used as is, never moved.
 
-    Args:
-      value: the batch leaf.
-      num_microbatches: the transfer's microbatches (None: not a batch transfer).
-      target: the sharding the step gives the leaf.
-
-    Returns:
-      ``value.array``.
-
     Raises:
-      PlacementError: the transfer is not the step's batch split (the leaf is
-        read outside ``mp.value_and_grad``), or the leaf is elsewhere.
+      PlacementError: not the step's batch split (read outside ``mp.value_and_grad``),
+        or the leaf is elsewhere.
 
     Example:
       >>> import jax, numpy as np

@@ -173,8 +173,7 @@ class Plan:
     def check_model(self, model: Any) -> None:
         """Refuses ``model`` when the plan was made for another model class.
 
-        A plan without a recorded model (written before it was recorded) is
-        accepted with a warning.
+        A plan with no recorded model is accepted with a warning.
 
         Args:
           model: the model the plan is about to be applied to.
@@ -229,9 +228,7 @@ class Plan:
     def ranking(self) -> list[tuple[Candidate | SpmdCandidate, float, bool]]:
         """The pipelined configurations and the SPMD alternatives, ranked together.
 
-        Those measured (by `verify`) come first, fastest measured first; the
-        others follow by predicted step time scaled by ``calibration`` (an
-        SPMD alternative's by ``spmd_calibration`` where some ran).
+        Measured ones (`verify`) first, fastest first; then by calibrated predicted step time.
 
         Returns:
           ``(candidate, seconds, measured)`` triples: a `Candidate` or an

@@ -152,13 +152,10 @@ def one_submesh(mesh: MpmdMesh, index: int = 0) -> MpmdMesh:
 
 
 def _profile_schedule(num_units: int, num_microbatches: int) -> Custom:
-    """One mesh: every unit's forward and split backward of microbatch 0, then (with 2
-    microbatches) every forward and full backward of microbatch 1.
+    """One mesh: every unit's F and split backward of microbatch 0, then microbatch 1's (if 2).
 
-    Microbatch 0's last ``BW`` (the first unit's) runs between microbatch 1's
-    forwards and its full backwards, so that no forward is directly followed by
-    its own full backward (the step would fuse the two into one program, timed
-    as one), while only that unit's residuals of microbatch 0 are still held.
+    Microbatch 0's last ``BW`` sits between microbatch 1's forwards and backwards, so no
+    forward is followed by its own backward (which the step would fuse and time as one).
     """
 
     def forwards(mb: int) -> list[Task]:
@@ -297,7 +294,7 @@ def profile_units(
 ) -> list[UnitCosts]:
     """Measures every unit of ``model``, once per microbatch size and remat setting.
 
-    The model itself is not changed or placed: a copy is profiled.
+    A copy of the model is profiled; ``model`` is not changed or placed.
 
     Args:
       model: the model (its `Stage` wrappers are the units).
@@ -354,22 +351,9 @@ def contention(
     tx: optax.GradientTransformation,
     repeats: int = 3,
 ) -> tuple[float, ...]:
-    """How much slower the profiling step runs on k submeshes at once than on one.
+    """How much slower the profiling step runs on k submeshes at once than on one (each >= 1).
 
-    The counts k are timed in turn, round after round, so that the machine's slow
-    spells fall on all of them alike; each factor is at least 1.
-
-    Args:
-      model: the model (copied, not changed).
-      loss_fn: ``loss_fn(model, microbatch) -> loss``.
-      rows: one microbatch.
-      mesh: the pipeline's mesh.
-      tx: the optimizer's transformation.
-      repeats: sets the rounds of timed runs (twice as many, at least 5;
-        medians are kept).
-
-    Returns:
-      One factor per number of busy submeshes, starting at ``(1.0, ...)``.
+    The counts are timed in turn, round after round, so slow spells hit all alike.
     """
     if mesh.num_meshes == 1:
         return (1.0,)

@@ -153,18 +153,10 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_link(mesh: MpmdMesh, nbytes: int, repeats: int = 5) -> LinkCosts:
-    """Times an all-reduce over every device of ``mesh`` at a small and at ``nbytes`` bytes.
+    """`LinkCosts` from timing an all-reduce over all of ``mesh`` at a small size and at ``nbytes``.
 
-    Args:
-      mesh: the pipeline's mesh (all of its devices take part).
-      nbytes: the large buffer's bytes per device (the model's gradient bytes
-        is a fair size; clipped to 64 KiB .. 16 MiB).
-      repeats: timed runs per size (medians are kept).
-
-    Returns:
-      The `LinkCosts`: the small all-reduce's time as the latency, and the
-      ring bytes per device over the time the large one takes beyond it. One
-      device has nothing to move (zero latency, infinite speed).
+    ``nbytes`` per device is clipped to 64 KiB .. 16 MiB (the gradient bytes are a fair size).
+    The latency is the small one's time; one device has zero latency and infinite speed.
 
     Example:
       >>> # measure_link(mesh, 4 << 20).seconds(1 << 20) -> seconds for 1 MiB per device
@@ -202,22 +194,10 @@ def predict_spmd(
     *,
     donate: bool = False,
 ) -> SpmdCandidate:
-    """The cost model's step time and peak memory of one SPMD configuration.
+    """The cost model's `SpmdCandidate` (step time, peak memory) of one ``"dp"``/``"fsdp"`` setup.
 
-    ``costs`` must be profiled at the same rows per device; every device computes
-    every unit under the contention of all meshes, plus the collectives per microbatch.
-
-    Args:
-      kind: ``"dp"`` or ``"fsdp"``.
-      costs: the units' costs (no remat).
-      num_meshes: the pipeline's meshes (the contention measured is theirs).
-      num_devices: all devices.
-      num_microbatches: accumulation steps.
-      link: the measured collective costs.
-      donate: whether the step donates its state (no second copy at the update).
-
-    Returns:
-      The `SpmdCandidate`.
+    ``costs`` (no remat) must be profiled at the same rows per device; ``num_meshes``
+    gives the contention measured.
 
     Example:
       >>> unit = UnitCosts(("a", "b"), 4, False, F=(1.0, 1.0), BI=(1.0, 1.0), BW=(1.0, 1.0),
@@ -275,16 +255,7 @@ def spmd_candidates(
 ) -> list[SpmdCandidate]:
     """Every SPMD alternative the profiles can predict, fastest first.
 
-    Args:
-      costs: the planner's `UnitCosts` (one per microbatch size and remat).
-      mesh: the pipeline's mesh.
-      batch_size: rows per step.
-      counts: the pipeline's microbatch counts (their profiles are reused).
-      link: the measured collective costs (`measure_link`).
-      donate: whether the step donates its state.
-
-    Returns:
-      The `SpmdCandidate`s, sorted by predicted step time.
+    ``counts`` are the pipeline's microbatch counts, whose profiles are reused.
     """
     n = int(mesh.jax_mesh.devices.size)
     by_size = {c.microbatch_size: c for c in costs if not c.remat}
@@ -320,8 +291,7 @@ def spmd_step(
 ) -> tuple[SpmdStep, Any]:
     """The SPMD train step of ``model`` over every device of ``mesh``, and its placed state.
 
-    ``value_and_grad`` over microbatches and the update under `jax.jit`, state replicated
-    (``"dp"``) or sharded (``"fsdp"``): ``nnx.jit``'s numbers to float rounding.
+    State replicated (``"dp"``) or sharded (``"fsdp"``); ``nnx.jit``'s numbers to float rounding.
 
     Args:
       kind: ``"dp"`` or ``"fsdp"``.
@@ -425,11 +395,7 @@ def measure_spmd(
     steps: int = 5,
     donate: bool = False,
 ) -> tuple[float, tuple[int, ...]]:
-    """Compiles and times ``candidate``'s step: the median of ``steps`` steps after one.
-
-    Returns:
-      ``(seconds per step, (peak bytes per device,))`` (`SpmdStep.peak_bytes`).
-    """
+    """``(seconds per step, (peak bytes per device,))``: median of ``steps`` after one, compiled."""
     step, state = spmd_step(
         candidate.kind, model, loss_fn, tx, mesh, candidate.num_microbatches, donate=donate
     )

@@ -90,16 +90,9 @@ class MicrobatchSplitter:
         self._plans = _PLANS
 
     def split(self, value: Any, m: int, target: Any) -> jax.Array | None:
-        """``value`` reshaped into ``m`` microbatches and placed with ``target``, or None.
+        """``value`` ``[B, ...]`` as ``m`` microbatches placed with ``target``, or None.
 
-        Args:
-          value: the batch, ``[B, ...]`` with ``B`` divisible by ``m``.
-          m: the number of microbatches.
-          target: the destination's sharding of the ``[m, B/m, ...]`` array.
-
-        Returns:
-          The placed array, or None when ``value`` is not a batch this path
-          splits (the caller then uses ``jax.device_put``).
+        None tells the caller to use ``jax.device_put``.
         """
         if not isinstance(value, jax.Array):
             return None

@@ -112,15 +112,7 @@ class BatchedCopier:
         return found
 
     def __call__(self, values: Sequence[Any], targets: Sequence[Any]) -> list[Any]:
-        """``values[i]`` placed with ``targets[i]``, in one batched copy and one device_put.
-
-        Args:
-          values: jax Arrays or host values (host values go through ``np.asarray``).
-          targets: a sharding per value.
-
-        Returns:
-          The moved arrays, in order.
-        """
+        """``values[i]`` placed with ``targets[i]``, in one batched copy and one device_put."""
         fast: list[int] = []
         slow: list[int] = []
         array, fast_path = jax.Array, self.fast_path

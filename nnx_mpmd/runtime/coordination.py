@@ -54,10 +54,7 @@ _LIVENESS_EVERY_S = 0.5
 
 
 def peer_timeout_s() -> float:
-    """How long a process waits for a peer before giving up (``NNX_MPMD_PEER_TIMEOUT``).
-
-    Returns:
-      Seconds (default 300).
+    """Seconds a process waits for a peer before giving up (``NNX_MPMD_PEER_TIMEOUT``, default 300).
 
     Example:
       >>> peer_timeout_s() > 0
@@ -67,10 +64,7 @@ def peer_timeout_s() -> float:
 
 
 def distributed_client() -> Any:
-    """The ``jax.distributed`` coordination client of this process.
-
-    Returns:
-      The client object (with its key-value store and liveness queries).
+    """This process's ``jax.distributed`` coordination client (key-value store, liveness queries).
 
     Raises:
       DistributedError: ``jax.distributed.initialize`` was not called.
@@ -93,16 +87,9 @@ def distributed_client() -> Any:
 
 
 def transfer_address(coordinator: str | None) -> str:
-    """An address of this host that the peers can reach, port 0 (any free port).
+    """``ip:0``: this host's address the peers can reach, for JAX's cross-host transfers on CPU.
 
-    The interface that reaches the coordinator, or ``NNX_MPMD_TRANSFER_ADDRESS``;
-    for JAX's cross-host transfers on CPU.
-
-    Args:
-      coordinator: ``host:port`` of the coordination service, or None.
-
-    Returns:
-      ``ip:0``.
+    The interface that reaches ``coordinator`` (``host:port``), or ``NNX_MPMD_TRANSFER_ADDRESS``.
 
     Example:
       >>> transfer_address("127.0.0.1:1234")
@@ -217,10 +204,7 @@ class Coordination:
     # ------------------------------------------------------------------ liveness
 
     def dead_peers(self) -> list[int]:
-        """The peers whose heartbeat has not moved for ``heartbeat_s`` seconds.
-
-        Returns:
-          Sorted process indices (empty when every peer is alive).
+        """Sorted peers whose heartbeat has not moved for ``heartbeat_s`` seconds.
 
         Raises:
           DistributedError: the coordination service itself is gone (process 0 died).
@@ -247,12 +231,7 @@ class Coordination:
         return dead
 
     def check_peers(self, where: str, *, force: bool = False) -> None:
-        """Raises `DistributedError` if a peer died (rate-limited unless ``force``).
-
-        Args:
-          where: what this process was doing, for the message.
-          force: query now even if the last query was recent.
-        """
+        """Raises `DistributedError` if a peer died (rate-limited unless ``force``)."""
         now = time.monotonic()
         if not force and now - self._last_liveness < _LIVENESS_EVERY_S:
             return
@@ -269,16 +248,7 @@ class Coordination:
     def call_watching_peers(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, given up with a `DistributedError` as soon as a peer dies.
 
-        ``fn`` runs in a daemon thread while this thread checks the heartbeats; the
-        abandoned thread stays blocked until the process exits.
-
-        Args:
-          where: what this process is doing, for the message.
-          fn: the blocking call.
-          *args: its arguments.
-
-        Returns:
-          What ``fn`` returns (what it raises is raised here).
+        ``fn`` runs in a daemon thread (left blocked if abandoned) while this one checks heartbeats.
 
         Raises:
           DistributedError: a peer died (or the coordination service went away)
@@ -308,14 +278,10 @@ class Coordination:
         raise error
 
     def blame_peers(self, where: str) -> None:
-        """After a failure that a dying peer may explain: raises naming it if one died.
+        """After a failure a dying peer may explain: raises naming it if one died.
 
-        Waits (at most ``heartbeat_s`` plus a second) until a peer's heartbeat is
-        stale, so the error names the dead process rather than the failed
-        transfer; returns when every peer still beats.
-
-        Args:
-          where: what this process was doing, for the message.
+        Waits up to ``heartbeat_s`` plus a second for a stale heartbeat, so the error names
+        the dead process rather than the failed transfer.
         """
         deadline = time.monotonic() + self.heartbeat_s + 1.0
         while True:
@@ -331,20 +297,7 @@ class Coordination:
         self.client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value), allow_overwrite=True)
 
     def fetch(self, key: str, peer: int, where: str, timeout_s: float | None = None) -> Any:
-        """Waits for the value a peer published under ``key``.
-
-        Args:
-          key: the key `publish` used.
-          peer: the process expected to publish it (named in errors).
-          where: what this process was doing, for the message.
-          timeout_s: how long to wait while the peer lives (default `peer_timeout_s`).
-
-        Returns:
-          The JSON value.
-
-        Raises:
-          DistributedError: the peer died, or nothing arrived within the timeout.
-        """
+        """The JSON value ``peer`` published under ``key``; `DistributedError` if dead or late."""
         get = self.client.blocking_key_value_get
         raw = self._wait_for_key(key, peer, where, get, timeout_s)
         return json.loads(raw)
@@ -374,12 +327,7 @@ class Coordination:
                 )
 
     def barrier(self, name: str, where: str, timeout_s: float | None = None) -> None:
-        """Waits until every process reached barrier ``name`` (ids must be unique).
-
-        Args:
-          name: the barrier id, the same on every process.
-          where: what this process was doing, for the message.
-          timeout_s: how long to wait (default `peer_timeout_s`).
+        """Waits until every process reached barrier ``name`` (unique ids).
 
         Raises:
           DistributedError: a peer died or did not arrive in time.
@@ -421,9 +369,6 @@ _COORDINATION: Coordination | None = None
 def get_coordination() -> Coordination:
     """This process's `Coordination`, created on first use (with its exit hook).
 
-    Returns:
-      The coordination object.
-
     Raises:
       DistributedError: ``jax.distributed`` is not initialized.
 
@@ -447,19 +392,7 @@ def get_coordination() -> Coordination:
 def bounded_by_peers(where: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; in a multi-process run, a `DistributedError` as soon as a peer dies.
 
-    Orbax's barriers and device collectives wait for every process without asking
-    whether it lives; through this a dead peer is named within the heartbeat timeout.
-
-    Args:
-      where: what this process is doing ("saving checkpoint step 4"), for the message.
-      fn: the call that may wait for the other processes.
-      *args: its arguments.
-
-    Returns:
-      What ``fn`` returns.
-
-    Raises:
-      DistributedError: a peer died before ``fn`` returned.
+    Orbax's barriers and collectives never ask whether a peer lives; this names a dead one.
 
     Example:
       >>> bounded_by_peers("adding", lambda a, b: a + b, 1, 2)

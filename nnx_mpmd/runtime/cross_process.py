@@ -78,15 +78,7 @@ def _canonical_host(value: Any) -> Any:
 def put_from_host(value: Any, sharding: NamedSharding) -> jax.Array:
     """A host value (the same on every process) placed with ``sharding``.
 
-    Each process builds only the shards on its own devices, so the sharding
-    may span processes or hold none of this process's devices.
-
-    Args:
-      value: a NumPy array, Python scalar, or an array on this process's devices.
-      sharding: where it goes.
-
-    Returns:
-      The global array.
+    Each process builds only its own devices' shards, so the sharding may span processes.
 
     Example:
       >>> import jax
@@ -118,22 +110,10 @@ def _one_device_sharding(device: Any) -> NamedSharding:
 
 @functools.lru_cache(maxsize=1024)
 def shard_plan(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[tuple, tuple]:
-    """Which source device gives each destination device its shard (shardings only).
+    """``(local, cross)`` ``(source, destination)`` device pairs moving each shard (process ``me``).
 
-    A destination device takes its shard from a device of its own process when
-    one holds it (a local copy), else from the first device that holds it (a
-    move between processes).
-
-    Args:
-      src: the source sharding (anything with ``devices_indices_map``).
-      dst: the destination sharding.
-      shape: the array's shape.
-      me: this process's index.
-
-    Returns:
-      ``(local, cross)``: ``(source, destination)`` device pairs this process
-      copies itself, and the pairs that cross processes (the same on every
-      process, in destination order).
+    A destination copies from a device of its own process when one holds the shard,
+    else from the first holder; ``cross`` is the same on every process.
 
     Example:
       >>> import jax
@@ -161,16 +141,8 @@ def shard_plan(src: Any, dst: Any, shape: tuple[int, ...], me: int) -> tuple[tup
 def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``value`` moved shard by shard: local copies, and one-device cross-process moves.
 
-    JAX moves a whole array between processes only when every shard crosses
-    (disjoint process sets); this covers the rest (a stage spanning processes 0
-    and 1 to another one, overlapping process sets).
-
-    Each cross-process piece is its own ``jax.device_put``, in the same order
-    on every process. Batched into one call, a piece could be lost when a
-    process both receives one piece and sends another in that call (a ring of
-    stages, stage i on processes {i, i + 1}: process 1 receives from 0 and
-    sends to 2): on CPU, JAX 0.10.2's receiver of the other piece (process 2)
-    waited forever, and the first step hung every time.
+    One ``jax.device_put`` per piece, in the same order everywhere: batched, JAX 0.10.2 on
+    CPU lost pieces of a ring of stages and the first step hung.
     """
     me = jax.process_index()
     local, cross = shard_plan(value.sharding, sharding, tuple(value.shape), me)
@@ -193,17 +165,9 @@ def _move_shards(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def one_receiver_each(src_devices: Any, dst_devices: Any) -> bool:
-    """Whether each source process sends to one destination process only.
+    """Whether each source process sends to one destination process only (devices in mesh order).
 
-    JAX 0.10.2 moves an array whole across processes only then (else "PjRtArray has
-    different number of buffers"), so `put_between_meshes` moves the rest shard by shard.
-
-    Args:
-      src_devices: the source mesh's devices in mesh order (``mesh.devices.flat``).
-      dst_devices: the destination mesh's devices, in the same order.
-
-    Returns:
-      True when the whole-array move works.
+    Only then does JAX 0.10.2 move an array whole across processes; else shard by shard.
 
     Example:
       >>> from types import SimpleNamespace as Device
@@ -232,16 +196,7 @@ def _mesh_shape(mesh: Mesh | AbstractMesh) -> tuple[tuple[str, int], ...]:
 def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``value`` (on one submesh) moved to ``sharding`` (on another); see the module docstring.
 
-    A collective of the processes of both submeshes: every process calls it
-    with the same arguments, in the same order.
-
-    Args:
-      value: a global array with a NamedSharding.
-      sharding: the destination.
-
-    Returns:
-      The moved array (no addressable shards on a process without devices in
-      ``sharding``).
+    A collective of both submeshes' processes, same arguments and order on each.
 
     Raises:
       DistributedError: the source has no NamedSharding, or the submeshes
@@ -289,14 +244,6 @@ def put_between_meshes(value: jax.Array, sharding: NamedSharding) -> jax.Array:
 def put(value: Any, sharding: NamedSharding, from_host: bool) -> jax.Array:
     """A transfer's move: `put_from_host` for host values, else `put_between_meshes`.
 
-    Args:
-      value: the source value.
-      sharding: the destination.
-      from_host: whether the value comes from the host (the same on every process).
-
-    Returns:
-      The placed array.
-
     Example:
       >>> import jax
       >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
@@ -326,20 +273,8 @@ def _whole_on(copy: jax.Array) -> frozenset[int]:
 def to_every_process(x: Any) -> Any:
     """A step's user output as an array this process holds whole (a collective).
 
-    Every process calls it with the same output. A copy this process holds
-    whole is returned (a replicated copy that spans processes as this process's
-    shard of it); when some process holds no whole copy, one copy (replicated
-    on its own submesh first if it is split over processes) is sent by the
-    lowest process that holds it to every such process, through the key-value
-    store (typed PRNG keys with ``jax.device_put``). The decisions depend on
-    shardings only, so every process makes the same ones.
-
-    Args:
-      x: a global jax.Array, an `MpmdArray` of them, or any other value
-        (returned unchanged).
-
-    Returns:
-      A fully addressable array (on one process: ``x`` itself).
+    A missing whole copy is sent by the lowest process holding one, through the key-value
+    store; decisions depend on shardings only, so every process makes the same ones.
 
     Example:
       >>> import jax.numpy as jnp
@@ -380,12 +315,8 @@ _OUTPUT_ROUNDS = itertools.count(1)
 def _sent_by_key_value_store(source: jax.Array, missing: list[int], mine: Any, me: int) -> Any:
     """A whole step output sent to the ``missing`` processes through the key-value store.
 
-    A step output is small (a loss, metrics). Sent with ``jax.device_put``, the
-    copy for one of two receivers sometimes never arrived on CPU (4 processes x
-    2 devices, about 1 run in 3: the receiver waited forever and its peers
-    with it); the coordination service's key-value store has no such race.
-    The lowest process that holds the value publishes one key per receiver,
-    and each receiver deletes its key once read.
+    With ``jax.device_put`` one receiver's copy sometimes never arrived on CPU; the store has
+    no such race. Each receiver deletes its key once read.
     """
     from nnx_mpmd.runtime.coordination import get_coordination
 

@@ -121,18 +121,7 @@ def transfer_value(
     shardings: Shardings,
     put: Callable[[Any, NamedSharding, bool], jax.Array] | None = None,
 ) -> jax.Array:
-    """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec).
-
-    Args:
-      ins: the transfer.
-      value: the source value (a jax.Array, or a host value).
-      shardings: the sharding cache.
-      put: how the value moves, ``put(value, sharding, from_host)`` (default
-        ``jax.device_put`` of the value, host values as NumPy arrays).
-
-    Returns:
-      The array on the destination submesh.
-    """
+    """``value`` put on ``ins.dst_mesh`` as ``ins`` says (reshape, spec), by ``put`` if given."""
     if isinstance(value, MicrobatchedArray):  # placed by its maker: used as is
         target = shardings(ins.dst_mesh, ins.spec if ins.spec is not None else P())
         return take_microbatched(value, ins.reshape_microbatches, target)
@@ -319,28 +308,19 @@ def execute(
     memory: MemoryRecorder | None = None,
     watch: Sequence[Observer] = (),
 ) -> list[Any]:
-    """Runs ``step`` on ``inputs`` (consts, state leaves, other leaves).
+    """Runs ``step`` on ``inputs`` (consts, state leaves, other leaves); returns its outputs.
+
+    Outputs are a jax.Array on one mesh, an `MpmdArray` on several.
 
     Args:
-      step: the compiled step.
-      inputs: one value per input of the step.
       submeshes: the jax Mesh of each mesh id.
-      shardings: a sharding cache to reuse across calls.
-      profile: a list to append a `TaskRecord` per call to (each call is waited
-        for, so meshes do not overlap), or an `Observer` that records them
-        (`nnx_mpmd.runtime.timeline_profiler.TimelineProfiler`).
-      memory: if given, live bytes per mesh are recorded after every
-        instruction (each instruction is waited for).
-      watch: more observers of the run (``check_finite``'s
-        `nnx_mpmd.runtime.finite_check.FiniteCheck`).
-
-    Returns:
-      One value per output (user outputs, then new state leaves): a jax.Array
-      when it lives on one mesh, an `MpmdArray` when on several.
+      profile: a list to append a `TaskRecord` per call to, or an `Observer` recording them
+        (each call is waited for).
+      memory: records live bytes per mesh after every instruction (each is waited for).
+      watch: more observers of the run (`nnx_mpmd.runtime.finite_check.FiniteCheck`).
 
     Raises:
-      MeshError: the call is under a ``jax.set_mesh`` context (each program runs
-        on its own submesh; see `check_mesh_context`).
+      MeshError: the call is under a ``jax.set_mesh`` context (see `check_mesh_context`).
 
     Example:
       >>> # Called by `nnx_mpmd.jit` steps: ``step(*args, memory=True)`` fills

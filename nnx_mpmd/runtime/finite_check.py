@@ -96,10 +96,7 @@ class FiniteCheck(Observer):
     def agree_across_processes(self) -> None:
         """Makes `first` the first non-finite value of any process (a collective).
 
-        Each process publishes what it found (or nothing) in the coordination
-        service's key-value store and reads the others'; the value of the
-        earliest instruction wins, so every process names the same one. A peer
-        that dies meanwhile raises `DistributedError` naming it.
+        Found values go through the key-value store; the earliest instruction wins everywhere.
 
         Raises:
           DistributedError: a peer died or did not answer in time.

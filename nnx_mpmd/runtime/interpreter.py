@@ -106,7 +106,7 @@ class Observer:
         """Called before the step of instruction ``index`` runs."""
 
     def after(self, index: int, ins: Instruction, result: Any, store: list[Any]) -> None:
-        """Called after the step of instruction ``index`` ran; ``result`` is what it produced."""
+        """Called after the step of instruction ``index`` ran, with what it produced."""
 
     def finish(self, store: list[Any]) -> None:
         """Called once after the last step, also when a step raised."""
@@ -133,14 +133,7 @@ class Prepared(NamedTuple):
 
 
 def prepare(instructions: Sequence[Instruction], operations: Operations) -> Prepared:
-    """Turns ``instructions`` into steps, asking ``operations`` how each one runs.
-
-    Args:
-      instructions: the list, in dispatch order.
-      operations: makes the step of each instruction (see `Operations`).
-
-    Returns:
-      The `Prepared` steps; an instruction whose operation returned None has none.
+    """The `Prepared` steps of ``instructions``, each made by ``operations`` (None: no step).
 
     Raises:
       CompileError: an instruction is not a `Call`, `Transfer` or `Free`.
@@ -192,13 +185,7 @@ def _batch_step(index: int, ins: TransferBatch, operations: Operations) -> Step 
 
 
 def run(prepared: Prepared, store: list[Any], observers: Sequence[Observer] = ()) -> None:
-    """Runs the prepared steps in order on ``store``; observers wrap each step.
-
-    Args:
-      prepared: from `prepare`.
-      store: the slot list (`load_store`); updated in place.
-      observers: called around every step (see `Observer`). With none, the loop
-        is one call per step and nothing else.
+    """Runs the prepared steps in order on ``store`` (in place); ``observers`` wrap each step.
 
     Example:
       >>> record = []
@@ -250,19 +237,9 @@ OperationsT = TypeVar("OperationsT", bound=Operations)
 def prepared_for(
     step: Any, key: Any, make_operations: Callable[[], OperationsT]
 ) -> tuple[OperationsT, Prepared]:
-    """``step``'s instructions prepared by ``make_operations()``, cached on the step by ``key``.
+    """``(operations, prepared)`` for ``step``'s instructions, cached on the step by ``key``.
 
-    Preparing is done once per step and key (the operations' sharding cache,
-    the kind of run), so a run pays only for the loop.
-
-    Args:
-      step: the compiled step (its ``instructions``; the cache is an attribute of it,
-        so it goes with the step).
-      key: what the operations depend on (hashable).
-      make_operations: builds the operations on a cache miss.
-
-    Returns:
-      ``(operations, prepared)``.
+    Preparing is paid once per step and key, so a run pays only for the loop.
 
     Example:
       >>> from types import SimpleNamespace
@@ -321,15 +298,9 @@ def load_store(
     *,
     convert: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
-    """The slot list of a compiled step before its first instruction.
+    """The ``num_slots`` slot values of a step before its first instruction (None: not loaded).
 
-    Args:
-      step: the compiled step (``num_slots``, ``constants``, ``input_slots``).
-      inputs: one value per input (consts, state leaves, other leaves).
-      convert: applied to every loaded value (precompile makes them abstract).
-
-    Returns:
-      ``num_slots`` values, None where nothing is loaded.
+    ``convert`` is applied to every loaded value (precompile makes them abstract).
 
     Example:
       >>> from types import SimpleNamespace
@@ -379,22 +350,10 @@ def _assign_lines(tree: Any, value: str, lines: list[str]) -> None:
 
 
 def call_step(ins: Call, fn: Callable[..., Any] | None = None) -> Step:
-    """The step of ``ins``: calls its program on the slots ``args``, stores the results.
+    """The step of ``ins``: calls its program (``fn`` if given) on the slots, stores the results.
 
-    The argument builder and result assignment are generated Python source over
-    the slot numbers, so a call costs one frame and its tuple displays instead
-    of a recursive walk of the slot tree.
-
-    Args:
-      ins: the `Call`.
-      fn: the callable to run instead of ``ins.fn`` (precompile wraps it).
-
-    Returns:
-      ``step(store)``, which returns the program's results.
-
-    Raises:
-      CompileError: (from the step) the program returned a different number of
-        results than ``ins.outs`` holds.
+    Generated source over the slot numbers: one frame per call, no walk of the slot tree.
+    The step raises `CompileError` if the program returns another number of results.
 
     Example:
       >>> from nnx_mpmd.compiler.ir import Call, ProgramKey

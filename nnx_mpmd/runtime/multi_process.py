@@ -107,19 +107,10 @@ class ProcessInfo:
 
 
 def coordinator_bind_address(coordinator: str, configured: str | None = None) -> str | None:
-    """The address the coordination service (on process 0) should listen on.
+    """The address the coordination service should listen on, or None for jax's default.
 
-    ``jax.distributed`` listens on every interface (``[::]:port``) by default.
-    A coordinator on the loopback interface is only ever reached locally, so it
-    listens on that interface alone; other coordinators keep jax's default.
-
-    Args:
-      coordinator: ``host:port`` every process connects to.
-      configured: an explicit bind address (``NNX_MPMD_COORDINATOR_BIND``); wins when set.
-
-    Returns:
-      ``host:port`` to pass as ``coordinator_bind_address``, or None for jax's default
-      (which also honours ``JAX_COORDINATOR_BIND_ADDRESS``).
+    A loopback coordinator listens on loopback only; ``configured`` (``NNX_MPMD_COORDINATOR_BIND``)
+    wins when set.
 
     Example:
       >>> coordinator_bind_address("127.0.0.1:9876")
@@ -143,19 +134,10 @@ def launch_env(
     devices_per_process: int | None = None,
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment `nnx-mpmd launch` gives process ``process_id``.
+    """The environment `nnx-mpmd launch` gives process ``process_id`` (a new dict).
 
-    Args:
-      process_id: the process's index.
-      num_processes: how many processes.
-      coordinator: ``host:port`` of the coordination service (process 0 hosts it).
-      devices_per_process: simulated CPU devices per process (sets ``XLA_FLAGS``).
-      base: the environment to extend (default: ``os.environ``).
-
-    Returns:
-      A new environment dict. A loopback coordinator also gets
-      ``NNX_MPMD_COORDINATOR_BIND`` (see `coordinator_bind_address`), so the
-      coordination service does not listen on other interfaces.
+    ``devices_per_process`` sets ``XLA_FLAGS``; a loopback coordinator also gets
+    ``NNX_MPMD_COORDINATOR_BIND`` (`coordinator_bind_address`).
 
     Example:
       >>> env = launch_env(0, 2, "127.0.0.1:9", devices_per_process=4, base={})
@@ -184,16 +166,6 @@ def launch_env(
 def env_int(name: str, value: str) -> int:
     """``int(value)`` of environment variable ``name``, or a `DistributedError` saying so.
 
-    Args:
-      name: the variable's name (for the message).
-      value: its text.
-
-    Returns:
-      The integer.
-
-    Raises:
-      DistributedError: ``value`` is not an integer.
-
     Example:
       >>> env_int("NNX_MPMD_PROCESS_ID", "3")
       3
@@ -208,10 +180,7 @@ def env_int(name: str, value: str) -> int:
 
 
 def coordination_state() -> tuple[Any, str | None]:
-    """``(client, coordinator address)`` of this process's ``jax.distributed`` run.
-
-    Returns:
-      ``(None, None)`` when ``jax.distributed.initialize`` has not been called.
+    """``(client, coordinator address)`` of this ``jax.distributed`` run, or ``(None, None)``.
 
     Example:
       >>> coordination_state()  # a single-process test run
@@ -221,11 +190,7 @@ def coordination_state() -> tuple[Any, str | None]:
 
 
 def cluster_detected() -> bool:
-    """Whether ``jax.distributed`` would find a cluster (SLURM, MPI, TPU pod, ...) by itself.
-
-    Returns:
-      True when one of jax's cluster environments is present, or
-      ``JAX_COORDINATOR_ADDRESS`` is set.
+    """Whether ``jax.distributed`` would find a cluster itself (or ``JAX_COORDINATOR_ADDRESS``).
 
     Example:
       >>> isinstance(cluster_detected(), bool)
@@ -326,14 +291,6 @@ class ProcessOperations(DeviceOperations):
 def describe_transfer(index: int, ins: Transfer, submeshes: Sequence[Any]) -> str:
     """``transfer 3 'act s0->s1 mb0' from mesh 0 (processes [0, 1]) to mesh 1 (...)``.
 
-    Args:
-      index: the instruction's index in the step.
-      ins: the transfer.
-      submeshes: the jax Mesh of each mesh id.
-
-    Returns:
-      The description used in error messages.
-
     Example:
       >>> import jax
       >>> meshes = [jax.make_mesh((1,), ("data",), devices=[d]) for d in jax.devices()[:2]]
@@ -360,22 +317,8 @@ def execute_multi_process(
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
-    Every process calls it with the same step and inputs, in the same order.
-
-    Args:
-      step: the compiled step (identical on every process).
-      inputs: one value per input of the step (consts, state leaves, other leaves).
-      mesh: the `MpmdMesh` (its submeshes may span processes).
-      shardings: a sharding cache to reuse across calls.
-      profile: a list to append a `TaskRecord` per call to, or an `Observer`
-        that records them.
-      observers: more `nnx_mpmd.runtime.interpreter.Observer` s (the finite
-        check), called around the steps this process runs.
-
-    Returns:
-      One value per output: user outputs are arrays this process holds whole;
-      state outputs are global arrays (remote on processes without their
-      devices), or `MpmdArray` of them.
+    Every process calls it alike. User outputs come back whole on every process; state
+    outputs are global arrays (remote where this process has no devices).
 
     Raises:
       DistributedError: a peer died or timed out, or a transfer cannot be made
@@ -450,23 +393,10 @@ def _from_host(host: np.ndarray, like: Any, device: Any) -> jax.Array:
 
 
 def collect_local(values: Sequence[Any], where: str) -> list[Any]:
-    """Every array of ``values`` as an array this process holds whole.
+    """Every array of ``values`` as an array this process holds whole (a collective).
 
-    A collective: every process calls it with the same sequence (same shapes,
-    dtypes and shardings). An array (or `MpmdArray`) that this process holds
-    whole comes back as that local copy; one it does not hold is sent by the
-    lowest process that does, through the coordination service's key-value
-    store, and arrives on this process's first local device. An array split
-    over processes (a sharded copy on a submesh that spans them) is first
-    replicated over its own submesh. Other values come back unchanged. The
-    keys are deleted once every process has read them.
-
-    Args:
-      values: arrays, `MpmdArray` objects and other values.
-      where: what the caller is doing, for error messages.
-
-    Returns:
-      A list like ``values`` with only local arrays.
+    A missing one is sent by the lowest holder through the key-value store (split ones are
+    replicated on their submesh first); other values come back unchanged.
 
     Raises:
       DistributedError: a peer died or timed out.

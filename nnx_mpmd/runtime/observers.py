@@ -140,13 +140,7 @@ class MemoryRecorder(Observer):
         return totals
 
     def record(self, index: int, label: str, store: Sequence[Any]) -> None:
-        """Appends the live bytes of ``store`` to the timeline.
-
-        Args:
-          index: the instruction index (-1 before the first).
-          label: what just ran.
-          store: the slot values.
-        """
+        """Appends the live bytes of ``store`` after instruction ``index`` (-1: before any)."""
         self.timeline.append((index, label, self._bytes(store)))
 
     def record_outputs(self, ins: Call, result: Any) -> None:

@@ -82,10 +82,7 @@ class Profile(list):
         return measured_timeline(self)
 
     def compare(self) -> ProfileComparison:
-        """The measured timeline beside the simulator's, run with the measured task times.
-
-        Returns:
-          A `nnx_mpmd.schedules.ProfileComparison` (``summary()``, ``plot(path)``).
+        """`ProfileComparison` of the measured timeline and the simulator's on the measured times.
 
         Raises:
           MpmdError: the profile does not know the step's task lists.
@@ -98,14 +95,7 @@ class Profile(list):
         return compare_profile(self, self.tasks, self.transfers)
 
     def plot(self, path: Any = None) -> Any:
-        """Draws the measured timeline above the simulated one (`ProfileComparison.plot`).
-
-        Args:
-          path: if given, save the picture there (``.png``, ``.svg`` or ``.pdf``).
-
-        Returns:
-          The ``matplotlib.figure.Figure``.
-        """
+        """Draws the measured timeline above the simulated one (saved to ``path`` if given)."""
         return self.compare().plot(path)
 
 

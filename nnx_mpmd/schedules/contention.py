@@ -27,15 +27,9 @@ __all__ = ["contention_factor", "run_shared"]
 
 
 def contention_factor(contention: Sequence[float], busy: int) -> float:
-    """How much slower a task runs while ``busy`` meshes run tasks at once.
+    """How much slower a task runs while ``busy`` (>= 1) meshes run tasks at once.
 
-    Args:
-      contention: the factor for 1, 2, ... busy meshes (an empty sequence:
-        no contention); beyond its end, its last value.
-      busy: the number of busy meshes (at least 1).
-
-    Returns:
-      The factor (1 when ``contention`` is empty).
+    ``contention`` holds the factors for 1, 2, ... busy meshes (its last beyond; empty: 1).
 
     Example:
       >>> contention_factor((1.0, 1.8, 2.5), 2), contention_factor((1.0, 1.8, 2.5), 6)
@@ -53,27 +47,9 @@ def run_shared(
     overlap: float = 0,
     contention: Sequence[float] = (),
 ) -> tuple[dict[Task, tuple[float, float]], list[tuple[int, Task]]]:
-    """Plays per-mesh lists forward with tasks sharing compute across meshes.
+    """`run_in_order` with shared compute: while ``k`` units run, each goes ``1/factor(k)`` as fast.
 
-    The order rules are `run_in_order`'s: a unit (a task, or a group of
-    overlapped tasks) starts when the unit before it on its mesh and its
-    dependencies have finished (plus ``transfer`` from another mesh), and a
-    group's work is ``max(sum of its members' durations - overlap, longest
-    member)``. What differs is speed: while ``k`` units run, each advances
-    at ``1 / contention_factor(contention, k)``.
-
-    Args:
-      lists: per-mesh ordered task lists (validated).
-      duration: the time a task takes alone.
-      transfer: the extra delay of a dependency that ran on another mesh.
-      overlap: the time hidden when the tasks of a group run overlapped.
-      contention: the factor for 1, 2, ... busy meshes (see
-        `contention_factor`).
-
-    Returns:
-      ``(times, blocked)`` as `run_in_order` returns them: every task's
-      ``(start, end)``, and ``(mesh, task)`` for every mesh that stopped
-      early (empty unless the schedule deadlocks).
+    ``contention`` holds the factors for 1, 2, ... busy meshes (`contention_factor`).
 
     Example:
       >>> from nnx_mpmd.schedules.tasks import parse_tasks

@@ -43,11 +43,7 @@ _IMAGE_FORMATS = (".png", ".svg", ".pdf")
 
 
 def matplotlib_missing() -> str | None:
-    """Why pictures cannot be drawn here, or None when matplotlib imports.
-
-    Returns:
-      None, or one sentence naming the missing package and the command that
-      installs it (`PLOTS_INSTALL`).
+    """Why pictures cannot be drawn here (naming `PLOTS_INSTALL`), or None when matplotlib imports.
 
     Example:
       >>> matplotlib_missing() is None  # matplotlib comes with the dev extra
@@ -61,13 +57,7 @@ def matplotlib_missing() -> str | None:
 
 
 def time_axis_label(costs: Costs | None) -> str:
-    """The x-axis label of a simulated schedule: its time unit.
-
-    Args:
-      costs: the task costs the schedule was simulated with (None: ``Costs()``).
-
-    Returns:
-      The label, e.g. ``"time (units of one forward, F=1)"``.
+    """The x-axis label of a schedule simulated with ``costs`` (None: ``Costs()``): its time unit.
 
     Example:
       >>> time_axis_label(None)
@@ -182,8 +172,7 @@ def plot_gantt(
 ) -> Any:
     """Draws a schedule as a Gantt chart: one row per mesh, boxes coloured by kind.
 
-    Overlapped tasks (`Task.with_next`) share one black outline. Imports matplotlib
-    without pyplot, so no window opens.
+    Overlapped tasks (`Task.with_next`) share one outline; no pyplot window opens.
 
     Args:
       schedule: a `Timeline`, or per-mesh task lists to simulate with ``costs``.

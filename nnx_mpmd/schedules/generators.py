@@ -100,9 +100,6 @@ class Schedule(abc.ABC):
           num_meshes: the number of meshes.
           num_microbatches: the number of microbatches.
 
-        Returns:
-          None.
-
         Example:
           >>> OneFOneB().check(4, 4, 8)
           >>> OneFOneB().check(8, 4, 8)  # doctest: +ELLIPSIS
@@ -162,15 +159,7 @@ def _one_stage_per_mesh(name: str, num_stages: int, num_meshes: int) -> None:
 
 
 def one_f_one_b_order(forwards: list[Task], backwards: list[Task], warmup: int) -> tuple[Task, ...]:
-    """Warm-up forwards, then one forward and one backward in turn, then the rest.
-
-    Args:
-      forwards: the mesh's forwards in the order they run.
-      backwards: its backwards in the order they run.
-      warmup: how many forwards run before the first backward.
-
-    Returns:
-      The mesh's ordered tasks.
+    """One mesh's tasks: ``warmup`` forwards, then forward and backward in turn, then the rest.
 
     Example:
       >>> fs = [Task(0, mb, "F") for mb in range(3)]
@@ -191,14 +180,7 @@ def one_f_one_b_lists(
 ) -> TaskLists:
     """One stage per mesh, each mesh in 1F1B order with ``warmup(r)`` warm-up forwards.
 
-    Args:
-      num_meshes: the meshes, one stage each.
-      num_microbatches: the microbatches.
-      warmup: mesh ``r`` -> its forwards before the first backward, minus one.
-      backward: the backward kind, ``"B"`` (or ``"BI"`` for a split backward).
-
-    Returns:
-      The per-mesh task lists.
+    ``backward`` is ``"B"`` or ``"BI"`` (a split backward).
 
     Example:
       >>> [" ".join(map(str, row)) for row in one_f_one_b_lists(2, 2, lambda r: 1 - r)]

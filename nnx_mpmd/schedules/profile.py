@@ -77,8 +77,7 @@ def _peaks(entries: Sequence[tuple[int, Task, float, float]], num_meshes: int) -
 def measured_timeline(records: Iterable[Sequence[Any]]) -> Timeline:
     """A `Timeline` of the stage tasks in a profile (``step.last_profile``), in seconds.
 
-    Programs that are not schedule tasks are left out; a fused or overlapped
-    program is shown as its tasks, its time split in the ratio of the default `Costs`.
+    Non-task programs are left out; an overlapped program's time is split by the default `Costs`.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples; ``task`` is a
@@ -138,8 +137,7 @@ def _complete(times: dict[str, float]) -> dict[str, float]:
 def fit_costs(records: Iterable[Sequence[Any]], transfers: Iterable[Sequence[Any]] = ()) -> Costs:
     """`Costs` fitted to a profile: the median time of each kind on each stage.
 
-    A program of overlapped tasks is split among its members as
-    `measured_timeline` does, so their medians include the overlap.
+    An overlapped program is split among its members as in `measured_timeline`.
 
     Args:
       records: ``(mesh, label, task, start_s, end_s)`` tuples (``step.last_profile``).

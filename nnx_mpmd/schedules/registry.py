@@ -93,15 +93,7 @@ _SCHEDULE_METHODS = ("tasks", "mesh_of", "check")
 def as_schedule(value: Any, where: str) -> Any:
     """``value`` as a schedule object: a registered name becomes its `Schedule`.
 
-    Objects that are not `Schedule` subclasses are accepted when they have the
-    methods the compiler calls (``tasks``, ``mesh_of``, ``check``).
-
-    Args:
-      value: a `Schedule`, a registered name (``"1f1b"``), or a schedule-like object.
-      where: what received it, for the error message (``"mp.jit(schedule=...)"``).
-
-    Returns:
-      The schedule object.
+    Any object with ``tasks``, ``mesh_of`` and ``check`` is accepted too.
 
     Raises:
       ScheduleError: an unknown name, a schedule class (not an instance), or an

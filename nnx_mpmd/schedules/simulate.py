@@ -220,8 +220,7 @@ class Timeline:
 def peak_activations(tasks: Iterable[Iterable[Task]]) -> tuple[int, ...]:
     """Per mesh, the most microbatch activations held at once.
 
-    An ``F`` adds one activation, a ``B`` or ``BW`` releases it; an overlapped group
-    adds all its forwards' before releasing its backwards'.
+    An ``F`` adds an activation, ``B``/``BW`` releases it; a group adds before it releases.
 
     Args:
       tasks: per-mesh ordered task lists.

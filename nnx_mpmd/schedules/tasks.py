@@ -132,13 +132,7 @@ TaskLists = tuple[tuple[Task, ...], ...]
 
 
 def normalize_tasks(tasks: Iterable[Iterable[Task | str]]) -> TaskLists:
-    """Turns per-mesh lists of tasks (or tokens) into a tuple of tuples of `Task`.
-
-    Args:
-      tasks: for every mesh, its ordered tasks; `Task` objects or text tokens.
-
-    Returns:
-      The same lists as ``tuple[tuple[Task, ...], ...]``.
+    """Per-mesh lists of tasks or tokens as ``tuple[tuple[Task, ...], ...]``.
 
     Example:
       >>> normalize_tasks([["F0.0", "B0.0"]])
@@ -189,9 +183,7 @@ def _parse_group(token: str) -> tuple[Task, ...]:
 def overlap_groups(mesh_tasks: Sequence[Task]) -> tuple[tuple[Task, ...], ...]:
     """One mesh's tasks in groups that run as one program (a lone task is a group of one).
 
-    A group is a run of tasks each of which but the last has ``with_next``;
-    a ``with_next`` on the mesh's last task is ignored here (`validate`
-    reports it).
+    A group is a run of tasks each of which but the last has ``with_next``.
 
     Args:
       mesh_tasks: one mesh's ordered tasks.
@@ -333,8 +325,7 @@ def looped_placement(stage: int, num_stages: int, num_meshes: int) -> int:
 def v_placement(stage: int, num_stages: int, num_meshes: int) -> int:
     """V-shaped placement: mesh ``i`` holds stages ``i`` and ``2p-1-i`` (``p`` meshes).
 
-    The data goes down the meshes and back up, so the first and the last stage
-    share mesh 0.
+    Data goes down the meshes and back up; the first and last stage share mesh 0.
 
     Args:
       stage: the stage.
@@ -360,15 +351,7 @@ def v_placement(stage: int, num_stages: int, num_meshes: int) -> int:
 def stages_by_mesh(
     mesh_of: Callable[[int, int, int], int], num_stages: int, num_meshes: int
 ) -> tuple[tuple[int, ...], ...]:
-    """The stages that each mesh holds, ascending, under the placement ``mesh_of``.
-
-    Args:
-      mesh_of: ``(stage, num_stages, num_meshes) -> mesh``.
-      num_stages: the number of stages.
-      num_meshes: the number of meshes.
-
-    Returns:
-      For every mesh, its stages.
+    """The stages each mesh holds, ascending, under ``mesh_of(stage, num_stages, num_meshes)``.
 
     Example:
       >>> stages_by_mesh(v_placement, 4, 2)
@@ -382,12 +365,6 @@ def stages_by_mesh(
 
 def count_tasks(tasks: Sequence[Sequence[Task]]) -> int:
     """The total number of tasks over all meshes.
-
-    Args:
-      tasks: per-mesh task lists.
-
-    Returns:
-      The number of tasks.
 
     Example:
       >>> count_tasks(parse_tasks("F0.0 B0.0\\nF1.0 B1.0"))

@@ -48,16 +48,7 @@ __all__ = [
 
 
 def dependencies(task: Task, num_stages: int, split: Callable[[int, int], bool]) -> list[Task]:
-    """The tasks that ``task`` waits for.
-
-    Args:
-      task: the task.
-      num_stages: the number of stages ``S``.
-      split: ``(stage, microbatch) -> bool``, True when that pair's backward is
-        split into ``BI``/``BW`` rather than one ``B``.
-
-    Returns:
-      The dependencies of ``task``.
+    """The tasks that ``task`` waits for; ``split(stage, mb)`` says whether its backward is split.
 
     Example:
       >>> dependencies(Task(1, 0, "B"), 3, lambda s, mb: False)
@@ -120,25 +111,14 @@ def run_in_order(
     transfer: float = 0.0,
     overlap: float = 0,
 ) -> tuple[dict[Task, tuple[float, float]], list[tuple[int, Task]]]:
-    """Plays per-mesh lists forward: every task starts as soon as it can.
+    """Plays per-mesh lists forward, every task starting as soon as it can.
 
-    A task waits for the task before it on its mesh and for its dependencies (plus
-    ``transfer`` across meshes). A group of overlapped tasks runs as one unit of
-    ``max(sum of durations - overlap, longest member)``, its members' sub-intervals
-    filling it in list order.
-
-    Args:
-      lists: per-mesh ordered task lists (`validate` checks their dependencies first).
-      duration: the time a task takes.
-      transfer: the extra delay of a dependency that ran on another mesh.
-      overlap: the time hidden when the tasks of a group run overlapped
-        (`nnx_mpmd.schedules.Costs.overlap`).
+    A task waits for its mesh's previous task and its dependencies (+ ``transfer`` across
+    meshes); an overlapped group takes ``max(sum - overlap, longest member)``.
 
     Returns:
-      ``(times, blocked)``: ``times`` maps every task that ran to its
-      ``(start, end)``; ``blocked`` lists ``(mesh, task)`` for every mesh that
-      stopped early, ``task`` being the first task of the unit it waits at
-      (empty unless the schedule deadlocks).
+      ``(times, blocked)``: ``{task: (start, end)}`` of the tasks that ran, and
+      ``(mesh, first task of the unit it waits at)`` per mesh that deadlocked.
 
     Example:
       >>> times, blocked = run_in_order(((Task(0, 0, "F"), Task(0, 0, "B")),), lambda t: 1.0)
@@ -213,15 +193,7 @@ class Playback:
         free_at: float,
         transfer: float,
     ) -> float | None:
-        """When ``group`` can start on ``mesh``, or None while a dependency has not run.
-
-        Args:
-          mesh: the group's mesh.
-          group: the unit.
-          done: when each finished task's outputs are ready.
-          free_at: when the unit before it on ``mesh`` ends.
-          transfer: the delay of a dependency from another mesh.
-        """
+        """When ``group`` can start on ``mesh``, or None while a dependency has not run."""
         deps = external_dependencies(group, self.num_stages, self.split)
         if any(dep not in done for dep in deps):
             return None
@@ -243,8 +215,7 @@ class Playback:
 
 
 def group_work(lengths: Sequence[float], overlap: float) -> float:
-    """How long a unit of tasks with durations ``lengths`` takes: ``max(sum - overlap,
-    longest)`` for a group, the duration for a lone task.
+    """A unit's time: ``max(sum - overlap, longest)`` for a group, the duration of a lone task.
 
     Example:
       >>> group_work([1.0], 0.5), group_work([1.0, 2.0], 0.5), group_work([1.0, 2.0], 5.0)
@@ -278,19 +249,9 @@ def _place_group(
 def group_intervals(
     group: Iterable[Task], lengths: Iterable[float], start: float, span: float
 ) -> list[tuple[Task, float, float]]:
-    """The consecutive sub-intervals of a group's members, filling ``span`` from ``start``.
+    """``(task, start, end)`` per group member: consecutive shares of ``span`` from ``start``.
 
-    Each member's share is its length over the sum of lengths (back to back when
-    nothing is hidden).
-
-    Args:
-      group: the members, in order.
-      lengths: each member's length (its duration, or a weight).
-      start: when the group starts.
-      span: how long the group takes.
-
-    Returns:
-      ``(task, start, end)`` per member; the last ends at ``start + span``.
+    Each member's share is proportional to its entry of ``lengths``.
 
     Example:
       >>> from nnx_mpmd.schedules.tasks import parse_tasks
@@ -313,19 +274,10 @@ def group_intervals(
 def external_dependencies(
     group: Iterable[Task], num_stages: int, split: Callable[[int, int], bool]
 ) -> list[Task]:
-    """What a group of overlapped tasks waits for: its members' dependencies outside it.
+    """What a group of overlapped tasks waits for: its members' dependencies outside it, in order.
 
-    A ``BW`` whose own ``BI`` is in the group needs nothing (the group runs
-    its full backward); any other dependency on a member stays in the list,
-    so a group that feeds itself never becomes ready (`validate` reports it).
-
-    Args:
-      group: the tasks of one group (a lone task is a group of one).
-      num_stages: the number of stages ``S``.
-      split: ``(stage, microbatch) -> bool``, as for `dependencies`.
-
-    Returns:
-      The dependencies, each once, in the order of the members.
+    A ``BW`` whose ``BI`` is in the group needs nothing; other dependencies on a member stay,
+    so a group feeding itself never becomes ready (`validate` reports it).
 
     Example:
       >>> from nnx_mpmd.schedules.tasks import parse_tasks

@@ -50,16 +50,7 @@ __all__ = ["donate_step_inputs", "transfer_sources"]
 def donate_step_inputs(
     program: Sequence[Instruction], keep: set[int], donated_slots: set[int]
 ) -> list[Instruction]:
-    """Pass: calls that last read a donated step input donate it (see the module docstring).
-
-    Args:
-      program: the instruction list (after `insert_frees`).
-      keep: slots the step returns.
-      donated_slots: the slots holding the donated arguments' state leaves.
-
-    Returns:
-      A new list; calls that donate run their program jitted to donate.
-    """
+    """Pass: calls that last read a donated step input donate it (see the module docstring)."""
     if not donated_slots:
         return list(program)
     last_read, _ = last_reads(program)
@@ -78,10 +69,9 @@ def donate_step_inputs(
 
 
 def transfer_sources(program: Sequence[Instruction]) -> set[int]:
-    """The slots that some transfer of ``program`` reads: not to be donated across processes.
+    """The slots some transfer of ``program`` reads: not to be donated across processes.
 
-    A move to another process may read the sender's buffer after later programs
-    ran, and a donated buffer is gone by then.
+    A move to another process may read the buffer after later programs ran.
 
     Example:
       >>> transfer_sources([Transfer(0, 3, 1, "tied embedding", src_mesh=0)])

@@ -191,19 +191,9 @@ def schedule_tasks(
 
 
 def dedupe_programs(instructions: Sequence[Instruction]) -> dict[str, Any]:
-    """The programs the instruction list calls, one callable per name.
+    """``{name: program}`` of the programs some `Call` uses, in name order (unused ones dropped).
 
-    Programs built but never called (a backward the schedule fuses, say) are
-    dropped.
-
-    Args:
-      instructions: the step's instructions.
-
-    Returns:
-      ``{name: program}`` for the names some `Call` uses, in name order.
-
-    Raises:
-      AssertionError: two different callables under one name (a compiler bug).
+    Two callables under one name raise AssertionError (a compiler bug).
 
     Example:
       >>> from nnx_mpmd.compiler.ir import ProgramKey
@@ -371,22 +361,8 @@ def compile_step(
 ) -> CompiledStep:
     """Lowers ``fn`` for ``mesh`` and ``schedule``: the passes in this module's order.
 
-    Args:
-      fn: the step.
-      flat: its arguments.
-      mesh: the `MpmdMesh`.
-      schedule: the schedule object.
-      num_microbatches: microbatches per step.
-      state_avals: where each state leaf lives (default: where it is now); give
-        where `place` would put it to lower without placing.
-      other_avals: the same for the other leaves (default: where they are).
-      batch_axis: the submesh axis microbatches are sharded over, or None.
-      transfer_warning_bytes: report transfers outside the region above this.
-      donated_state: indices of the state leaves whose buffers the step may
-        reuse (`donate_inputs.donate_step_inputs`).
-
-    Returns:
-      The `CompiledStep`, with the IR after every pass in ``passes``.
+    ``state_avals``/``other_avals`` say where leaves will be (default: where they are), to
+    lower without placing; ``donated_state`` are the state leaves whose buffers may be reused.
     """
     with collector_paused():
         return _compile_step(

@@ -97,13 +97,7 @@ def _meshes(ins: Instruction, slot_meshes: dict[int, set[int]]) -> set[int]:
 
 
 def ticks(program: Sequence[Instruction]) -> list[int]:
-    """The tick of every instruction (see the module docstring).
-
-    Args:
-      program: the instruction list.
-
-    Returns:
-      One tick per instruction, from 0.
+    """The tick of every instruction, from 0 (see the module docstring).
 
     Raises:
       CompileError: an instruction is not a `Call`, `Transfer`, `TransferBatch` or `Free`.
@@ -156,12 +150,7 @@ def ticks(program: Sequence[Instruction]) -> list[int]:
 def schedule_ticks(program: Sequence[Instruction]) -> list[Instruction]:
     """Pass: ``program`` reordered tick by tick; within a tick frees, calls, transfers.
 
-    Args:
-      program: the instruction list (after `insert_frees`).
-
-    Returns:
-      A new list with the same instructions: each mesh's calls in their order,
-      every instruction after all earlier ones that touch its slots.
+    Each mesh's calls keep their order; an instruction follows every earlier one touching its slots.
 
     Example:
       >>> from nnx_mpmd.compiler.ir import Free
@@ -180,15 +169,7 @@ def _batchable(ins: Instruction) -> bool:
 def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
     """Pass: each run of consecutive independent transfers becomes one `TransferBatch`.
 
-    A run ends at any other instruction, at a transfer that reshapes
-    microbatches, and at a transfer that reads or writes a slot another
-    member writes. A run of one stays a `Transfer`.
-
-    Args:
-      program: the instruction list (after `schedule_ticks`).
-
-    Returns:
-      A new list.
+    A run ends at another instruction, a reshaping transfer, or a slot another member writes.
 
     Example:
       >>> from nnx_mpmd.compiler.ir import Transfer
@@ -226,13 +207,7 @@ def batch_transfers(program: Sequence[Instruction]) -> list[Instruction]:
 
 
 def merge_frees(program: Sequence[Instruction]) -> list[Instruction]:
-    """Pass: each run of consecutive `Free`s becomes one `Free` of all their slots.
-
-    Args:
-      program: the instruction list.
-
-    Returns:
-      A new list; a merged `Free` lists its slots in order, each once.
+    """Pass: each run of consecutive frees becomes one `Free` of their slots, in order, each once.
 
     Example:
       >>> merge_frees([Free((3,)), Free((1, 3)), Transfer(0, 2, 1, "x"), Free((0,))])

@@ -106,19 +106,10 @@ def plan_outer_problem(
     *,
     warning_stacklevel: int = 4,
 ) -> OuterPlan:
-    """Assigns the step's equations to meshes and emits their instructions.
+    """Assigns the step's equations to meshes and emits their instructions (an `OuterPlan`).
 
-    Args:
-      problem: the step's jaxpr and where its values live.
-      slots: the step's slot table (the outer code's slots are allocated in it).
-      region_builder: the region's passes, run at the region's place:
-        ``(input_slot(r, mesh), home(r)) -> (instructions, output locations)``.
-      region_needs: region input index -> the meshes whose stages read it.
-      warning_stacklevel: the frame an `MpmdTransferWarning` names, counted from
-        this function (1: this function), like ``warnings.warn``'s.
-
-    Returns:
-      The `OuterPlan`, with the result of every pass in ``passes``.
+    ``region_builder`` runs the region's passes at its place; ``warning_stacklevel`` counts
+    from this function, like ``warnings.warn``'s.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -288,15 +288,7 @@ def _require_region_callbacks(jaxpr: Any, region_at: int, *callbacks: Any) -> No
 def needed_meshes(
     problem: OuterProblem, region_at: int, region_needs: RegionNeeds | None
 ) -> dict[Any, frozenset[int]]:
-    """Pass (backward): the meshes that use each value.
-
-    Args:
-      problem: the step.
-      region_at: the region's index (`locate_region`).
-      region_needs: region input index -> the meshes whose stages read it.
-
-    Returns:
-      value -> meshes; values needed nowhere are absent.
+    """Pass (backward): value -> the meshes that use it (values needed nowhere are absent).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -374,16 +366,7 @@ SMALL_RESULT_BYTES = 64
 def choose_meshes(eqn: Any, wanted: frozenset[int], avail: Mapping[Any, Any]) -> frozenset[int]:
     """The meshes that run ``eqn``: everywhere it is wanted, or once and shipped.
 
-    The cheaper in bytes wins; a tie runs once for a result larger than
-    `SMALL_RESULT_BYTES` and everywhere for a small one (latency, not bytes, counts).
-
-    Args:
-      eqn: the equation.
-      wanted: the meshes that need its results.
-      avail: value -> the meshes holding it now.
-
-    Returns:
-      The meshes.
+    Fewer bytes wins; a tie runs once for results over `SMALL_RESULT_BYTES`, else everywhere.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -419,16 +402,7 @@ def assign_meshes(
 ) -> MeshAssignment:
     """Pass (forward): the meshes each equation runs on, and the moves that feed them.
 
-    Args:
-      problem: the step.
-      need: `needed_meshes`'s result.
-      region_at: the region's index (`locate_region`).
-      region_needs: region input index -> meshes that read it.
-      place_region: called at the region's place with where every value is then
-        (after the region's inputs moved); builds the region (`build_region`).
-
-    Returns:
-      The `MeshAssignment`.
+    ``place_region`` builds the region where every value is then (`build_region`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -523,20 +497,8 @@ def build_region(
 ) -> RegionPlacement:
     """Runs the region's passes at the region's place (``place_region`` of `assign_meshes`).
 
-    Gives the builder each region input's slot on a mesh (``BatchOnMesh`` for
-    batches) and its home mesh, then names the region's output slots
-    ``ValueOnMesh(output, mesh)`` in ``slots`` (an output that is one of the
-    region's inputs shares that input's slots).
-
-    Args:
-      problem: the step.
-      slots: the step's slot table (written: the region's slots).
-      region_builder: the region's passes.
-      region_at: the region's index.
-      placement: value -> meshes holding it, after the region's inputs moved.
-
-    Returns:
-      The region's instructions and the meshes holding each of its outputs.
+    Gives the builder each input's slot and home mesh, then names the output slots
+    ``ValueOnMesh(output, mesh)`` in ``slots`` (an output that is an input shares its slots).
     """
     eqn = problem.jaxpr.eqns[region_at]
 

@@ -161,14 +161,7 @@ class OuterLevels:
 def level_equations(assignment: MeshAssignment) -> OuterLevels:
     """Pass: groups each mesh's equations into levels; places the transfers between them.
 
-    An equation's level is the highest of its inputs'; a copied value arrives one
-    level after its source. Levels restart at 0 after the region.
-
-    Args:
-      assignment: `outer_assign.assign_meshes`'s result.
-
-    Returns:
-      The `OuterLevels`.
+    An equation's level is its inputs' highest; a copy arrives one level later; 0 after the region.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -205,23 +198,10 @@ def level_equations(assignment: MeshAssignment) -> OuterLevels:
 
 
 def defer_equations(levels: OuterLevels) -> OuterLevels:
-    """Pass: moves each equation to the latest level its readers allow, on its mesh.
+    """Pass: moves each equation to the latest level its readers on its mesh allow.
 
-    `level_equations` runs an equation as early as its inputs allow, so a level
-    before a cross-mesh transfer also holds work that only a later level reads
-    (with a global-norm clip: Adam's ``b1 * mu`` before the norm arrives). That
-    costs a program output and a buffer per value, and a second XLA kernel where
-    one fused kernel would do. Here an equation runs at the lowest level among
-    its readers on the same mesh and segment, at most one level before a
-    transfer that copies one of its outputs, else at the mesh's last level in
-    its segment. Transfers stay where they are, no level is added to a mesh, and
-    equations with effects keep their level.
-
-    Args:
-      levels: `level_equations`'s result.
-
-    Returns:
-      The `OuterLevels` with the same transfers and equations moved.
+    Early work costs a program output, a buffer and an unfused kernel per value; transfers,
+    level counts and equations with effects stay put.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -314,20 +294,8 @@ def emit_outer_program(
 ) -> OuterProgram:
     """Pass: one `Call` per `OuterGroup`, the `Transfer`s, the region in between.
 
-    Per segment (pre, post) and level: that level's transfers, then each mesh's
-    program of that level in mesh order; after the pre segment, the region's
-    instructions. A program returns the values read by another program, a
-    transfer, the region or the step's outputs; state outputs take their
-    sharding (``problem.out_sharding``). Slots are allocated in a fixed order:
-    the outputs, the programs, the transfers, the inputs.
-
-    Args:
-      problem: the step.
-      levels: `level_equations`'s result.
-      slots: the step's slot table (written).
-
-    Returns:
-      The `OuterProgram`.
+    Per segment and level: transfers, then each mesh's program; state outputs take
+    ``problem.out_sharding``; slots go outputs, programs, transfers, inputs.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -375,16 +343,9 @@ def emit_outer_program(
 
 
 def kept_values(problem: OuterProblem, levels: OuterLevels) -> set[ValueOnMesh]:
-    """Values read outside their program: by a transfer, the region or the step's outputs.
+    """Values read outside their program, by mesh: by a transfer, the region or the outputs.
 
-    A `PackedTransfer`'s values are not: their program returns them packed.
-
-    Args:
-      problem: the step.
-      levels: `level_equations`'s result, or a later pass's.
-
-    Returns:
-      The values, by mesh.
+    A `PackedTransfer`'s values are not (their program returns them packed).
     """
     assignment = levels.assignment
     kept = {ValueOnMesh(t.var, t.src) for t in levels.transfers if isinstance(t, OuterTransfer)}
@@ -577,20 +538,10 @@ def _packed_transfer(problem: OuterProblem, pack: PackedTransfer, slots: SlotTab
 def report_transfers(
     problem: OuterProblem, levels: OuterLevels, *, stacklevel: int = 2
 ) -> list[CrossMeshTransfer]:
-    """Pass: the transfers between meshes outside the region; warns about large ones.
+    """Pass: the transfers between meshes outside the region, in order; warns about large ones.
 
-    Transfers from the host and batches on their way to the region are not
-    reported. Each transfer above ``problem.transfer_warning_bytes`` raises an
-    `MpmdTransferWarning` (once per transfer).
-
-    Args:
-      problem: the step.
-      levels: `level_equations`'s result.
-      stacklevel: the warning's ``stacklevel``, counted from this function's caller
-        (1: the caller).
-
-    Returns:
-      The `CrossMeshTransfer` list, in the order the transfers were needed.
+    Host transfers and batches bound for the region are left out; each one above
+    ``problem.transfer_warning_bytes`` warns `MpmdTransferWarning` once.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -631,16 +582,7 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
 def constrain_to(x: Any, sharding: Any) -> Any:
     """``x`` with ``sharding`` inside a traced program, on Explicit and Auto axes.
 
-    Explicit axes are part of the value's type, so they are set with
-    ``jax.sharding.reshard``; Auto axes take a ``with_sharding_constraint``
-    (which JAX allows only on Auto axes). A spec over both kinds does both.
-
-    Args:
-      x: a traced value.
-      sharding: a ``NamedSharding`` on one submesh.
-
-    Returns:
-      ``x`` resharded / constrained to ``sharding``.
+    ``reshard`` for Explicit axes (part of the type), ``with_sharding_constraint`` for Auto ones.
 
     Example:
       >>> import jax

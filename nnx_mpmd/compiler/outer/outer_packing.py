@@ -123,17 +123,9 @@ def _packable(t: Any, kept: set[ValueOnMesh]) -> bool:
 
 
 def pack_transfers(levels: Any, kept: set[ValueOnMesh]) -> Any:
-    """Pass: the small values one program sends to one mesh become one `PackedTransfer`.
+    """Pass: two or more small values one program sends to one mesh become one `PackedTransfer`.
 
-    Replicated values of at most `PACK_MAX_BYTES` that only programs read, from one
-    source program to one mesh with one dtype, are packed when there are two or more.
-
-    Args:
-      levels: `outer_emit.defer_equations`'s result (an `outer_emit.OuterLevels`).
-      kept: the values read outside their program (`outer_emit.kept_values`).
-
-    Returns:
-      The `outer_emit.OuterLevels` with the packed transfers replaced.
+    Replicated, at most `PACK_MAX_BYTES`, read only by programs, of one dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -187,13 +179,7 @@ def transfer_text(pack: PackedTransfer, names: Mapping[Any, str]) -> str:
 
 
 def pack_values(values: Sequence[Any]) -> Any:
-    """The values flattened into one 1-D array (their dtype and weak type kept).
-
-    Args:
-      values: arrays of one dtype.
-
-    Returns:
-      Their elements, value after value.
+    """Arrays of one dtype flattened into one 1-D array (dtype and weak type kept).
 
     Example:
       >>> import jax.numpy as jnp
@@ -214,18 +200,11 @@ def packed_function(
     pack: Sequence[tuple[int, ...]],
     num_outputs: int,
 ) -> Callable[..., tuple[Any, ...]]:
-    """``run`` (free values -> outputs) reading packed arrays and returning some.
+    """``run`` (free values -> outputs) reading packed arrays and returning packed ones after.
 
     Args:
-      run: the program's function over its free values.
-      unpack: per free value, ``(argument, None)`` for an argument of its own,
-        or ``(argument, (offset, shape))`` for a value packed in an argument.
+      unpack: per free value, ``(argument, None)``, or ``(argument, (offset, shape))`` if packed.
       pack: per packed output, the positions of ``run``'s outputs it stacks.
-      num_outputs: how many of ``run``'s outputs the program returns as they are
-        (the first ones).
-
-    Returns:
-      The program's function: its outputs, then the packed arrays.
 
     Example:
       >>> import jax.numpy as jnp

@@ -64,16 +64,7 @@ class _Pieces:
 def drop_unread_equations(levels: OuterLevels, kept: set[ValueOnMesh]) -> OuterLevels:
     """Pass: removes each equation from the meshes where nothing reads its results.
 
-    An equation stays on a mesh when it has effects, or when a result of it
-    there is kept (`outer_emit.kept_values`), packed into a transfer, or read by
-    an equation that stays on that mesh. Programs left empty disappear.
-
-    Args:
-      levels: `outer_packing.pack_transfers`'s result.
-      kept: the values read outside their program (`outer_emit.kept_values`).
-
-    Returns:
-      The `OuterLevels` without the unread equations.
+    It stays where it has effects, or a result is kept, packed, or read by a staying equation.
 
     Example:
       >>> import dataclasses, jax, jax.numpy as jnp
@@ -121,17 +112,8 @@ def drop_unread_equations(levels: OuterLevels, kept: set[ValueOnMesh]) -> OuterL
 def split_common_parts(levels: OuterLevels) -> OuterLevels:
     """Pass: splits programs that contain an equal-shaped mesh's program into it and the rest.
 
-    Per segment and level, the smallest program whose pieces others contain is the
-    common part (`Part.COMMON`), compiled once for all of them; the rest of each
-    program is its `Part.WHOLE` (or `Part.PROLOGUE` for the core's own).
-
-    Args:
-      levels: `drop_unread_equations`'s result.
-
-    Returns:
-      The `OuterLevels` with the split programs (``post.L1.mesh0`` and
-      ``post_common.L1.mesh0``; ``post_prologue.L1.mesh1`` and
-      ``post_common.L1.mesh1``).
+    Per segment and level the smallest contained program is the common part (`Part.COMMON`,
+    ``post_common.L1.mesh0``), compiled once; the rest is `Part.WHOLE` or `Part.PROLOGUE`.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -96,16 +96,7 @@ def _composed(ctx: RegionContext, key: ProgramKey, calls: Sequence[Call]) -> Cal
 
 
 def overlapped_call(ctx: RegionContext, members: Sequence[Call]) -> Call:
-    """The one `Call` that runs the calls of an overlapped group.
-
-    Args:
-      ctx: the region's context (its ``programs`` gain the group's program).
-      members: the group's calls, in the schedule's order, on one mesh.
-
-    Returns:
-      A `Call` whose arguments are the members' arguments one after the
-      other, whose results are the tuple of the members' results, and whose
-      ``task`` is the tuple of the members' schedule tasks.
+    """The one `Call` running an overlapped group: arguments and results concatenated, tasks tupled.
 
     Raises:
       CompileError: a member is not a stage task of kind F, B, BI or BW, or
@@ -138,16 +129,7 @@ def overlapped_call(ctx: RegionContext, members: Sequence[Call]) -> Call:
 
 
 def overlap_tasks(program: Sequence[Instruction], ctx: RegionContext) -> list[Instruction]:
-    """Pass: every group of overlapped tasks (`Task.with_next`) becomes one `Call`.
-
-    Args:
-      program: the region's instructions (from `schedule_lowering.lower_schedule`,
-        which emits a group's calls consecutively).
-      ctx: the region's context.
-
-    Returns:
-      A new list; the input is not changed. Without overlapped tasks, the same
-      instructions.
+    """Pass: every group of overlapped tasks (`Task.with_next`) becomes one `Call` (a new list).
 
     Raises:
       CompileError: a group is not contiguous on its mesh, or cannot run as

@@ -81,13 +81,6 @@ def _stacked_outputs(ctx: RegionContext) -> tuple[list[Instruction], OutputLocat
 def collect_results(ctx: RegionContext) -> tuple[list[Instruction], OutputLocations]:
     """The loss and aux outputs: their accumulators, or stacked forward-only results.
 
-    Args:
-      ctx: the region's context.
-
-    Returns:
-      The instructions to append (``stack`` calls for a forward-only step) and
-      one location per output.
-
     Raises:
       CompileError: an output does not come from a stage.
     """
@@ -130,17 +123,7 @@ def _gradient_home(
 def reduce_shared_gradients(
     ctx: RegionContext, home_mesh: Callable[[int], int]
 ) -> tuple[list[Instruction], OutputLocations]:
-    """One gradient per differentiated parameter, on the parameter's home mesh.
-
-    Args:
-      ctx: the region's context (training).
-      home_mesh: ``region input index -> mesh`` of the parameter's home copy.
-
-    Returns:
-      The instructions to append (transfers home, ``sum`` of several stages'
-      contributions, ``zeros`` for a parameter no stage uses) and one location
-      per parameter.
-    """
+    """One gradient per differentiated parameter on its home mesh: moved, summed or zeros."""
     program: list[Instruction] = []
     locations: OutputLocations = []
     info = ctx.plan.info
@@ -170,15 +153,7 @@ def reduce_shared_gradients(
 def carry_state_home(
     ctx: RegionContext, home_mesh: Callable[[int], int]
 ) -> tuple[list[Instruction], OutputLocations]:
-    """The region's other outputs: mutable state, passed-through inputs, literals.
-
-    Args:
-      ctx: the region's context.
-      home_mesh: ``region input index -> mesh`` where the state lives.
-
-    Returns:
-      The instructions to append (a transfer when the stage that updates the
-      state runs on another mesh) and one location per output.
+    """The region's other outputs (mutable state, passed-through inputs, literals), moved home.
 
     Raises:
       CompileError: state other than RNG streams is used by several stages.
@@ -215,16 +190,9 @@ def carry_state_home(
 def region_outputs(
     program: Sequence[Instruction], ctx: RegionContext, home_mesh: Callable[[int], int]
 ) -> tuple[list[Instruction], OutputLocations]:
-    """Appends what the region's outputs take and says where each one lies.
+    """Appends what the region's outputs take; returns ``(new list, locations per output)``.
 
-    Args:
-      program: the region's instructions so far.
-      ctx: the region's context.
-      home_mesh: ``region input index -> mesh`` of a parameter's or state's home copy.
-
-    Returns:
-      ``(instructions, locations)``: a new list (the input is not changed) and,
-      per region output in order (loss, aux, gradients, state), its locations.
+    Outputs are loss, aux, gradients, state, in order; ``home_mesh`` maps an input to its home.
     """
     result, locations = list(program), []
     for added, where in (

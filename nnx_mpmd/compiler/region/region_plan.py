@@ -162,11 +162,8 @@ def compile_stage_programs(
 ) -> dict[ProgramKey, Callable[..., Any]]:
     """Every stage's programs, jitted lazily: F, B, FB, BI, Fwd, BW, init (and reduce).
 
-    Accumulators and other per-step buffers are donated (the forward's loss/aux
-    accumulator, the backward's and ``reduce``'s gradient accumulator, the latter
-    only where no gradient is reduce-scattered or stacked: see `_LazyReduce`).
-    ``reduce`` exists for stages that accumulate unreduced or stacked gradients
-    (`grad_reduction`, `grad_reduction_auto`).
+    Per-step accumulators are donated (the gradient one only where nothing is reduce-scattered
+    or stacked, `_LazyReduce`); ``reduce`` exists for unreduced or stacked gradients.
     """
     programs: dict[ProgramKey, Callable[..., Any]] = {}
     for k, f in enumerate(fns):
@@ -206,11 +203,7 @@ class _Donating:
 def donatable_cotangents(fns: Sequence[StageFunctions]) -> dict[ProgramKey, Donatable]:
     """The backward programs (B, BI, FB) that could donate the cotangents they receive.
 
-    A stage qualifies when its cotangents have its input cotangents' types
-    (`StageFunctions.cotangents_fit_inputs`), so XLA writes ``ct_xd`` into the
-    received cotangents' buffers instead of allocating (and the host frees
-    nothing). `nnx_mpmd.compiler.ir.donate_dead_arguments` decides
-    per program whether its calls allow it.
+    Then XLA writes ``ct_xd`` into the received buffers; `donate_dead_arguments` decides per call.
     """
     donatable: dict[ProgramKey, Donatable] = {}
     for k, f in enumerate(fns):
@@ -279,22 +272,9 @@ def assign_slots(
     input_slot: Callable[[int, int], int],
     submeshes: Sequence[Any],
 ) -> NumberedRegion:
-    """Numbers every `RegionValue` of the region: the last of the region's passes.
+    """Numbers every `RegionValue` of the region in order of first appearance (the last pass).
 
-    Values are numbered in order of first appearance (a forward's sent values,
-    a forward-only task's outputs and a zero gradient before the call's
-    arguments). A region input takes the slot the outer step gives
-    it; a microbatch index becomes a constant on its mesh.
-
-    Args:
-      program: the region's instructions over `RegionValue` keys.
-      locations: per region output, ``[(mesh, value)]`` (or input/literal).
-      slots: the step's slot table (numbers are allocated from it).
-      input_slot: ``(region input index, mesh) -> slot`` from the outer step.
-      submeshes: the jax Mesh of each mesh id (for the constants).
-
-    Returns:
-      The `NumberedRegion`.
+    A region input takes the outer step's slot (``input_slot``); a microbatch index is a constant.
     """
     numbers: dict[RegionValue, int] = {}
     constants: dict[int, Any] = {}
@@ -339,19 +319,8 @@ def build_region_program(
 ) -> RegionProgram:
     """Emits the region's instructions for one schedule: the region's passes in order.
 
-    Args:
-      plan: the region cut into stages.
-      fns: one `StageFunctions` per stage.
-      tasks: per-mesh task lists (from the schedule).
-      stage_mesh: the mesh of each stage.
-      submeshes: the jax Mesh of each mesh id.
-      slots: slot allocator shared with the rest of the step.
-      input_slot: ``(region input index, mesh) -> slot`` where the outer step
-        makes that input available (batch inputs already reshaped).
-      home_mesh: ``region input index -> mesh`` of a parameter's home copy.
-
-    Returns:
-      The `RegionProgram`, with the instructions after each pass in ``passes``.
+    ``input_slot(r, mesh)`` is where the outer step makes input ``r`` available (batches
+    reshaped); ``home_mesh(r)`` is a parameter's home.
     """
     programs = compile_stage_programs(fns, stage_mesh, submeshes)
     ctx = RegionContext.build(plan, fns, stage_mesh, programs)

@@ -117,23 +117,13 @@ def _missing_reads(
 
 
 def insert_transfers(program: Sequence[Instruction], ctx: RegionContext) -> list[Instruction]:
-    """Adds a `Transfer` for every value a call reads on a mesh other than its producer's.
+    """Adds a `Transfer` after the producer of every value a call reads on another mesh.
 
-    Each transfer follows its producer; activations are labelled ``act sK->sC mbI``,
-    cotangents ``grad sK->sP mbI``.
-
-    Args:
-      program: the region's instructions, every argument a `RegionValue` on the
-        reading call's mesh.
-      ctx: the region's context (for value sizes).
-
-    Returns:
-      A new list; the input is not changed. A value already copied by a
-      `Transfer` in the input is not copied again.
+    Labels: ``act sK->sC mbI``, ``grad sK->sP mbI``; a value already copied is not copied again.
 
     Raises:
-      CompileError: a value is read before any instruction produces it, or a
-        value other than an activation or a cotangent would cross meshes.
+      CompileError: a value is read before it is produced, or a value other than an
+        activation or cotangent would cross meshes.
     """
     missing = _missing_reads(program)
     result: list[Instruction] = []

@@ -85,13 +85,7 @@ class RegionValue:
 
 
 def region_values_in(tree: Any) -> list[RegionValue]:
-    """The `RegionValue` leaves of a nested tuple of slots, in order.
-
-    Args:
-      tree: a slot, or nested tuples/lists of slots (ints and `RegionValue` keys).
-
-    Returns:
-      The `RegionValue` leaves; int slots are skipped.
+    """The `RegionValue` leaves of nested tuples/lists of slots, in order (int slots skipped).
 
     Example:
       >>> act = RegionValue("act", (0,), microbatch=1, mesh=0)

@@ -70,25 +70,12 @@ def _ready(group: Sequence[Any], done: set[tuple], deps: Callable[[Any], list[tu
 def dispatch_order(
     plan: StagePlan, tasks: Any, fns: Sequence[StageFunctions]
 ) -> list[tuple[int, Any]]:
-    """A global order of ``(mesh, task)`` consistent with every mesh's list.
+    """A global order of ``(mesh, task)`` consistent with every mesh's list, round by round.
 
-    Tasks that run overlapped (`Task.with_next`) are one unit: the group is
-    dispatched when every dependency of its members is done (a ``BW`` may
-    depend on its own ``BI`` in the group), and its members come out
-    consecutively.
-
-    Args:
-      plan: the region cut into stages (for the tasks' dependencies).
-      tasks: per-mesh task lists.
-      fns: one `StageFunctions` per stage.
-
-    Returns:
-      ``(mesh, task)`` pairs: each round advances every mesh whose next task's
-      (or group's) dependencies are done, meshes in order.
+    An overlapped group is one unit, dispatched when its members' dependencies are done.
 
     Raises:
-      ScheduleError: if the task lists deadlock (no mesh can advance), for
-        instance when a member of a group depends on another member.
+      ScheduleError: the task lists deadlock (e.g. a group member depends on another).
     """
     groups = [overlap_groups(mesh_tasks) for mesh_tasks in tasks]
     pos = [0] * len(groups)
@@ -123,15 +110,7 @@ def dispatch_order(
 
 
 def init_accumulators(ctx: RegionContext) -> list[Instruction]:
-    """One ``init`` call per stage: zero gradient and loss/aux accumulators.
-
-    Args:
-      ctx: the region's context (training only: a forward-only step has none).
-
-    Returns:
-      The calls, stage by stage; each reads the stage's parameters (for their
-      shapes and shardings) and writes its ``grad`` and ``acc`` values.
-    """
+    """One ``init`` call per stage, writing its zero ``grad`` and ``acc`` accumulators."""
     calls: list[Instruction] = []
     for k, f in enumerate(ctx.fns if ctx.with_grad else []):
         q = ctx.stage_mesh[k]
@@ -204,16 +183,10 @@ def lower_task(ctx: RegionContext, mesh: int, task: Any) -> Call:
 
 
 def lower_schedule(ctx: RegionContext, tasks: Any) -> list[Instruction]:
-    """The schedule as calls: accumulator ``init`` calls, then one `Call` per task.
+    """The schedule as calls in `dispatch_order`: ``init`` calls, then one `Call` per task.
 
-    Args:
-      ctx: the region's context.
-      tasks: per-mesh task lists (from the schedule). A forward-only step runs
-        the lists' forward tasks, in their order.
-
-    Returns:
-      The calls in `dispatch_order`. Every argument is a `RegionValue` on the
-      call's own mesh; no value moves between meshes yet.
+    Each argument is a `RegionValue` on the call's own mesh; nothing moves yet.
+    A forward-only step runs the forward tasks only.
 
     Raises:
       ScheduleError: the task lists deadlock.
@@ -274,17 +247,9 @@ def _fused_call(ctx: RegionContext, forward: Call, backward: Call) -> Call:
 
 
 def fuse_forward_backward(program: Sequence[Instruction], ctx: RegionContext) -> list[Instruction]:
-    """Fuses each forward with the backward that directly follows it on its mesh.
+    """Fuses each forward with the backward that directly follows it on its mesh (a new list).
 
-    Only for a stage that sends no differentiable values (its backward needs no
-    later cotangent): the fused ``FB`` program keeps no residuals.
-
-    Args:
-      program: the region's instructions (from `lower_schedule`).
-      ctx: the region's context.
-
-    Returns:
-      A new list; the input is not changed.
+    Only for stages that send no differentiable values: the ``FB`` program keeps no residuals.
     """
     following = _next_call_on_same_mesh(program)
     fused_away: set[int] = set()

@@ -56,17 +56,9 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
 
 
 def captured_graph_nodes(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """The NNX graph nodes ``fn`` reaches without arguments, with their names.
+    """``[(name, node)]`` of the NNX graph nodes ``fn`` reaches without arguments, each once.
 
-    Follows closure cells, ``functools.partial`` arguments, bound methods and the
-    module globals named by ``fn``'s code, into other plain functions up to a
-    small depth. Graph nodes are not searched inside.
-
-    Args:
-      fn: a function (the loss function, or a whole train step).
-
-    Returns:
-      ``[(name, node)]`` in discovery order, each node once.
+    Follows closures, ``functools.partial``, bound methods and named globals, to a small depth.
     """
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
@@ -106,16 +98,7 @@ def captured_graph_nodes(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
 def captured_variables(
     fn: Callable[..., Any], exclude: Iterable[Any] = (), kind: Any = nnx.RngState
 ) -> list[CapturedVariable]:
-    """Variables of type ``kind`` that ``fn`` reaches, minus those of ``exclude``.
-
-    Args:
-      fn: the function whose closures and globals are searched.
-      exclude: graph nodes whose Variables are passed in already (the model).
-      kind: an NNX filter of the Variables wanted (default: RNG keys and counts).
-
-    Returns:
-      The captured Variables, each once, in a deterministic order.
-    """
+    """The ``kind`` Variables that ``fn``'s closures and globals reach, minus ``exclude``'s."""
     known = {id(v) for node in exclude for v in _variables(node, nnx.Variable)}
     out: list[CapturedVariable] = []
     for name, node in captured_graph_nodes(fn):
@@ -130,16 +113,7 @@ def captured_variables(
 def implicit_rng_nodes(fn: Callable[..., Any], known: Callable[[], set[int]]) -> list[Any]:
     """The ``nnx.Rngs`` / ``nnx.RngStream`` objects ``fn`` reaches by name only.
 
-    A step may draw from a module-level ``nnx.Rngs`` it does not receive; `mp.jit`
-    threads such objects through the step as if passed explicitly.
-
-    Args:
-      fn: the train step.
-      known: returns the ids of the Variables the step receives through its
-        arguments (called only if ``fn`` reaches some RNG object at all).
-
-    Returns:
-      The nodes with RNG Variables not among ``known``, each Variable once.
+    `mp.jit` threads them through the step; ``known()`` gives the ids of Variables passed in.
     """
     candidates = [
         node for _, node in captured_graph_nodes(fn) if isinstance(node, (nnx.Rngs, nnx.RngStream))

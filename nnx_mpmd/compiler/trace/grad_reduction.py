@@ -187,11 +187,7 @@ class GradientReduction:
         return spec is not None and any(self.axis in _names(p) for p in spec.partitions)
 
     def defers(self, param: Any) -> bool:
-        """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type.
-
-        A parameter sharded over the axis (FSDP) accumulates its gradient
-        unreduced at full size (the axis dropped from its partitions).
-        """
+        """Whether ``param``'s gradient accumulates unreduced: a float with a sharding type."""
         return _float(param) and _spec(param) is not None
 
     def _without_axis(self, entry: Any) -> Any:
@@ -242,17 +238,10 @@ class GradientReduction:
         return NamedSharding(full.mesh, PartitionSpec(*full.spec.partitions))
 
     def reduce(self, x: Any, like: Any = None) -> Any:
-        """``x`` summed over the axis, if it is unreduced.
+        """``x`` summed over the axis if it is unreduced (else ``x``).
 
-        Args:
-          x: a value.
-          like: the reduced value's partitions (a PartitionSpec, a sharding, or
-            an array typed with them); by default ``x``'s: an all-reduce. A
-            ``like`` sharded over the axis (an FSDP parameter) makes it a
-            reduce-scatter.
-
-        Returns:
-          ``x`` reduced, or ``x`` if it is not unreduced.
+        ``like`` gives the result's partitions (default ``x``'s: an all-reduce); sharded over the
+        axis (an FSDP parameter) it is a reduce-scatter.
         """
         if not self.is_unreduced(x):
             return x
@@ -342,11 +331,8 @@ def _sharding_params(
 ) -> dict[str, Any]:
     """The equation's params with its result sharding (if it names one) made unreduced.
 
-    A result sharding over the axis stays (so JAX refuses the call, and the
-    input is reduced first, as before) unless the unreduced input is already
-    at full size over the axis (a deferred reduce-scatter): then the axis is
-    dropped from it. A value reduced over the axis and broadcast back over the
-    sharded batch is thus not kept at full batch size.
+    An axis in that sharding stays (the input is reduced first) unless the input is already
+    full-size over it (a deferred reduce-scatter): then the axis is dropped.
     """
     params = dict(eqn.params)
     for name in ("out_sharding", "sharding"):
@@ -422,11 +408,7 @@ class _Env:
 def _reshard(eqn: Any, x: Any, red: GradientReduction) -> list[Any]:
     """A reshard of an unreduced value: kept unreduced when it only changes that.
 
-    JAX ends a transpose with a reshard to the primal's sharding; when that
-    differs from ``x``'s only by the reduction, it is the reduction being
-    deferred. A target sharded over the axis (an FSDP parameter's) makes it a
-    reduce-scatter, deferred as well: ``x`` stays at full size over the axis,
-    and a later read that needs the reduced value reduces it to the target.
+    JAX ends a transpose with such a reshard; to an FSDP target it is a deferred reduce-scatter.
     """
     target = eqn.params.get("dst_sharding")
     spec = target if isinstance(target, PartitionSpec) else getattr(target, "spec", None)
@@ -557,39 +539,17 @@ def _eval_jaxpr(
 
 
 def run_deferring(fn: Callable[..., Any], *args: Any, reduction: GradientReduction) -> Any:
-    """``fn(*args)`` with its reductions over ``reduction.axis`` left unreduced.
-
-    Call it while tracing on an Explicit mesh: sums over the axis come back
-    unreduced (typed ``{U:axis}``), other results as ``fn`` returns them.
-
-    Args:
-      fn: a function of arrays, e.g. the function ``jax.vjp`` returns.
-      *args: its arguments (pytrees of arrays or tracers).
-      reduction: the axis.
-
-    Returns:
-      ``fn``'s result, with the same tree structure.
-    """
+    """``fn(*args)`` traced on Explicit axes, its sums over ``reduction.axis`` left unreduced."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, jax.tree.leaves(args), reduction)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def reduce_gradients_once(program: Sequence[Instruction], ctx: Any) -> list[Instruction]:
-    """Inserts each stage's ``reduce`` call right after its last backward.
+    """Pass: each stage's ``reduce`` call right after its last backward (a new list).
 
-    The pass after `schedule_lowering.fuse_forward_backward`: only for a
-    training region with an unreduced or stacked axis (`RegionInfo.reduces_once`). The
-    ``reduce`` program reads and donates the stage's gradient accumulators and
-    writes them back reduced to the shardings of the stage's parameters, which
-    it also reads (see `stage_programs.StageFunctions.reduce`).
-
-    Args:
-      program: the region's instructions.
-      ctx: the region's `RegionContext`.
-
-    Returns:
-      A new list; the input is not changed.
+    Only for a training region that `RegionInfo.reduces_once`; ``reduce`` donates the
+    gradient accumulators and writes them reduced to the parameters' shardings.
     """
     if not ctx.with_grad or not getattr(ctx.plan.info, "reduces_once", False):
         return list(program)

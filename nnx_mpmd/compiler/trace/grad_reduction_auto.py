@@ -97,11 +97,7 @@ class StackedReduction:
     size: int
 
     def defers(self, param: Any) -> bool:
-        """Whether ``param`` (a concrete array or ShapeDtypeStruct) accumulates stacked.
-
-        Float parameters not sharded over the axis; a parameter sharded over
-        it (FSDP) keeps its per-microbatch reduce-scatter.
-        """
+        """Whether float ``param`` accumulates stacked: not sharded over the axis (FSDP is not)."""
         spec = getattr(getattr(param, "sharding", None), "spec", None)
         if spec is None or not _float(param.dtype):
             return False
@@ -130,7 +126,7 @@ class StackedReduction:
         return self._shard_map(first, (PartitionSpec(),), PartitionSpec(self.axis), x)
 
     def rows_spec(self, shape: Sequence[int]) -> PartitionSpec:
-        """A layout for a per-microbatch value of ``shape``: rows over the axis, if it divides them.
+        """A layout for a per-microbatch value of ``shape``: rows over the axis if it divides them.
 
         Example:
           >>> StackedReduction("data", 2).rows_spec((4, 3)), StackedReduction("data", 2).rows_spec(())
@@ -183,19 +179,9 @@ class StackedReduction:
 
 
 def split_dims(eqn: Any, invals: Sequence[Any], size: int) -> tuple[int | None, ...] | None:
-    """Per input of a sum, the dimension to split into ``size`` device blocks.
+    """Per input of a sum, the dimension to split into ``size`` device blocks, or None.
 
-    The first summed dimension (of a ``dot_general``'s left operand, of a
-    scatter-add's updates) whose size ``size`` divides; None when there is
-    none, or the equation is not a `run_stacking` sum.
-
-    Args:
-      eqn: a ``reduce_sum``, ``dot_general`` or ``scatter-add`` equation.
-      invals: its inputs.
-      size: the number of devices.
-
-    Returns:
-      One entry per input (None: the input is not split), or None.
+    The first summed dimension ``size`` divides (a ``dot_general``'s left operand, a scatter-add's).
     """
     name, shapes = eqn.primitive.name, [np.shape(x) for x in invals]
     if name == "reduce_sum":
@@ -332,17 +318,7 @@ def run_stacking(
 ) -> Any:
     """``fn(*args)`` with the gradients it sums over ``reduction.axis`` left as partials.
 
-    Call it while tracing on the submesh; outputs at ``stacked`` come back as
-    ``[n, *shape]`` partials that sum to ``fn``'s result.
-
-    Args:
-      fn: a function of arrays, e.g. the function ``jax.vjp`` returns.
-      *args: its arguments (pytrees of arrays or tracers).
-      reduction: the axis.
-      stacked: positions among ``fn``'s flattened outputs to return stacked.
-
-    Returns:
-      ``fn``'s result, with the same tree structure.
+    Outputs at positions ``stacked`` come back as ``[n, *shape]`` partials summing to the result.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(

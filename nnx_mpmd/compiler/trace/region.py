@@ -124,18 +124,10 @@ _region_state = _RegionState()
 def region_tracing(
     num_microbatches: int, submesh: Mesh | None = None, batch_axis: str | None = None
 ) -> Iterator[list[RegionInfo]]:
-    """While active, `value_and_grad` records regions instead of computing.
+    """While active, `value_and_grad` records regions (yielded list) instead of computing.
 
-    Args:
-      num_microbatches: m, the number of microbatches of the step.
-      submesh: one concrete submesh of the step: the few values that tracing
-        evaluates eagerly (RNG counter updates) are computed on it, and its axis
-        types decide whether microbatches are traced with a typed sharding.
-      batch_axis: the submesh axis each microbatch is sharded over (see
-        `microbatch_spec`), or None.
-
-    Yields:
-      The list the traced regions are appended to.
+    ``submesh`` evaluates the RNG counters and, by its axis types, decides whether microbatches
+    are traced with a typed sharding over ``batch_axis``.
     """
     state = _region_state
     previous = (state.num_microbatches, state.regions, state.submesh, state.batch_axis)
@@ -151,18 +143,9 @@ def region_tracing(
 def microbatch_spec(
     shape: tuple[int, ...], submesh: Mesh, batch_axis: str | None
 ) -> PartitionSpec | None:
-    """How one microbatch leaf of ``shape`` is sharded inside the stage programs.
+    """``P(batch_axis)`` for a microbatch leaf of ``shape`` if that axis splits its rows, else None.
 
-    Sharded over ``batch_axis`` when that axis has several devices and divides the
-    leading dim, else replicated; on an Explicit axis this is part of the traced type.
-
-    Args:
-      shape: the shape of one microbatch of the leaf, ``(B/m, ...)``.
-      submesh: a submesh of the step.
-      batch_axis: the submesh axis to shard over, or None.
-
-    Returns:
-      ``P(batch_axis)``, or None for a replicated leaf.
+    On an Explicit axis this spec is part of the traced type.
 
     Example:
       >>> import jax
@@ -177,11 +160,9 @@ def microbatch_spec(
 
 
 def _microbatch_aval(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-    """A microbatch's abstract value, typed on the submeshes' abstract mesh.
+    """A microbatch's abstract value, typed on the submeshes' abstract mesh (`microbatch_spec`).
 
-    Sharded over the batch axis as `microbatch_spec` says (a spec that only
-    Explicit axes keep in the type), else replicated: an untyped input would
-    not combine with values computed in the stage on Explicit axes.
+    An untyped input would not combine with stage values on Explicit axes.
     """
     submesh, axis = _region_state.submesh, _region_state.batch_axis
     if submesh is None:
@@ -464,11 +445,8 @@ def trace_region(
 ) -> Any:
     """Records ``loss_fn(model, batch)`` as a region equation of the current trace.
 
-    RNG state the loss function closes over is region state like the model's;
-    RNG counters are derived from the microbatch index (`region_rng`).
-    Returns what `value_and_grad` returns: ``(loss, grads)`` or
-    ``((loss, aux), grads)``, each aux leaf combined as ``aux_reduction`` says
-    (`region_aux`); with ``with_grad=False`` the stacked outputs.
+    Returns what `value_and_grad` returns (aux combined per ``aux_reduction``); RNG counters
+    are derived from the microbatch index (`region_rng`).
     """
     num_microbatches = _region_state.num_microbatches
     assert num_microbatches is not None and _region_state.regions is not None
@@ -604,11 +582,8 @@ def reference_value_and_grad(
 ) -> Any:
     """Unpipelined value-and-grad with the pipeline's microbatch semantics.
 
-    Splits the batch into ``num_microbatches`` along axis 0, runs the
-    microbatches in order (threading non-differentiated state such as RNG
-    counters and batch statistics, and RNG state the loss function closes
-    over), and returns the mean loss, the aux values (averaged or
-    concatenated as ``aux_reduction`` says, `region_aux`) and mean gradients.
+    Microbatches run in order, threading non-differentiated and closed-over RNG state; mean
+    loss and gradients, aux combined per ``aux_reduction``.
     """
     graphdef, diff_state, other_state = _split_model(model, wrt)
     captured = captured_variables(loss_fn, exclude=[model])

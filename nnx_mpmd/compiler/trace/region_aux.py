@@ -67,17 +67,7 @@ def _leaf_mode(mode: Any, aval: Any, rows: int, where: str) -> str:
 
 
 def aux_modes(aux_reduction: Any, aux_tree: Any, aux_avals: Sequence[Any], rows: int) -> tuple:
-    """Per aux leaf, ``"mean"`` or ``"concat"``.
-
-    Args:
-      aux_reduction: the user's ``aux_reduction`` (None, a mode, or a pytree
-        prefix of the aux value whose leaves are modes or None).
-      aux_tree: the treedef of the aux value.
-      aux_avals: its leaves' abstract values.
-      rows: the rows of one microbatch.
-
-    Returns:
-      One mode per aux leaf.
+    """Per aux leaf, ``"mean"`` or ``"concat"``, from the user's ``aux_reduction`` (a prefix).
 
     Raises:
       CompileError: an unknown mode, a prefix that does not match the aux
@@ -127,9 +117,7 @@ def value_spec(aval: Any) -> PartitionSpec | None:
 
 
 def stacked_spec(aval: Any) -> PartitionSpec | None:
-    """The PartitionSpec of values of ``aval`` stacked along a new leading axis.
-
-    None when each value is replicated (or has no sharding in its type).
+    """The PartitionSpec of values of ``aval`` stacked on a new leading axis; None if replicated.
 
     Example:
       >>> import jax.numpy as jnp
@@ -158,8 +146,7 @@ def stacked_aval(aval: Any, num_microbatches: int) -> Any:
 def join_stacked(stacked: Any) -> Any:
     """``[m, rows, ...]`` joined to ``[m * rows, ...]`` (microbatch order); ``[m]`` stays.
 
-    A leaf sharded over a data axis along its rows is gathered first: the
-    joined rows of one device would not be contiguous.
+    A leaf sharded along its rows is gathered first: a device's joined rows are not contiguous.
 
     Example:
       >>> import jax.numpy as jnp

@@ -35,16 +35,7 @@ __all__ = ["advance_counts", "rng_count_inputs", "rng_counts_from_index"]
 
 
 def rng_count_inputs(other_state: Any, n_other: int, captured: Sequence[Any]) -> list[int]:
-    """Positions, among the region's state inputs, of the RNG counters (held, then captured).
-
-    Args:
-      other_state: the model's non-differentiated state (an ``nnx.State``).
-      n_other: how many leaves ``other_state`` has; captured leaves follow them.
-      captured: the captured variables (`captured.CapturedVariable`) the loss
-        function closes over.
-
-    Returns:
-      The positions of the ``nnx.RngCount`` leaves.
+    """Positions of the RNG counters among the region's state inputs: held ones, then ``captured``.
 
     Example:
       >>> from flax import nnx
@@ -68,25 +59,10 @@ def rng_counts_from_index(
     index_aval: Any,
     submesh: Mesh | None,
 ) -> tuple[Any, list[Any], dict[int, int]]:
-    """The body with its RNG counters derived from the microbatch index, if any advance.
+    """The body with RNG counters derived from the microbatch index, if any advance.
 
-    Args:
-      closed: the traced body (a closed jaxpr): closure constants, then
-        ``num_diff`` differentiated leaves, the state leaves and the microbatch.
-      counts: positions of the RNG counters among the state leaves
-        (`rng_count_inputs`).
-      num_diff: how many differentiated leaves precede the state leaves.
-      first_out: the position of the first state leaf among the body's outputs.
-      in_avals: the body's input types, without its closure constants.
-      paths: each state leaf's path, for error messages.
-      index_aval: the type of the microbatch-index input the new body takes.
-      submesh: a concrete submesh of the step: the counter updates, recorded
-        under its abstract mesh, are evaluated on it (None: on the default
-        device).
-
-    Returns:
-      ``(closed body, its closure constants, {counter position: K})``; the
-      increments are empty (and the body unchanged) when no counter advances.
+    ``counts``: the counters' positions among the state leaves; ``first_out``: the first
+    state leaf's among the outputs. Returns ``(body, its consts, {counter position: K})``.
 
     Raises:
       CompileError: a counter is changed other than by drawing keys.
@@ -106,15 +82,7 @@ def rng_counts_from_index(
 def advance_counts(
     leaves: list[Any], increments: dict[int, int], num_microbatches: int
 ) -> list[Any]:
-    """``leaves`` with each counter advanced by what ``num_microbatches`` microbatches draw.
-
-    Args:
-      leaves: the region's new state leaves (the counters unchanged).
-      increments: ``{counter position: K}`` from `rng_counts_from_index`.
-      num_microbatches: m.
-
-    Returns:
-      The leaves, counter ``j`` now ``count + m * K``.
+    """``leaves`` with counter ``j`` advanced to ``count + num_microbatches * increments[j]``.
 
     Example:
       >>> advance_counts([np.uint32(3), 1.5], {0: 2}, 4)
@@ -128,10 +96,9 @@ def advance_counts(
 
 
 def _concrete_count(count: int, shape: tuple[int, ...], submesh: Mesh | None) -> Any:
-    """An RNG counter value of ``shape`` to evaluate a counter update with, eagerly.
+    """An RNG counter value to evaluate a counter update with eagerly, committed to ``submesh``.
 
-    Committed to ``submesh``: on Explicit axes an eager computation needs its devices
-    from an argument.
+    On Explicit axes an eager computation takes its devices from an argument.
     """
     value = np.full(shape, count, np.uint32)
     if submesh is None or not submesh.axis_names:
@@ -158,12 +125,9 @@ def _count_increments(
     paths: list[str],
     submesh: Mesh | None,
 ) -> dict[int, int]:
-    """How much each RNG counter advances per microbatch (``{other index: K}``).
+    """``{other index: K}``: how much each RNG counter advances per microbatch.
 
-    An NNX RNG stream adds 1 to its counter per key drawn, independently of the
-    data, so the counter after microbatch ``i`` is ``count0 + (i + 1) * K``. Each
-    counter's update is cut out of the body (dead-code elimination) and evaluated
-    at two concrete counts to find ``K`` and check that the update is that shift.
+    Each counter's update is cut out and evaluated at two counts to find ``K``.
 
     Raises:
       CompileError: a counter's new value depends on anything but the counter, or

@@ -71,16 +71,7 @@ def abstract_like(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def split_backward(vjp_fn: Any, seed_avals: list[Any], num_params: int) -> BackwardSplit:
-    """Traces ``vjp_fn`` and cuts its backward pass into BI and BW.
-
-    Args:
-      vjp_fn: the function returned by ``jax.vjp`` over ``(params, xd)``.
-      seed_avals: shapes/dtypes of the output cotangents it takes.
-      num_params: how many leading outputs are weight gradients.
-
-    Returns:
-      The `BackwardSplit`.
-    """
+    """Traces ``vjp_fn`` (over ``(params, xd)``) and cuts its backward into BI and BW."""
     residual_leaves, vjp_tree = jax.tree.flatten(vjp_fn)
     num_res = len(residual_leaves)
 

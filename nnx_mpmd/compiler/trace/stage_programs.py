@@ -61,15 +61,10 @@ STAGE_PROGRAMS: dict[str, tuple[str, tuple[int, ...]]] = {
 def check_mesh_context(mesh: MpmdMesh | Sequence[Mesh]) -> None:
     """Raises if a JAX mesh context would conflict with the stage programs.
 
-    A concrete mesh context would pin every stage program to its devices; an
-    abstract mesh equal to the submeshes' is allowed.
-
-    Args:
-      mesh: the step's `MpmdMesh`, or its submeshes.
+    A concrete mesh would pin every stage program; an abstract mesh equal to the submeshes' is fine.
 
     Raises:
-      MeshError: a concrete mesh is set, or the abstract mesh differs from the
-        submeshes'.
+      MeshError: a concrete mesh is set, or the abstract mesh differs from the submeshes'.
 
     Example:
       >>> import jax
@@ -107,19 +102,11 @@ def _names_mpmd_axis(error: Exception, mpmd_axis: str) -> bool:
 def submesh_tracing(mesh: MpmdMesh) -> Iterator[None]:
     """Traces step code on the submeshes' abstract mesh (the user's axes, no mpmd axis).
 
-    So a ``PartitionSpec`` in ``reshard`` or ``out_sharding=`` names submesh axes,
-    as in a ``jax.jit`` step under ``jax.set_mesh(submesh)``.
-
-    Args:
-      mesh: the step's `MpmdMesh`.
-
-    Yields:
-      Nothing; trace the step inside the block.
+    So specs in ``reshard`` or ``out_sharding=`` name submesh axes, as under ``jax.set_mesh``.
 
     Raises:
-      MeshError: a conflicting mesh context is active (see `check_mesh_context`),
-        or the traced code shards over the mpmd axis (or a sharding of the
-        whole MpmdMesh), which does not exist inside a stage.
+      MeshError: a conflicting mesh context is active, or the traced code shards
+        over the mpmd axis (or the whole MpmdMesh).
 
     Example:
       >>> import jax
@@ -163,9 +150,7 @@ def _stacked_zeros(aval: Any, num_microbatches: int) -> Any:
 def _mean_zeros(aval: Any) -> Any:
     """A zero mean accumulator for values of ``aval``, sharded like each one.
 
-    On Explicit axes a replicated accumulator plus a sharded value is a
-    sharded sum: the program would return a type it was not traced for
-    (compiled again, its donated accumulator unusable).
+    Else on Explicit axes the sum's type changes (recompiled, donated accumulator unusable).
     """
     explicit = value_spec(aval) is not None
     return jnp.zeros(
@@ -303,17 +288,7 @@ class StageFunctions:
         )
 
     def structure(self, kind: str) -> tuple[Any, ...] | None:
-        """A key of what this stage's ``kind`` program computes, or None.
-
-        Stages with equal keys (equations, interface, microbatches, reduction, remat)
-        are twins: on equal-shaped submeshes one's executable serves the other.
-
-        Args:
-          kind: a `STAGE_PROGRAMS` kind, ``"init"`` or ``"reduce"``.
-
-        Returns:
-          A hashable key, or None when some value has no equality to rely on (twin to none).
-        """
+        """A key of this stage's ``kind`` program (None: unique); twins share one executable."""
         return None if self._structure is None else (kind, *self._structure)
 
     # -- helpers -----------------------------------------------------------
@@ -456,8 +431,7 @@ class StageFunctions:
         return tuple(values[v] for v in self.sends), outputs, self._carried(values)
 
     def backward(self, kept, inputs, cts, gacc):
-        """``inputs``: the forward's inputs. cts: one tuple of contributions per
-        differentiated send. -> (ct_xd, gacc')."""
+        """``(ct_xd, gacc')`` from the forward's inputs and the differentiated sends' cotangents."""
         return self._backward(self._unpack(kept, inputs), cts, gacc, inputs[4])
 
     def fused(self, params, rest, batch, idx, xd, xn, cts, gacc, racc):
@@ -557,10 +531,6 @@ class StageFunctions:
         return [v for v in self.yd if v is not self.loss_var]
 
     def cotangents_fit_inputs(self) -> bool:
-        """Whether the cotangents a backward receives have its input cotangents' types.
-
-        True when the differentiated sends' types are, as a multiset, the differentiated
-        inputs': the backward can then donate its cotangents to its ``ct_xd`` results.
-        """
+        """Whether received cotangents have the input cotangents' types (so they can be donated)."""
         sends = sorted(_type_key(v.aval) for v in self.diff_sends)
         return bool(sends) and sends == sorted(_type_key(v.aval) for v in self.xd)

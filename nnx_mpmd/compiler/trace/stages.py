@@ -215,12 +215,7 @@ def _count_stages(eqns: Sequence[Any], markers: _Markers) -> int:
 def _glue_to_producers(
     eqns: Sequence[Any], markers: _Markers
 ) -> tuple[list[int | None], dict[Any, int]]:
-    """Glue that reads a stage's value goes to the latest stage it reads from.
-
-    Returns:
-      ``(stage_of, producer)``: each equation's stage so far, and the stage that
-      produces each value.
-    """
+    """``(stage_of, producer)``: glue reading a stage's value goes to the latest stage it reads."""
     stage_of = list(markers.stage_of)
     producer: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
@@ -244,11 +239,9 @@ def _glue_to_first_users(
     producer: dict[Any, int],
     num_stages: int,
 ) -> tuple[list[int | None], dict[Any, int]]:
-    """Glue that reads only region inputs goes to the earliest stage that uses its result.
+    """``(stage_of, producer)``: glue reading only inputs goes to the earliest stage using it.
 
-    Returns:
-      New ``(stage_of, producer)``; equations whose results nothing uses stay
-      without a stage (dead code).
+    Equations whose results nothing uses stay without a stage (dead code).
     """
     stage_of, producer = list(stage_of), dict(producer)
     first_use: dict[Any, int] = {}
@@ -381,16 +374,9 @@ def _stage_slice(
 
 
 def cut_stages(info: RegionInfo) -> StagePlan:
-    """Cuts ``info.body`` at its stage markers.
+    """The `StagePlan` of ``info.body`` cut at its stage markers.
 
-    Equations between a stage's markers are that stage's; glue code goes to the
-    latest stage it reads from, or else to the earliest stage that uses it.
-
-    Args:
-      info: the traced region.
-
-    Returns:
-      The `StagePlan`.
+    Glue goes to the latest stage it reads from, or else the earliest that uses it.
 
     Raises:
       PartitionError: no stage was called, stages are missing (gaps), stages
@@ -418,17 +404,9 @@ def cut_stages(info: RegionInfo) -> StagePlan:
 
 
 def input_stages(jaxpr: Any) -> dict[int, list[int]]:
-    """Which stages read each input of a jaxpr traced with stage markers.
+    """``{input index: [stages that read it]}`` of a jaxpr traced with stage markers.
 
-    The same dataflow as `cut_stages` (glue goes to the stage it reads from, or
-    else to the first stage that uses it), for a trace outside a step, e.g. to
-    find which stage a decoding cache belongs to.
-
-    Args:
-      jaxpr: a jaxpr traced under `pipeline_tracing`.
-
-    Returns:
-      ``{input index: [stages that read it]}``; inputs no stage reads are absent.
+    `cut_stages`'s dataflow for a trace outside a step (e.g. which stage a decoding cache is on).
 
     Raises:
       PartitionError: as `cut_stages`.

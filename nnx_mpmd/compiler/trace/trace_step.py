@@ -145,16 +145,9 @@ def reusable_flat_args(flat: FlatArgs, cached_nodes: Any) -> bool:
 
 
 def refreshed_flat_args(flat: FlatArgs, fn: Callable[..., Any], args: Any) -> FlatArgs | None:
-    """``flat`` with the Variables' current arrays and ``args``' other leaves.
+    """``flat`` with the Variables' current arrays and ``args``' other leaves, or None.
 
-    Replaces NNX's walk of the whole graph (``nnx.split``, 10-20 ms per call for
-    a GPT with its optimizer) with one read per Variable, for a ``flat`` that
-    `reusable_flat_args` accepted.
-
-    Returns:
-      The refreshed arguments, or None when ``args`` do not hold the same nodes
-      in the same places, a Variable no longer holds an array, or ``fn`` now
-      reaches an ``nnx.Rngs`` by name: then flatten again.
+    One read per Variable instead of ``nnx.split`` (10-20 ms); None means flatten again.
     """
     leaves, tree = jax.tree.flatten(args, is_leaf=is_graph_node)
     if tree != flat.args_tree:
@@ -414,11 +407,8 @@ def _trace_once(
 def _trace_gradient_on_sharded_batch(info: RegionInfo, abstract_mesh: Any) -> None:
     """Traces the gradient of a region whose microbatches are sharded over an Explicit axis.
 
-    The stage programs differentiate the body only when they are built; an op
-    whose derivative JAX's Explicit rules reject on a sharded batch (``sort``'s,
-    which adds a replicated operand) must fail here, while the batch can still
-    be replicated (`trace_step`), not later as a raw error. Only bodies that use
-    such an op (`_SORTING`) are traced.
+    An op whose derivative JAX then rejects (``sort``) must fail here, while the batch can
+    still be replicated, not later as a raw error.
     """
     if not info.with_grad or info.unreduced_axis is None or not _uses(info.body, _SORTING):
         return
@@ -494,23 +484,10 @@ def trace_step(
     num_microbatches: int,
     batch_axis: str | None,
 ) -> TracedStep:
-    """The first pass: the step ``fn`` on ``flat``'s leaves as one jaxpr.
+    """The first pass: the step ``fn`` on ``flat``'s leaves as one jaxpr (dead code removed).
 
-    On an Explicit ``batch_axis``, a step whose code JAX rejects with sharded
-    microbatches (an embedding gather, say) is traced again with replicated
-    microbatches, with a `ReplicatedBatchWarning`; code that JAX rejects with
-    either batch is a `CompileError`.
-
-    Args:
-      fn: the step.
-      flat: its arguments (`flatten_step_args`).
-      avals: ``(state leaf avals, other leaf avals)`` to trace with.
-      mesh: the `MpmdMesh` (its submesh 0 types the microbatches).
-      num_microbatches: microbatches per step.
-      batch_axis: the submesh axis microbatches are sharded over, or None.
-
-    Returns:
-      The `TracedStep`, dead code removed.
+    Code JAX rejects with sharded microbatches is traced again replicated, with a
+    `ReplicatedBatchWarning`; rejected either way it is a `CompileError`.
     """
     trace = functools.partial(_trace_modes, fn, flat, avals, mesh, num_microbatches)
     result, rejection = explicit_sharding_rejection(trace, batch_axis)
