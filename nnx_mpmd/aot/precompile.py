@@ -459,18 +459,21 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
 
 def route_calls(
     compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
-) -> dict[str, Any]:
-    """Replaces each call's function by ``make(program name, function)``, one per program.
+) -> tuple[CompiledStep, dict[str, Any]]:
+    """A copy of ``compiled`` whose calls go to ``make(program name, function)``, one per program.
+
+    ``compiled`` itself is not changed: a lowered step stays as it was lowered,
+    and the runtime's per-step caches start afresh on the copy.
 
     Args:
-      compiled: the step; its ``instructions`` are replaced.
+      compiled: the step.
       make: the new callable of a program, from its name and jitted function.
 
     Returns:
-      The callables made, by program name.
+      The routed copy, and the callables made, by program name.
 
     Example:
-      >>> # `nnx_mpmd.jit` routes a step's calls to their compiled executables.
+      >>> # `nnx_mpmd.jit.programs` routes a step's calls to their compiled executables.
       >>> callable(route_calls)
       True
     """
@@ -483,5 +486,4 @@ def route_calls(
                 made[name] = make(name, ins.fn)
             ins = dataclasses.replace(ins, fn=made[name])
         routed.append(ins)
-    compiled.instructions = routed
-    return made
+    return dataclasses.replace(compiled, instructions=routed), made
