@@ -160,6 +160,22 @@ def test_trace_lower_and_compile_are_each_made_once(monkeypatch):
     assert (len(lowerings), len(compilations), step.num_compiled_steps) == (1, 1, 1)
 
 
+def test_a_first_call_reads_and_places_its_arguments_once(monkeypatch):
+    from nnx_mpmd.jit import arguments
+    from nnx_mpmd.placement import abstract, place
+
+    flattened = _counting(monkeypatch, arguments, "flatten_step_args")
+    decided = _counting(monkeypatch, place, "placement_decisions")
+    monkeypatch.setattr(abstract, "placement_decisions", place.placement_decisions)
+    model, opt, step, batch = _setup()
+    reference_model, reference_opt, _, _ = _setup()
+    loss = step(model, opt, batch)  # unplaced state: placed, then lowered and run
+    assert (len(flattened), len(decided)) == (1, 1)
+    assert any(isinstance(x, mp.MpmdArray) for x in _leaves(model, opt))
+    expected = nnx.jit(train_step_fn(mlp_loss))(reference_model, reference_opt, batch)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+
+
 def test_the_ir_is_not_changed_by_compiling_or_running():
     model, opt, step, batch = _setup()
     lowered = step.lower(model, opt, batch)

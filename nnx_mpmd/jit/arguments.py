@@ -140,6 +140,9 @@ class StepArguments:
         except ScheduleError as e:
             raise self._placement_error(e) from None
         flat = self._refreshed(call.flat)
+        before, after = call.flat.state_leaves, flat.state_leaves
+        if len(before) == len(after) and all(a is b for a, b in zip(before, after)):
+            return call  # nothing moved: the call's avals and key stand
         state_avals = [placed_aval(x, options.mesh) for x in flat.state_leaves]
         return self._call(flat, state_avals, call.other_avals)
 
