@@ -96,6 +96,31 @@ class PipelinedFunction:
         return self.options.batch_axis
 
     @property
+    def transfer_warning_bytes(self) -> int:
+        """Transfers outside the pipelined region larger than this are reported."""
+        return self.options.transfer_warning_bytes
+
+    @property
+    def compile_threads(self) -> int | None:
+        """Threads that compile a new step's programs (None: the default)."""
+        return self.options.compile_threads
+
+    @property
+    def check_finite(self) -> bool:
+        """Whether every task's outputs are checked for NaN and inf."""
+        return self.options.check_finite
+
+    @property
+    def donate_argnums(self) -> frozenset[int]:
+        """Positions of the donated arguments (``donate_argnums`` and ``donate_argnames``)."""
+        return self._context.arguments.donated
+
+    @property
+    def static_argnums(self) -> frozenset[int]:
+        """Positions of the static arguments (``static_argnums`` and ``static_argnames``)."""
+        return self._context.arguments.static
+
+    @property
     def last_profile(self) -> Any:
         """The `Profile` of the last call with ``profile=``, or None."""
         return self._context.records.last_profile
