@@ -62,7 +62,7 @@ class StepContext:
 
     def remember(self, lowered: Lowered) -> None:
         """Keeps ``lowered``; the least recently used lowering beyond ``max_steps`` goes."""
-        self.lowerings[lowered.signature.frozen()] = lowered
+        self.lowerings[lowered.signature] = lowered
         while len(self.lowerings) > self.max_steps:
             _, evicted = self.lowerings.popitem(last=False)
             evicted.finish_compiling()
@@ -127,7 +127,9 @@ class Traced:
                 donated_state=context.arguments.donated_state(call.flat),
             )
         consts = [placed_aval(c, options.mesh) for c in step.consts]
-        lowered = Lowered(step, context, call.signature, call.abstract_inputs(consts))
+        # Frozen: a config changed in place later must not change the stored key.
+        signature = call.signature.frozen()
+        lowered = Lowered(step, context, signature, call.abstract_inputs(consts))
         context.remember(lowered)
         return lowered
 
