@@ -13,7 +13,7 @@ from pipeline_models import build, make_batch, make_mesh, params_of, train_step_
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.trace import trace_step
-from nnx_mpmd.jit import jit as api
+from nnx_mpmd.jit import arguments as api
 
 STEPS = 3
 
