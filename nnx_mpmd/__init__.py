@@ -40,6 +40,7 @@ from nnx_mpmd.jit.jit import jit as jit
 from nnx_mpmd.jit.losses import value_and_grad as value_and_grad
 from nnx_mpmd.jit.precision import Precision as Precision
 from nnx_mpmd.jit.stages import Compiled as Compiled
+from nnx_mpmd.jit.stages import Traced as Traced
 from nnx_mpmd.placement.mesh import MpmdMesh as MpmdMesh
 from nnx_mpmd.placement.mpmd_array import MpmdArray as MpmdArray
 from nnx_mpmd.placement.place import place as place
@@ -96,6 +97,7 @@ __all__ = [
     "ScheduleError",
     "Stage",
     "Task",
+    "Traced",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
     "ZeroBubbleV",

@@ -425,11 +425,15 @@ def _run_transfer(ins: Transfer, source: Any, shardings: Shardings, guess: _Gues
 
 def route_calls(
     compiled: CompiledStep, make: Callable[[str, Callable[..., Any]], Callable[..., Any]]
-) -> dict[str, Any]:
-    """Replaces each call's function by ``make(program name, function)``; returns them by name.
+) -> tuple[CompiledStep, dict[str, Any]]:
+    """A copy of ``compiled`` whose calls go to ``make(program name, function)``; the step itself
+    stays as lowered, and the runtime's per-step caches start afresh on the copy.
+
+    Returns:
+      The routed copy, and the callables made, by program name.
 
     Example:
-      >>> # `nnx_mpmd.jit` routes a step's calls to their compiled executables.
+      >>> # `nnx_mpmd.jit.programs` routes a step's calls to their compiled executables.
       >>> callable(route_calls)
       True
     """
@@ -442,5 +446,4 @@ def route_calls(
                 made[name] = make(name, ins.fn)
             ins = dataclasses.replace(ins, fn=made[name])
         routed.append(ins)
-    compiled.instructions = routed
-    return made
+    return dataclasses.replace(compiled, instructions=routed), made

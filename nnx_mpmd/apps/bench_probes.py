@@ -92,9 +92,10 @@ def process_cpu() -> float:
 
 
 def _compiled_and_inputs(variant: Variant) -> tuple[Any, list[Any]]:
-    # The step already ran on these arguments: this finds its cached lowering.
-    flat, compiled = variant.step._prepare((*variant.args, variant.batches[0]))
-    return compiled, [*compiled.consts, *flat.state_leaves, *flat.other_leaves]
+    # The step already ran on these arguments: this finds its lowering and programs.
+    traced = variant.step.trace(*variant.args, variant.batches[0])
+    step = traced.lower().compile().bound_programs.step
+    return step, traced.call.inputs(step.consts)
 
 
 #: Replays run before the timed ones in `measure_overhead`.

@@ -45,8 +45,6 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_mpmd.compiler.ir import Transfer, TransferBatch
 from nnx_mpmd.compiler.outer.outer_assign import HOST
-from nnx_mpmd.compiler.trace.trace_step import flatten_step_args
-from nnx_mpmd.jit.jit import _older_objects_left_alone
 
 __all__ = ["batch_shardings"]
 
@@ -54,7 +52,7 @@ __all__ = ["batch_shardings"]
 def batch_shardings(step: Any, *args: Any) -> Any:
     """Where ``step`` puts each batch leaf of ``args``, as its ``[m, B/m, ...]`` sharding.
 
-    Lowers the step for ``args`` (as ``step.lower(*args)``: nothing runs,
+    Lowers the step for ``args`` (``step.lower(*args)``: nothing runs,
     nothing moves, and the next call with arguments of the same types uses
     this lowering).
 
@@ -73,10 +71,9 @@ def batch_shardings(step: Any, *args: Any) -> Any:
     Example:
       >>> # see the module docstring
     """
-    with _older_objects_left_alone():
-        positional = step._positional(args, {})
-        compiled, _ = step._lower_abstract(positional)
-    flat = flatten_step_args(step.fn, positional)
+    traced = step.trace(*args)
+    compiled = traced.lower().compiled
+    flat = traced.call.flat
     first_other = len(compiled.consts) + len(flat.state_leaves)
     leaves: list[Any] = [None] * len(flat.args_leaves)
     for j, position in enumerate(flat.other_positions):

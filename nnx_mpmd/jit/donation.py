@@ -10,7 +10,7 @@ never donated. Which programs donate which leaf is the compiler's
 Example:
   >>> def step(model, optimizer, batch):
   ...     return 0.0
-  >>> sorted(donated_positions(step, 0, "optimizer"))
+  >>> sorted(donated_positions(step, (0,), ("optimizer",)))
   [0, 1]
 """
 
@@ -28,10 +28,10 @@ __all__ = ["donated_positions", "donated_state_leaves"]
 
 
 def donated_positions(
-    fn: Callable[..., Any], argnums: int | Sequence[int], argnames: str | Sequence[str]
+    fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...]
 ) -> frozenset[int]:
-    """The positions of the donated arguments of ``fn`` (`argument_positions` for
-    ``donate_argnums`` / ``donate_argnames``; raises its `CompileError`).
+    """The positions of the donated arguments of ``fn`` (`argument_positions` for the
+    checked ``donate_argnums`` / ``donate_argnames``; raises its `CompileError`).
 
     Example:
       >>> donated_positions(lambda model, batch: None, (), ("model",))

@@ -157,7 +157,7 @@ class FunctionalKVCache(nnx.Module):
         self._init = nnx.static(init_cache or _default_init)
         self._apply = nnx.static(apply or _default_apply)
         self.cache_leaves: nnx.List | None = nnx.data(None)
-        self._layout = nnx.static(None)
+        self._layout: Any = nnx.static(None)
 
     def init_cache(
         self,
@@ -330,7 +330,7 @@ def _logits(out: Any) -> jax.Array:
     """The logits of an ``apply`` result: the result, or its first element."""
     if isinstance(out, tuple | list) and out:
         out = out[0]
-    if not isinstance(out, jax.Array | jax.core.Tracer):
+    if not isinstance(out, jax.Array):  # a tracer is a jax.Array too
         raise CompileError(
             f"FunctionalKVCache: apply returned {type(out).__name__}, not logits "
             "[rows, L, vocab] (alone or first in a tuple)."

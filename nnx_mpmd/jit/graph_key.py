@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["frozen_graphdef", "graphdef_hash"]
 
@@ -90,6 +93,13 @@ def graphdef_hash(graphdef: Any) -> int:
     )
 
 
+_NO_VALUE = object()  # a static attribute without a value
+
+
+def _is_dataclass_instance(x: Any) -> TypeGuard[DataclassInstance]:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
 def _frozen_attribute(attribute: Any) -> Any:
     """A ``(key, Static(value))`` pair with an unhashable value deep-copied; else as is."""
     try:
@@ -100,10 +110,11 @@ def _frozen_attribute(attribute: Any) -> Any:
     if not (isinstance(attribute, tuple) and len(attribute) == 2):
         return attribute
     key, static = attribute
-    if not (dataclasses.is_dataclass(static) and hasattr(static, "value")):
+    held = getattr(static, "value", _NO_VALUE)
+    if held is _NO_VALUE or not _is_dataclass_instance(static):
         return attribute
     try:
-        value = copy.deepcopy(static.value)
+        value = copy.deepcopy(held)
     except Exception:  # an object that cannot be copied: compared as it is now
         return attribute
     return key, dataclasses.replace(static, value=value)
@@ -132,7 +143,7 @@ def frozen_graphdef(graphdef: Any) -> Any:
     except TypeError:
         pass
     attributes = getattr(graphdef, "attributes", None)
-    if attributes is None or not dataclasses.is_dataclass(graphdef):
+    if attributes is None or not _is_dataclass_instance(graphdef):
         return graphdef
     return dataclasses.replace(
         graphdef, attributes=[_frozen_attribute(attribute) for attribute in attributes]

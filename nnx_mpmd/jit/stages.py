@@ -1,25 +1,137 @@
-"""The stages of a compiled step, like ``jax.stages``: `Lowered`, then `Compiled`.
+"""The stages of a compiled step, like ``jax.stages``: `Traced`, `Lowered`, `Compiled`.
 
-``f.lower(*args)`` traces and lowers a step for its arguments' shapes and
-placements without running it or moving any state (state that is not placed
-yet is lowered for where `mp.place` would put it). ``lowered.compile()``
-compiles every program ahead of time and gives a `Compiled`, which runs the
-step when called and reports XLA's memory and cost analyses per program.
+``f.trace(*args)`` reads the step's arguments once (flattened, typed, keyed,
+state typed where `mp.place` would put it) into a `Traced`; ``.lower()`` runs
+the compiler's passes into a `Lowered`, whose IR is never changed after; its
+``.compile()`` compiles every program ahead of time into a `Compiled`, which
+binds the executables to a routed copy of the IR and runs the step when
+called. ``f.lower(*args)`` is ``f.trace(*args).lower()``. Each stage is made
+once per input signature: the step's `StepContext` keeps the lowerings, and a
+`Lowered` its `Compiled`. Nothing here runs the step or moves state until a
+`Compiled` is called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
 from typing import Any
 
 import jax
 
+from nnx_mpmd._jax_compat import take_cached_partial_nodes
 from nnx_mpmd.compiler.collective_bytes import step_all_reduce_bytes, step_reduce_scatter_bytes
-from nnx_mpmd.compiler.final.step import CompiledStep, PassRecord
+from nnx_mpmd.compiler.final.step import CompiledStep, PassRecord, compile_step
 from nnx_mpmd.compiler.ir import Call, Transfer, TransferBatch, format_instructions
-from nnx_mpmd.placement.mesh import MpmdMesh
+from nnx_mpmd.errors import CompileError
+from nnx_mpmd.jit.arguments import StepArguments, StepCall, StepSignature
+from nnx_mpmd.jit.options import JitOptions
+from nnx_mpmd.jit.programs import BoundPrograms, older_objects_left_alone
+from nnx_mpmd.jit.run import StepRecords, profile_mode, run_step
+from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
+from nnx_mpmd.runtime.executor import _Shardings
 
-__all__ = ["Compiled", "Lowered"]
+__all__ = ["Compiled", "Lowered", "StepContext", "Traced"]
+
+
+class StepContext:
+    """What the stages of one ``mp.jit`` step share: the step, its options and its lowerings.
+
+    Args:
+      fn: the step.
+      options: its checked options.
+      max_steps: how many input signatures' lowerings to keep (least recently
+        used dropped first), so that a long-lived step called with ever new
+        signatures does not grow without limit.
+    """
+
+    def __init__(self, fn: Any, options: JitOptions, max_steps: int) -> None:
+        self.fn = fn
+        self.options = options
+        self.arguments = StepArguments(fn, options)
+        self.shardings = _Shardings(list(options.mesh.submeshes))
+        self.records = StepRecords()
+        self.lowerings: collections.OrderedDict[StepSignature, Lowered] = collections.OrderedDict()
+        self.max_steps = max_steps
+
+    def cached(self, signature: StepSignature) -> Lowered | None:
+        """The lowering for ``signature``, marked most recently used, or None."""
+        lowered = self.lowerings.get(signature)
+        if lowered is not None:
+            self.lowerings.move_to_end(signature)
+        return lowered
+
+    def remember(self, lowered: Lowered) -> None:
+        """Keeps ``lowered``; the least recently used lowering beyond ``max_steps`` goes."""
+        self.lowerings[lowered.signature] = lowered
+        while len(self.lowerings) > self.max_steps:
+            _, evicted = self.lowerings.popitem(last=False)
+            evicted.finish_compiling()
+
+
+class Traced:
+    """A step's arguments read for one input signature; ``lower()`` it.
+
+    Made by `nnx_mpmd.jit.jit.PipelinedFunction.trace`: the arguments are
+    flattened and typed once, state that is not placed yet typed where
+    `mp.place` would put it. Nothing runs and no state moves.
+
+    Example:
+      >>> import jax, optax
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import nnx_mpmd as mp
+      >>> model = mp.Stage(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), stage=0)
+      >>> opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> def step(model, opt, x):
+      ...     loss, grads = mp.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+      ...     opt.update(model, grads)
+      ...     return loss
+      >>> mesh = mp.MpmdMesh(jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1]), "stage")
+      >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
+      >>> traced = f.trace(model, opt, jnp.ones((4, 4)))
+      >>> traced.lower() is f.lower(model, opt, jnp.ones((4, 4)))
+      True
+    """
+
+    def __init__(self, context: StepContext, call: StepCall) -> None:
+        self._context = context
+        self.call = call
+
+    @property
+    def signature(self) -> StepSignature:
+        """The input signature (structure, shapes, dtypes, placements) it was read for."""
+        return self.call.signature
+
+    def lower(self) -> Lowered:
+        """Runs the compiler's passes for these arguments (once per input signature).
+
+        Returns:
+          A `Lowered`: its passes, instructions and programs.
+        """
+        context = self._context
+        found = context.cached(self.signature)
+        if found is not None:
+            return found
+        options, call = context.options, self.call
+        with older_objects_left_alone():
+            step = compile_step(
+                context.fn,
+                call.flat,
+                options.mesh,
+                options.schedule,
+                options.num_microbatches,
+                state_avals=call.state_avals,
+                other_avals=call.other_avals,
+                batch_axis=options.batch_axis,
+                transfer_warning_bytes=options.transfer_warning_bytes,
+                donated_state=context.arguments.donated_state(call.flat),
+            )
+        consts = [placed_aval(c, options.mesh) for c in step.consts]
+        # Frozen: a config changed in place later must not change the stored key.
+        signature = call.signature.frozen()
+        lowered = Lowered(step, context, signature, call.abstract_inputs(consts))
+        context.remember(lowered)
+        return lowered
 
 
 class Lowered:
@@ -52,14 +164,17 @@ class Lowered:
     def __init__(
         self,
         compiled: CompiledStep,
-        mesh: MpmdMesh,
-        compile_fn: Callable[[CompiledStep], dict[str, list[Any]]] | None = None,
-        run_fn: Callable[..., Any] | None = None,
+        context: StepContext,
+        signature: StepSignature,
+        abstract_inputs: list[PlacedAval],
     ) -> None:
         self.compiled = compiled  # the compiler's CompiledStep (instructions, programs)
-        self.mesh = mesh
-        self._compile_fn = compile_fn
-        self._run_fn = run_fn
+        self.mesh = context.options.mesh
+        self.signature = signature
+        self._context = context
+        self._abstract_inputs = abstract_inputs
+        self._compiled: Compiled | None = None
+        self._compiled_ahead = False
 
     @property
     def passes(self) -> list[PassRecord]:
@@ -82,12 +197,52 @@ class Lowered:
     def compile(self) -> Compiled:
         """Compiles every program of the step ahead of time (no state is moved).
 
+        Made once: a second call, or a step call that compiled the programs
+        already, gives the same `Compiled`.
+
         Returns:
           A `Compiled`: call it like the step; ``memory_analysis()`` and
           ``cost_analysis()`` give XLA's figures per program.
         """
-        executables = self._compile_fn(self.compiled) if self._compile_fn else {}
-        return Compiled(self, executables, self._run_fn)
+        if self._compiled is not None and self._compiled_ahead:
+            self._compiled.bound_programs.finish()
+            return self._compiled
+        context = self._context
+        with older_objects_left_alone():
+            bound = BoundPrograms.compile(
+                self.compiled, self._abstract_inputs, context.options, context.shardings
+            )
+        self._compiled, self._compiled_ahead = Compiled(self, bound, context), True
+        return self._compiled
+
+    def compiled_for_call(self, call: StepCall) -> Compiled:
+        """The `Compiled` a step call runs: made on the first call, compiling as it runs.
+
+        Programs compile in threads while the first run dispatches
+        (`BoundPrograms.compile` with ``overlap``), or, with ``compile_threads=1``
+        or several processes, when the run first reaches each.
+        """
+        if self._compiled is not None:
+            return self._compiled
+        context = self._context
+        options = context.options
+        if options.compiles_ahead:
+            inputs = call.inputs(self.compiled.consts)
+            bound = BoundPrograms.compile(
+                self.compiled, inputs, options, context.shardings, overlap=True
+            )
+        else:
+            bound = BoundPrograms.jit_on_first_call(self.compiled)
+        self._compiled, self._compiled_ahead = (
+            Compiled(self, bound, context),
+            options.compiles_ahead,
+        )
+        return self._compiled
+
+    def finish_compiling(self) -> None:
+        """Waits for compilations a first call left running (the lowering is dropped)."""
+        if self._compiled is not None:
+            self._compiled.bound_programs.finish()
 
     @property
     def transfers(self) -> list[Any]:
@@ -143,9 +298,9 @@ class Lowered:
 class Compiled:
     """A lowered step whose programs are compiled: call it like the step.
 
-    Calling it runs the step through the `PipelinedFunction` it came from
-    (placing state that is not placed yet), which finds these programs in its
-    cache: nothing compiles again.
+    Calling it runs the step on these programs (placing state that is not
+    placed yet, as the step does): nothing is traced or compiled again.
+    Arguments of other types raise a `CompileError`; call the step for those.
 
     Example:
       >>> import jax, optax
@@ -167,20 +322,57 @@ class Compiled:
       True
     """
 
-    def __init__(
-        self,
-        lowered: Lowered,
-        executables: dict[str, list[Any]],
-        run_fn: Callable[..., Any] | None,
-    ) -> None:
+    def __init__(self, lowered: Lowered, bound: BoundPrograms, context: StepContext) -> None:
         self.lowered = lowered
-        self._executables = executables
-        self._run_fn = run_fn
+        self.bound_programs = bound
+        self._context = context
+        self._executables = bound.executables
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._run_fn is None:
-            raise TypeError("this Compiled step was built without a function to run it")
-        return self._run_fn(*args, **kwargs)
+    def __call__(
+        self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
+    ) -> Any:
+        # First: an error raised while nnx.cached_partial's cache is still set would
+        # surface as Flax's "no context consumed it" instead of our own.
+        partial_nodes = take_cached_partial_nodes()
+        mode = profile_mode(profile)
+        arguments = self._context.arguments
+        call = arguments.read(args, kwargs, partial_nodes)
+        if call.signature != self.lowered.signature:
+            call = arguments.placed(call)  # state lowered for where mp.place puts it
+        if call.signature != self.lowered.signature:
+            raise CompileError(
+                f"this Compiled {arguments.name} was compiled for other argument types "
+                "(structure, shapes, dtypes or placements); call the mp.jit step itself, "
+                "which compiles for each, or lower and compile it for these arguments."
+            )
+        return self.run(call, mode, memory)
+
+    def run(self, call: StepCall, profile: str | None = None, memory: bool = False) -> Any:
+        """Runs the step on ``call``'s arguments, read and placed for this signature."""
+        context = self._context
+        bound = self.bound_programs
+        try:
+            return run_step(
+                bound.step,
+                call,
+                context.options,
+                context.shardings,
+                context.records,
+                profile,
+                memory,
+            )
+        finally:
+            bound.finish()
+
+    @property
+    def last_profile(self) -> Any:
+        """The profile of the step's last run with ``profile=`` (see `PipelinedFunction`)."""
+        return self._context.records.last_profile
+
+    @property
+    def last_memory(self) -> dict[str, Any] | None:
+        """Per-mesh live bytes of the step's last run with ``memory=True``."""
+        return self._context.records.last_memory
 
     def executables(self) -> dict[str, list[Any]]:
         """XLA's compiled programs by name; a program called with several

@@ -31,37 +31,35 @@ import numpy as np
 from nnx_mpmd.compiler.trace.trace_step import StaticArg, is_graph_node
 from nnx_mpmd.errors import CompileError
 
-__all__ = ["StaticArg", "argument_positions", "check_disjoint", "wrap_static"]
+__all__ = [
+    "StaticArg",
+    "argument_positions",
+    "check_disjoint",
+    "checked_argnames",
+    "checked_argnums",
+    "wrap_static",
+]
 
 
-def argument_positions(
-    fn: Callable[..., Any],
-    argnums: int | Sequence[int],
-    argnames: str | Sequence[str],
-    option: str,
-) -> frozenset[int]:
-    """The positions of the arguments of ``fn`` that ``argnums`` and ``argnames`` name.
+def checked_argnums(argnums: int | Sequence[int], option: str) -> tuple[int, ...]:
+    """``argnums`` as a tuple of positions, each checked to be an int >= 0.
 
     Args:
-      fn: the step.
-      argnums: positions (an int or a sequence of them).
-      argnames: parameter names (a str or a sequence of them).
+      argnums: a position or a sequence of them.
       option: the option's name without its suffix, for messages: ``"donate"``
         or ``"static"``.
 
     Returns:
-      The positions.
+      The positions, in the order given.
 
     Raises:
-      CompileError: a position is not an int >= 0, or a name is not a positional
-        parameter of ``fn``.
+      CompileError: a position is not an int >= 0.
 
     Example:
-      >>> sorted(argument_positions(lambda model, batch: None, 1, "model", "donate"))
-      [0, 1]
+      >>> checked_argnums(1, "donate"), checked_argnums((0, 2), "static")
+      ((1,), (0, 2))
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
     for n in nums:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             example = "(0, 1) for step(model, optimizer, batch)"
@@ -71,21 +69,54 @@ def argument_positions(
                 f"mp.jit({option}_argnums=...) takes argument positions (ints >= 0), got "
                 f"{n!r}; pass e.g. {option}_argnums={example}."
             )
-    if not names:
-        return frozenset(nums)
+    return nums
+
+
+def checked_argnames(argnames: str | Sequence[str]) -> tuple[str, ...]:
+    """``argnames`` as a tuple of names (a single name becomes a 1-tuple)."""
+    return (argnames,) if isinstance(argnames, str) else tuple(argnames)
+
+
+def argument_positions(
+    fn: Callable[..., Any],
+    argnums: tuple[int, ...],
+    argnames: tuple[str, ...],
+    option: str,
+) -> frozenset[int]:
+    """The positions of the arguments of ``fn`` that ``argnums`` and ``argnames`` name.
+
+    Args:
+      fn: the step.
+      argnums: positions, checked (`checked_argnums`).
+      argnames: parameter names (`checked_argnames`).
+      option: the option's name without its suffix, for messages: ``"donate"``
+        or ``"static"``.
+
+    Returns:
+      The positions.
+
+    Raises:
+      CompileError: a name is not a positional parameter of ``fn``.
+
+    Example:
+      >>> sorted(argument_positions(lambda model, batch: None, (1,), ("model",), "donate"))
+      [0, 1]
+    """
+    if not argnames:
+        return frozenset(argnums)
     params = [
         p.name
         for p in inspect.signature(fn).parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    unknown = [name for name in names if name not in params]
+    unknown = [name for name in argnames if name not in params]
     if unknown:
         raise CompileError(
             f"mp.jit({option}_argnames=...) names {unknown}, which "
             f"{getattr(fn, '__name__', 'the step')} has no positional parameter of "
             f"(it has {params}); name one of those."
         )
-    return frozenset(nums) | {params.index(name) for name in names}
+    return frozenset(argnums) | {params.index(name) for name in argnames}
 
 
 def check_disjoint(static: frozenset[int], donated: frozenset[int]) -> None:

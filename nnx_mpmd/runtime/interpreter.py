@@ -61,7 +61,6 @@ __all__ = [
     "build",
     "cached_keys",
     "call_step",
-    "forget_prepared",
     "free_step",
     "load_store",
     "prepare",
@@ -256,19 +255,6 @@ def prepared_for(
         while len(cache) > _MAX_PREPARED:
             del cache[next(iter(cache))]
     return entry
-
-
-def forget_prepared(step: Any) -> None:
-    """Drops the steps `prepared_for` cached for ``step`` (its instructions changed).
-
-    Example:
-      >>> from types import SimpleNamespace
-      >>> step = SimpleNamespace(instructions=[])
-      >>> _ = prepared_for(step, "k", object)
-      >>> forget_prepared(step); cached_keys(step)
-      []
-    """
-    step.__dict__.pop(_CACHE_ATTRIBUTE, None)
 
 
 def cached_keys(step: Any) -> list[Any]:

@@ -244,8 +244,9 @@ def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypa
     # nothing compiled twice (as many compilations as lower().compile() makes).
     assert "F0" in events and events.index("F0") < events.index("finish")
     assert first.count == ahead
-    (compiled,) = step._cache.values()
-    calls = [ins.fn for ins in compiled.instructions if isinstance(ins, Call)]
+    (lowered,) = step._cache.values()
+    routed = lowered.compile().bound_programs.step  # the Compiled the call made
+    calls = [ins.fn for ins in routed.instructions if isinstance(ins, Call)]
     assert calls and not any(isinstance(fn, precompile.AwaitedProgram) for fn in calls)
     with count_compilations() as second:
         step(model, opt, batch)

@@ -104,7 +104,7 @@ def test_a_stored_step_runs_untraced_and_equals_nnx_jit(case, store, monkeypatch
 
 def _key(step, model, opt, batch):
     lowered = step.lower(model, opt, batch)
-    inputs = step._lower_abstract((model, opt, batch))[1]
+    inputs = lowered._abstract_inputs
     return step_store.step_key(
         lowered.compiled, inputs, step.mesh, step.schedule, step.num_microbatches
     )

@@ -184,7 +184,10 @@ def test_the_middle_stages_backwards_consume_the_cotangents_they_receive(
 ):
     step, _, _ = _run(schedule_cls, data, True, monkeypatch, steps=1)
     model, opt, _, kind = build("lm", "adamw", 4)
-    flat, compiled = step._prepare((model, opt, make_batch(kind, 8 * data, seed=0)))
+    args = (model, opt, make_batch(kind, 8 * data, seed=0))
+    arguments = step._context.arguments  # the call's arguments, placed as a call places them
+    flat = arguments.placed(arguments.read(args, {})).flat
+    compiled = step.lower(*args).compiled
     donating = [ins for ins in compiled.instructions if isinstance(ins, Call) and ins.donated]
     # Stages 1 and 2 receive a cotangent of their input's type; stage 0 makes no
     # input cotangent and the last stage receives none.

@@ -13,7 +13,7 @@ from pipeline_models import build, make_batch, make_mesh, params_of, train_step_
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.trace import trace_step
-from nnx_mpmd.jit import jit as api
+from nnx_mpmd.jit import arguments as api
 
 STEPS = 3
 
@@ -101,12 +101,12 @@ def test_a_dropped_partial_releases_its_model_and_keeps_no_arrays():
     cached = _cached(step, model, optimizer)
     cached(make_batch(kind, 4))
     cached(make_batch(kind, 4))
-    [(_, structure)] = step._cached_partial_args.values()
+    [(_, structure)] = step._context.arguments._cached_partial_args.values()
     assert structure.state_leaves == [] and structure.args_leaves == []
     released = weakref.ref(model)
     del model, optimizer, cached
     gc.collect()
-    assert released() is None and not step._cached_partial_args
+    assert released() is None and not step._context.arguments._cached_partial_args
 
 
 def test_an_error_in_a_cached_call_is_ours_not_flax_s():

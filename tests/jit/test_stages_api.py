@@ -1,10 +1,13 @@
 """``lower()`` has no side effects; ``Lowered`` shows every pass; ``Compiled`` runs and reports.
 
-Like ``jax.stages``: ``f.lower(*args)`` -> `Lowered` (passes, instructions,
-programs) -> ``.compile()`` -> `Compiled` (callable, XLA memory and cost analyses).
+Like ``jax.stages``: ``f.trace(*args)`` -> `Traced` -> ``.lower()`` -> `Lowered` (passes,
+instructions, programs) -> ``.compile()`` -> `Compiled` (callable, XLA memory and cost
+analyses), each made once per input signature; the lowered IR never changes after.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ from flax import nnx
 from pipeline_models import MLP, WIDTH, make_mesh, mlp_loss, train_step_fn
 
 import nnx_mpmd as mp
+from nnx_mpmd.compiler.ir import Call, format_instructions
 
 
 def _setup(schedule=None, stages=2):
@@ -125,13 +129,118 @@ def test_compiled_runs_the_step_and_reports_xla_analyses():
     assert compiled.as_text() == compiled.lowered.as_text()
 
 
-def test_compiled_without_a_function_cannot_run():
+def _counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_trace_lower_and_compile_are_each_made_once(monkeypatch):
+    from nnx_mpmd.jit import programs, stages
+
+    lowerings = _counting(monkeypatch, stages, "compile_step")
+    compilations = _counting(monkeypatch, programs, "start_precompile")
+    model, opt, step, batch = _setup()
+    traced = step.trace(model, opt, batch)
+    assert isinstance(traced, mp.Traced)
+    lowered = traced.lower()
+    assert traced.lower() is lowered
+    assert step.lower(model, opt, batch) is lowered  # lower() is trace().lower()
+    compiled = lowered.compile()
+    assert lowered.compile() is compiled
+    step(model, opt, batch)  # places the state; finds the lowering and its programs
+    step(model, opt, batch)
+    assert step.lower(model, opt, batch).compile() is compiled
+    assert (len(lowerings), len(compilations), step.num_compiled_steps) == (1, 1, 1)
+
+
+def test_a_first_call_reads_and_places_its_arguments_once(monkeypatch):
+    from nnx_mpmd.jit import arguments
+    from nnx_mpmd.placement import abstract, place
+
+    flattened = _counting(monkeypatch, arguments, "flatten_step_args")
+    decided = _counting(monkeypatch, place, "placement_decisions")
+    monkeypatch.setattr(abstract, "placement_decisions", place.placement_decisions)
+    model, opt, step, batch = _setup()
+    reference_model, reference_opt, _, _ = _setup()
+    loss = step(model, opt, batch)  # unplaced state: placed, then lowered and run
+    assert (len(flattened), len(decided)) == (1, 1)
+    assert any(isinstance(x, mp.MpmdArray) for x in _leaves(model, opt))
+    expected = nnx.jit(train_step_fn(mlp_loss))(reference_model, reference_opt, batch)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+
+
+def test_the_ir_is_not_changed_by_compiling_or_running():
     model, opt, step, batch = _setup()
     lowered = step.lower(model, opt, batch)
-    bare = mp.Compiled(lowered, {}, None)
-    with pytest.raises(TypeError, match="without a function to run it"):
-        bare(model, opt, batch)
-    assert jnp.isfinite(step(model, opt, batch))
+    text, instructions = lowered.ir_text(), lowered.compiled.instructions
+    functions = [ins.fn for ins in instructions if isinstance(ins, Call)]
+    compiled = lowered.compile()
+    step(model, opt, batch)
+    compiled(model, opt, batch)
+    assert lowered.compiled.instructions is instructions
+    assert [ins.fn for ins in instructions if isinstance(ins, Call)] == functions
+    assert lowered.ir_text() == text
+    routed = compiled.bound_programs.step  # the copy whose calls go to the executables
+    assert routed is not lowered.compiled and format_instructions(routed.instructions) == text
+
+
+def test_compiled_runs_by_itself_and_compiles_nothing_more(monkeypatch):
+    from nnx_mpmd.aot.stats import count_compilations
+
+    model, opt, step, batch = _setup()
+    reference_model, reference_opt, _, _ = _setup()
+    reference = nnx.jit(train_step_fn(mlp_loss))
+    compiled = step.lower(model, opt, batch).compile()
+
+    def no_step_call(*args, **kwargs):
+        raise AssertionError("Compiled went back through the PipelinedFunction")
+
+    monkeypatch.setattr(mp.PipelinedFunction, "__call__", no_step_call)
+    with count_compilations() as counted:
+        losses = [float(compiled(model, opt, batch)) for _ in range(2)]
+    assert counted.count == 0
+    expected = [float(reference(reference_model, reference_opt, batch)) for _ in range(2)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for got, want in zip(_leaves(model), _leaves(reference_model), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_called_with_other_argument_types_is_an_error():
+    model, opt, step, batch = _setup()
+    compiled = step.lower(model, opt, batch).compile()
+    wider = {name: np.concatenate([value, value]) for name, value in batch.items()}
+    with pytest.raises(
+        mp.CompileError, match=r"compiled for other argument types.*call the mp.jit"
+    ):
+        compiled(model, opt, wider)
+    assert jnp.isfinite(step(model, opt, wider))
+
+
+def test_options_are_one_frozen_checked_object():
+    from nnx_mpmd.jit.options import JitOptions
+
+    step = _setup()[2]
+    assert isinstance(step.options, JitOptions)
+    assert step.options.num_microbatches == step.num_microbatches == 4
+    assert step.options.batch_axis == step.batch_axis == "data"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.options.num_microbatches = 2  # type: ignore[misc]
+    kwargs = {"mesh": make_mesh(2, 2), "schedule": mp.GPipe()}
+    with pytest.raises(mp.CompileError, match="num_microbatches must be an int >= 1, got 0"):
+        mp.jit(num_microbatches=0, **kwargs)  # checked when jit is called, before decorating
+    with pytest.raises(mp.CompileError, match="compile_threads must be an int >= 1 or None"):
+        mp.jit(train_step_fn(mlp_loss), num_microbatches=2, compile_threads=0, **kwargs)
+    with pytest.raises(mp.CompileError, match=r"donate_argnums=\.\.\.\) takes argument positions"):
+        mp.jit(num_microbatches=2, donate_argnums=(-1,), **kwargs)
+    with pytest.raises(mp.CompileError, match=r"static_argnames=\.\.\.\) names \['nope'\]"):
+        mp.jit(train_step_fn(mlp_loss), num_microbatches=2, static_argnames="nope", **kwargs)
 
 
 def test_instructions_list_a_receive_for_every_member_of_a_transfer_batch():

@@ -377,7 +377,7 @@ def test_unannotated_data_parallel_stage_equals_reference(axis_type, embed, sche
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-5, atol=1e-6, err_msg=path)
     replicated = [w for w in recwarn if issubclass(w.category, ReplicatedBatchWarning)]
     assert len(replicated) == (1 if embed and kind == AxisType.Explicit else 0)
-    compiled = next(iter(pipelined._cache.values()))
+    compiled = next(iter(pipelined._cache.values())).compiled
     assert compiled.batch_axis == (None if replicated else "data")
 
 
