@@ -45,6 +45,10 @@ class StepSignature:
 
     __slots__ = ("_hash", "graphdef", "rest")
 
+    graphdef: Any
+    rest: tuple[Any, ...]
+    _hash: int
+
     def __init__(self, graphdef: Any, graphdef_hash: int, rest: tuple[Any, ...]) -> None:
         self.graphdef, self.rest = graphdef, rest
         self._hash = hash((graphdef_hash, rest))
@@ -103,8 +107,10 @@ class StepArguments:
         self.fn = fn
         self.options = options
         self.name: str = getattr(fn, "__name__", "step")
-        self.donated = donated_positions(fn, options.donate_argnums, options.donate_argnames)
-        self.static = argument_positions(
+        self.donated: frozenset[int] = donated_positions(
+            fn, options.donate_argnums, options.donate_argnames
+        )
+        self.static: frozenset[int] = argument_positions(
             fn, options.static_argnums, options.static_argnames, "static"
         )
         check_disjoint(self.static, self.donated)

@@ -249,7 +249,7 @@ class Generator:
         self.window = window
         self.num_microbatches = num_microbatches
         self.kv_cache = kv_cache
-        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self.vocab_size: int | None = None if vocab_size is None else int(vocab_size)
         pick = {"temperature": float(temperature), "top_k": top_k, "vocab_size": self.vocab_size}
         pipelined = functools.partial(
             jit, mesh=mesh, schedule=schedule, num_microbatches=num_microbatches

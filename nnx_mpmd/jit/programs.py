@@ -60,7 +60,7 @@ class BoundPrograms:
         self, lowered: CompiledStep, step: CompiledStep, executables: dict[str, list[Any]]
     ) -> None:
         self.lowered = lowered
-        self.step = step
+        self.step: CompiledStep = step
         self.executables = executables
         self._pending: tuple[Precompiling, dict[str, Any], Any] | None = None
 

@@ -28,6 +28,7 @@ from nnx_mpmd.jit.options import JitOptions
 from nnx_mpmd.jit.programs import BoundPrograms, older_objects_left_alone
 from nnx_mpmd.jit.run import StepRecords, profile_mode, run_step
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
+from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.runtime.executor import _Shardings
 
 __all__ = ["Compiled", "Lowered", "StepContext", "Traced"]
@@ -47,9 +48,9 @@ class StepContext:
     def __init__(self, fn: Any, options: JitOptions, max_steps: int) -> None:
         self.fn = fn
         self.options = options
-        self.arguments = StepArguments(fn, options)
-        self.shardings = _Shardings(list(options.mesh.submeshes))
-        self.records = StepRecords()
+        self.arguments: StepArguments = StepArguments(fn, options)
+        self.shardings: _Shardings = _Shardings(list(options.mesh.submeshes))
+        self.records: StepRecords = StepRecords()
         self.lowerings: collections.OrderedDict[StepSignature, Lowered] = collections.OrderedDict()
         self.max_steps = max_steps
 
@@ -169,7 +170,7 @@ class Lowered:
         abstract_inputs: list[PlacedAval],
     ) -> None:
         self.compiled = compiled  # the compiler's CompiledStep (instructions, programs)
-        self.mesh = context.options.mesh
+        self.mesh: MpmdMesh = context.options.mesh
         self.signature = signature
         self._context = context
         self._abstract_inputs = abstract_inputs

@@ -40,7 +40,7 @@ from nnx_mpmd.schedules.simulate import Timeline
 __all__ = ["Profile", "TimelineProfiler"]
 
 
-class Profile(list):
+class Profile(list[Sequence[Any]]):
     """The `TaskRecord` list of a profiled step, and what comparing it needs.
 
     It is a list of ``(mesh, label, task, start_s, end_s)`` records, one per
@@ -73,7 +73,7 @@ class Profile(list):
     ) -> None:
         super().__init__(records)
         self.tasks = tasks
-        self.transfers = list(transfers)
+        self.transfers: list[Sequence[Any]] = list(transfers)
         self.mode = mode
         self.approximate = approximate
 
