@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -141,11 +141,22 @@ class StepArguments:
     def placed(self, call: StepCall) -> StepCall:
         """``call`` with its state moved where the schedule wants it (placed leaves stay)."""
         options = self.options
+        variables = call.flat.variables
+        metadata = None if variables is None else [dict(v.get_metadata()) for v in variables]
         try:
             place(call.flat.nodes, options.mesh, options.schedule)
         except ScheduleError as e:
             raise self._placement_error(e) from None
-        flat = self._refreshed(call.flat)
+        if (
+            metadata is not None
+            and variables is not None
+            and _metadata_changed(variables, metadata)
+        ):
+            # Placement tagged Variables (a bridged Linen module's, made after its Stage):
+            # the graphdef changed with them, so the call is read again.
+            flat = flatten_step_args(self.fn, self._args_of(call.flat))
+        else:
+            flat = self._refreshed(call.flat)
         before, after = call.flat.state_leaves, flat.state_leaves
         if len(before) == len(after) and all(a is b for a, b in zip(before, after)):
             return call  # nothing moved: the call's avals and key stand
@@ -264,3 +275,8 @@ class StepArguments:
             structure = dataclasses.replace(flat, state_leaves=[], other_leaves=[], args_leaves=[])
             self._cached_partial_args[key] = (ref, structure)
         return flat
+
+
+def _metadata_changed(variables: Sequence[Any], before: Sequence[dict[str, Any]]) -> bool:
+    """Whether any Variable's metadata differs from ``before`` (part of the graphdef)."""
+    return any(dict(v.get_metadata()) != m for v, m in zip(variables, before, strict=True))

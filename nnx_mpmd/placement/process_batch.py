@@ -156,7 +156,15 @@ def make_microbatched_array(
 ) -> MicrobatchedArray:
     """A batch leaf where the step reads it, built from this process's rows only.
 
-    ``local_rows`` are the rows `process_batch_rows` names here, in that order.
+    Args:
+      local_rows: the rows `process_batch_rows` names for this process, in
+        that order (``[len(rows), ...]``; none on a process without devices there).
+      sharding: where the step reads the leaf (as in `process_batch_rows`).
+      batch_size: ``B``.
+      num_microbatches: ``m``, the step's microbatches.
+
+    Returns:
+      The `MicrobatchedArray` to pass to the step in place of the leaf.
 
     Raises:
       PlacementError: ``local_rows`` is not this process's share.
