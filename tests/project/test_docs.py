@@ -471,5 +471,5 @@ def test_readme_quick_start_says_how_to_use_the_venv_and_the_test_loops():
     quick_start = (ROOT / "README.md").read_text(encoding="utf-8").split("## Twenty lines")[0]
     assert "source .venv/bin/activate" in quick_start
     assert ".venv/bin/python examples/01_quickstart.py" in quick_start
-    assert re.search(r"make test .*~25 min on 2 cores", quick_start)
+    assert re.search(r"make test .*~35 min on 2 cores", quick_start)
     assert re.search(r"`make test-fast`.*about a minute", quick_start, re.DOTALL)
