@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 import pathlib
@@ -128,7 +129,7 @@ def check_tokenizer_file(path: str | pathlib.Path) -> str:
     return kind
 
 
-class _FileTokenizer:
+class _FileTokenizer(abc.ABC):
     """What the file tokenizers share: their file's name, sha256 and description."""
 
     kind = ""
@@ -137,9 +138,9 @@ class _FileTokenizer:
     sha256: str
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
         """Number of token ids; each file format says how many."""
-        raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
         """The file's name in the run directory and its sha256 (see `tokenizer_from_dict`)."""
