@@ -61,7 +61,7 @@ from nnx_mpmd.schedules import ZeroBubbleV as ZeroBubbleV
 try:  # the installed distribution's version, so it cannot drift from pyproject.toml
     __version__ = _metadata.version("nnx-mpmd")
 except _metadata.PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.27.0"
+    __version__ = "0.28.0"
 
 __all__ = [
     "CheckpointDamagedError",

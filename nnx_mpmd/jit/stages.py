@@ -20,8 +20,9 @@ import jax
 
 from nnx_mpmd._jax_compat import take_cached_partial_nodes
 from nnx_mpmd.compiler.collective_bytes import step_all_reduce_bytes, step_reduce_scatter_bytes
-from nnx_mpmd.compiler.final.step import CompiledStep, PassRecord, compile_step
+from nnx_mpmd.compiler.final.step import CompiledStep, PassRecord, compile_step, trace_for_step
 from nnx_mpmd.compiler.ir import Call, Transfer, TransferBatch, format_instructions
+from nnx_mpmd.compiler.trace.trace_step import TracedStep
 from nnx_mpmd.errors import CompileError
 from nnx_mpmd.jit.arguments import StepArguments, StepCall, StepSignature
 from nnx_mpmd.jit.options import JitOptions
@@ -70,11 +71,12 @@ class StepContext:
 
 
 class Traced:
-    """A step's arguments read for one input signature; ``lower()`` it.
+    """A step's arguments read for one input signature, and its jaxpr; ``lower()`` it.
 
     Made by `nnx_mpmd.jit.jit.PipelinedFunction.trace`: the arguments are
     flattened and typed once, state that is not placed yet typed where
-    `mp.place` would put it. Nothing runs and no state moves.
+    `mp.place` would put it; ``jaxpr`` is traced once, on first use, and
+    ``lower()`` runs the passes on it. Nothing runs and no state moves.
 
     Example:
       >>> import jax, optax
@@ -90,6 +92,8 @@ class Traced:
       >>> mesh = mp.MpmdMesh(jax.make_mesh((1,), ("stage",), devices=jax.devices()[:1]), "stage")
       >>> f = mp.jit(step, mesh=mesh, schedule=mp.GPipe(), num_microbatches=2)
       >>> traced = f.trace(model, opt, jnp.ones((4, 4)))
+      >>> traced.jaxpr.eqns[0].primitive.name  # the pipelined region, then the update
+      'mpmd_region'
       >>> traced.lower() is f.lower(model, opt, jnp.ones((4, 4)))
       True
     """
@@ -97,11 +101,35 @@ class Traced:
     def __init__(self, context: StepContext, call: StepCall) -> None:
         self._context = context
         self.call = call
+        self._traced: TracedStep | None = None
 
     @property
     def signature(self) -> StepSignature:
         """The input signature (structure, shapes, dtypes, placements) it was read for."""
         return self.call.signature
+
+    @property
+    def jaxpr(self) -> Any:
+        """The step traced to one jaxpr (before any pipeline pass), over its consts, state and other leaves.
+
+        Traced on first use and kept: `lower` runs its passes on this one.
+        """
+        return self._traced_step().jaxpr
+
+    def _traced_step(self) -> TracedStep:
+        """The compiler's first pass for these arguments, run once."""
+        if self._traced is None:
+            options, call = self._context.options, self.call
+            self._traced = trace_for_step(
+                self._context.fn,
+                call.flat,
+                options.mesh,
+                options.num_microbatches,
+                state_avals=call.state_avals,
+                other_avals=call.other_avals,
+                batch_axis=options.batch_axis,
+            )
+        return self._traced
 
     def lower(self) -> Lowered:
         """Runs the compiler's passes for these arguments (once per input signature).
@@ -115,6 +143,7 @@ class Traced:
             return found
         options, call = context.options, self.call
         with older_objects_left_alone():
+            traced = self._traced_step()
             step = compile_step(
                 context.fn,
                 call.flat,
@@ -126,6 +155,7 @@ class Traced:
                 batch_axis=options.batch_axis,
                 transfer_warning_bytes=options.transfer_warning_bytes,
                 donated_state=context.arguments.donated_state(call.flat),
+                traced=traced,
             )
         consts = [placed_aval(c, options.mesh) for c in step.consts]
         # Frozen: a config changed in place later must not change the stored key.

@@ -160,6 +160,25 @@ def test_trace_lower_and_compile_are_each_made_once(monkeypatch):
     assert (len(lowerings), len(compilations), step.num_compiled_steps) == (1, 1, 1)
 
 
+def test_traced_owns_its_jaxpr_and_lowering_traces_no_more(monkeypatch):
+    from nnx_mpmd.compiler.final import step as final_step
+
+    traces = _counting(monkeypatch, final_step, "trace_step")
+    model, opt, step, batch = _setup()
+    traced = step.trace(model, opt, batch)
+    assert traces == []  # traced on first use, not when the arguments are read
+    jaxpr = traced.jaxpr
+    assert traced.jaxpr is jaxpr and len(traces) == 1
+    lowered = traced.lower()
+    assert len(traces) == 1  # the passes run on the Traced's jaxpr
+    assert lowered.pass_text("trace") == str(jaxpr)
+    ref_model, ref_opt, _, _ = _setup()
+    loss = step(model, opt, batch)
+    expected = nnx.jit(train_step_fn(mlp_loss))(ref_model, ref_opt, batch)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+    assert len(traces) == 1
+
+
 def test_a_first_call_reads_and_places_its_arguments_once(monkeypatch):
     from nnx_mpmd.jit import arguments
     from nnx_mpmd.placement import abstract, place

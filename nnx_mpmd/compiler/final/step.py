@@ -83,6 +83,7 @@ __all__ = [
     "dedupe_programs",
     "flatten_args",
     "flatten_step_args",
+    "trace_for_step",
 ]
 
 
@@ -358,17 +359,40 @@ def compile_step(
     batch_axis: str | None = "data",
     transfer_warning_bytes: int = 1 << 20,
     donated_state: frozenset[int] = frozenset(),
+    traced: TracedStep | None = None,
 ) -> CompiledStep:
     """Lowers ``fn`` for ``mesh`` and ``schedule``: the passes in this module's order.
 
     ``state_avals``/``other_avals`` say where leaves will be (default: where they are), to
-    lower without placing; ``donated_state`` are the state leaves whose buffers may be reused.
+    lower without placing; ``donated_state`` are the state leaves whose buffers may be reused;
+    ``traced`` is the first pass's result when `trace_for_step` made it already.
     """
     with collector_paused():
         return _compile_step(
             fn, flat, mesh, schedule, num_microbatches, state_avals, other_avals,
-            batch_axis, transfer_warning_bytes, donated_state,
+            batch_axis, transfer_warning_bytes, donated_state, traced,
         )  # fmt: skip
+
+
+def trace_for_step(
+    fn: Callable[..., Any],
+    flat: FlatArgs,
+    mesh: MpmdMesh,
+    num_microbatches: int,
+    *,
+    state_avals: list[PlacedAval] | None = None,
+    other_avals: list[PlacedAval] | None = None,
+    batch_axis: str | None = "data",
+) -> TracedStep:
+    """`compile_step`'s first pass alone: ``fn`` traced to one jaxpr, for its ``traced``.
+
+    So that `nnx_mpmd.jit.stages.Traced` owns the jaxpr and lowering does not trace again.
+    """
+    with collector_paused():
+        state_avals = state_avals or [placed_aval(x, mesh) for x in flat.state_leaves]
+        other_avals = other_avals or [placed_aval(x, mesh) for x in flat.other_leaves]
+        avals = _traced_avals(mesh, state_avals, other_avals)
+        return trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
 
 
 @contextlib.contextmanager
@@ -409,6 +433,7 @@ def _compile_step(
     batch_axis: str | None,
     transfer_warning_bytes: int,
     donated_state: frozenset[int],
+    traced: TracedStep | None,
 ) -> CompiledStep:
     """`compile_step`'s passes, with the collector paused."""
     state_avals = state_avals or [placed_aval(x, mesh) for x in flat.state_leaves]
@@ -418,8 +443,9 @@ def _compile_step(
     def record(name: str, render: Callable[[], str]) -> None:
         passes.append(PassRecord(name, render))
 
-    avals = _traced_avals(mesh, state_avals, other_avals)
-    traced = trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
+    if traced is None:
+        avals = _traced_avals(mesh, state_avals, other_avals)
+        traced = trace_step(fn, flat, avals, mesh, num_microbatches, batch_axis)
     record("trace", lambda: str(traced.jaxpr))
     region = _region_passes(traced, schedule, mesh, num_microbatches, record)
     inputs = describe_inputs(traced, flat, mesh, state_avals, other_avals)
