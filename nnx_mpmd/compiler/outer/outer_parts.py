@@ -21,9 +21,9 @@ so running them as separate programs computes the same values. Programs equal
 piece by piece but not as wholes (with a global-norm clip each mesh receives every
 mesh's small gradients and updates its own, read at another argument on each mesh)
 are split too, into a prologue and a common part that are each equal on every mesh
-(`_wired_apart`). A program that sends a packed transfer, or that has effects, is not split. Whether two parts are
-really equal is decided later, as for any program, by `Call.structure`; this
-pass only arranges for them to be.
+(`_wired_apart`). A program that sends a packed transfer, or that has effects, is
+not split. Whether two parts are really equal is decided later, as for any
+program, by `Call.structure`; this pass only arranges for them to be.
 """
 
 from __future__ import annotations
@@ -268,8 +268,7 @@ def _wired_apart(
     pieces: Mapping[OuterGroup, _Pieces],
     groups: Mapping[OuterGroup, Sequence[int]],
 ) -> OuterGroup | None:
-    """The first of three or more programs with equal pieces and prologues but unequal
-    wholes, or None.
+    """The first of 3+ programs equal piece by piece and in prologue, not as wholes; or None.
 
     With a global-norm clip each mesh receives the small gradients of all the
     others and updates its own one: programs equal piece by piece, but each reads
