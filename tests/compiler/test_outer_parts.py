@@ -188,6 +188,19 @@ def test_equal_programs_that_read_their_own_gradient_apart_share_their_parts():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{j}@{q}")
 
 
+def test_updates_that_read_their_own_gradient_apart_stay_whole_with_several_processes(
+    monkeypatch,
+):
+    # Programs are shared within one process only: split, each mesh would compile two.
+    everywhere = {0, 1, 2}
+    where = [{0}, {1}, {2}, everywhere, everywhere, everywhere, everywhere]
+    problem = _problem(_own_update, _own_update_args(), where, [{0}, {1}, {2}, everywhere])
+    levels = level_equations(_assign(problem))
+    assert split_common_parts(levels) is not levels
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert split_common_parts(levels) is levels
+
+
 # -- end to end ---------------------------------------------------------------------------
 
 

@@ -33,6 +33,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, structure_key, var_bytes
 from nnx_mpmd.compiler.outer.outer_assign import ValueOnMesh
 from nnx_mpmd.compiler.outer.outer_emit import OuterGroup, OuterLevels, Part
@@ -275,7 +277,9 @@ def _wired_apart(
     its own value at another argument, so no two share an executable. Split, the
     prologues (the norm, read in one order everywhere) and the common parts are equal.
     """
-    if len(family) < 3:
+    # Executables are shared within one process only (`nnx_mpmd.aot.program_sharing`):
+    # with several, each mesh would compile two programs instead of one.
+    if len(family) < 3 or jax.process_count() > 1:
         return None
     first = collections.Counter(pieces[family[0]].keys)
     if None in first or sum(len(p) for p in pieces[family[0]].pieces) < _MIN_COMMON_EQUATIONS:
