@@ -157,6 +157,50 @@ def test_a_program_without_the_core_pieces_is_left_whole():
     assert split_common_parts(levels) is levels
 
 
+def _own_update(w0, w1, w2, g0, g1, g2, count):
+    """Each mesh holds every gradient (sent whole) and updates its own parameter."""
+    norm = jnp.sqrt(jnp.sum(g0 * g0) + jnp.sum(g1 * g1) + jnp.sum(g2 * g2))
+    return (*(_adam_like(w, g, count, norm) for w, g in ((w0, g0), (w1, g1), (w2, g2))), count + 1)
+
+
+def _own_update_args():
+    rng = np.random.default_rng(1)
+    arrays = [jnp.asarray(rng.normal(size=(16,)).astype(np.float32)) for _ in range(6)]
+    return [*arrays, jnp.int32(3)]
+
+
+def test_equal_programs_that_read_their_own_gradient_apart_share_their_parts():
+    # Mesh q's update reads gradient q at argument q: equal piece by piece, never as
+    # a whole. Split, every mesh's prologue (the norm) and common part are one each.
+    everywhere = {0, 1, 2}
+    where = [{0}, {1}, {2}, everywhere, everywhere, everywhere, everywhere]
+    problem = _problem(_own_update, _own_update_args(), where, [{0}, {1}, {2}, everywhere])
+    plan = plan_outer_problem(problem, SlotTable())
+    calls = [c for c in plan.instructions if isinstance(c, Call)]
+    for kind in ("pre_prologue", "pre_common"):
+        mine = [c for c in calls if c.program.kind == kind]
+        assert sorted(c.mesh for c in mine) == [0, 1, 2], sorted(str(c.program) for c in calls)
+        assert len({c.structure for c in mine}) == 1 and mine[0].structure is not None
+    want = jax.jit(_own_update)(*_own_update_args())
+    for j, (placed, w) in enumerate(zip(_run(plan, _own_update_args()), want, strict=True)):
+        assert placed, j
+        for q, g in placed:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{j}@{q}")
+
+
+def test_updates_that_read_their_own_gradient_apart_stay_whole_with_several_processes(
+    monkeypatch,
+):
+    # Programs are shared within one process only: split, each mesh would compile two.
+    everywhere = {0, 1, 2}
+    where = [{0}, {1}, {2}, everywhere, everywhere, everywhere, everywhere]
+    problem = _problem(_own_update, _own_update_args(), where, [{0}, {1}, {2}, everywhere])
+    levels = level_equations(_assign(problem))
+    assert split_common_parts(levels) is not levels
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert split_common_parts(levels) is levels
+
+
 # -- end to end ---------------------------------------------------------------------------
 
 

@@ -17,10 +17,13 @@ the rest (with the prologue) and a *common* part equal to the smallest program
 of its level that the others contain; a program that is all common part runs
 its prologue as a program of its own. The common parts of every mesh are then
 one program, compiled once, and the rest is small. The pieces are independent,
-so running them as separate programs computes the same values. A program that sends a
-packed transfer, or that has effects, is not split. Whether two parts are
-really equal is decided later, as for any program, by `Call.structure`; this
-pass only arranges for them to be.
+so running them as separate programs computes the same values. Programs equal
+piece by piece but not as wholes (with a global-norm clip each mesh receives every
+mesh's small gradients and updates its own, read at another argument on each mesh)
+are split too, into a prologue and a common part that are each equal on every mesh
+(`_wired_apart`). A program that sends a packed transfer, or that has effects, is
+not split. Whether two parts are really equal is decided later, as for any
+program, by `Call.structure`; this pass only arranges for them to be.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import jax
 
 from nnx_mpmd.compiler.jaxpr_utils import is_literal, make_subprogram, structure_key, var_bytes
 from nnx_mpmd.compiler.outer.outer_assign import ValueOnMesh
@@ -150,6 +155,8 @@ def split_common_parts(levels: OuterLevels) -> OuterLevels:
         names: dict[Any, int] = {}
         pieces = {g: _pieces(eqns, levels.groups[g], names) for g in family}
         core = _core(family, pieces)
+        if core is None:
+            core = _wired_apart(eqns, family, pieces, levels.groups)
         for group in family if core is not None else ():
             assert core is not None  # for the type checker: the loop is empty otherwise
             order = _match(pieces[core], pieces[group])
@@ -255,6 +262,43 @@ def _core(family: Sequence[OuterGroup], pieces: Mapping[OuterGroup, _Pieces]) ->
         if bigger:
             candidates.append((len(pieces[g].pieces), g))
     return min(candidates)[1] if candidates else None
+
+
+def _wired_apart(
+    eqns: Sequence[Any],
+    family: Sequence[OuterGroup],
+    pieces: Mapping[OuterGroup, _Pieces],
+    groups: Mapping[OuterGroup, Sequence[int]],
+) -> OuterGroup | None:
+    """The first of 3+ programs equal piece by piece and in prologue, not as wholes; or None.
+
+    With a global-norm clip each mesh receives the small gradients of all the
+    others and updates its own one: programs equal piece by piece, but each reads
+    its own value at another argument, so no two share an executable. Split, the
+    prologues (the norm, read in one order everywhere) and the common parts are equal.
+    """
+    # Executables are shared within one process only (`nnx_mpmd.aot.program_sharing`):
+    # with several, each mesh would compile two programs instead of one.
+    if len(family) < 3 or jax.process_count() > 1:
+        return None
+    first = collections.Counter(pieces[family[0]].keys)
+    if None in first or sum(len(p) for p in pieces[family[0]].pieces) < _MIN_COMMON_EQUATIONS:
+        return None
+    if any(collections.Counter(pieces[g].keys) != first for g in family[1:]):
+        return None
+    prologues = {_slice_key(eqns, pieces[g].prologue) for g in family}
+    wholes = {_slice_key(eqns, groups[g]) for g in family}
+    if len(prologues) != 1 or None in prologues or len(wholes) == 1 or None in wholes:
+        return None
+    return family[0]
+
+
+def _slice_key(eqns: Sequence[Any], members: Sequence[int]) -> Any:
+    """`structure_key` of the equations ``members`` with all their results."""
+    body = [eqns[i] for i in members]
+    outs = [o for e in body for o in e.outvars]
+    _, free = make_subprogram(body, outs)
+    return structure_key(body, free, outs)
 
 
 def _match(core: _Pieces, other: _Pieces) -> list[int] | None:
