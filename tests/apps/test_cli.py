@@ -175,17 +175,13 @@ def test_no_subcommand_and_unknown_subcommand_exit_2(capsys):
 
 @pytest.mark.slow  # compiles 4-8 stage programs on 4 meshes: 30-70 s each on 2 cores
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_train_runs_every_schedule_with_the_default_preset(name, tmp_path, capsys):
+def test_train_runs_every_schedule_with_the_default_preset(name, tmp_path):
     argv = ["train", "--schedule", name, "--steps", "1", "--batch-size", "16"]
     argv += ["--seq-len", "16", "--corpus-bytes", "50000", "--val-batches", "0"]
     argv += ["--sample-tokens", "0", "--ckpt-every", "0", "--run-dir", str(tmp_path)]
     # The schedules share most stage programs (GPipe's are 1F1B's, say): one compilation
-    # cache for all of them (this test run's, see _env) compiles each once. The default
-    # schedule runs the real command; the others run in this process, JAX started.
-    if name == "1f1b":
-        proc = _nnx_mpmd(*argv, timeout=500)
-    else:
-        proc = _in_process(capsys, *argv)
+    # cache for all of them (this test run's, see _env) compiles each once.
+    proc = _nnx_mpmd(*argv, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "step 1/1  loss" in proc.stdout
     if SCHEDULES[name]().default_num_stages(4) > 4:  # the tiny preset has 4 layers
