@@ -10,7 +10,8 @@ fastest measured one is applied to the model, and the planned run's losses are
 checked against the same model run unpipelined.
 
 Run:  python examples/09_plan.py --steps 5
-      (``--schedules 1f1b,zb-h1 --no-remat`` plans among fewer configurations, faster)
+      (``--schedules 1f1b,zb-h1 --no-remat --candidate-microbatches 8`` plans among
+      fewer configurations, faster: each microbatch count is profiled on its own)
 """
 
 import os
@@ -42,6 +43,11 @@ def main() -> None:
     parser.add_argument(
         "--no-remat", action="store_true", help="consider no remat (profiles half as much)"
     )
+    parser.add_argument(
+        "--candidate-microbatches",
+        default=None,
+        help="comma-separated counts to consider (default: 4, 8 and 16; each one is profiled)",
+    )
     args = parser.parse_args()
     mp.enable_compile_cache()
 
@@ -60,9 +66,11 @@ def main() -> None:
     first = batches.batch_at(0)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     schedules = args.schedules.split(",") if args.schedules else None
+    counts = args.candidate_microbatches
+    counts = [int(m) for m in counts.split(",")] if counts else None
     plan = mp.plan(
-        model, lm_loss, first, mesh, tx, schedules=schedules, memory_budget=budget,
-        remat=not args.no_remat, repeats=2,
+        model, lm_loss, first, mesh, tx, schedules=schedules, num_microbatches=counts,
+        memory_budget=budget, remat=not args.no_remat, repeats=2,
     )  # fmt: skip
     checked = mp.planner.verify(plan, model, lm_loss, first, mesh, tx, top=2, steps=2)
     # The simulator's step times assume free transfers and an idle host; `calibration`

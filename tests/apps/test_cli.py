@@ -1,8 +1,11 @@
 """The ``nnx-mpmd`` command line as a newcomer meets it: a plain install, --version,
 every schedule with the defaults, --help of every subcommand, and clear errors.
 
-Most tests run the real command in a subprocess (``python -m nnx_mpmd``), with
-8 simulated CPU devices as tests/apps/test_train.py does.
+The tests that need a fresh process (a plain install, the installed script,
+every schedule's first step) run the real command in a subprocess
+(``python -m nnx_mpmd``), with 8 simulated CPU devices as tests/apps/test_train.py
+does; the others call `cli.main` in this process, which reads the same argv and
+reports errors the same way, without a Python and JAX start of their own.
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ WITHOUT_MATPLOTLIB = (
 
 
 def _env() -> dict[str, str]:
-    # No compilation cache in the user's home from tests (tests/apps/test_train.py checks it).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE="off")
+    # This test run's compilation cache (tests/conftest.py), never the user's home
+    # (tests/apps/test_train.py checks the default): runs of the same tiny model load
+    # the programs an earlier run (or test worker) compiled.
+    cache = jax.config.jax_compilation_cache_dir or "off"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=cache)
     flag = "--xla_force_host_platform_device_count=8"
     if flag not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
@@ -69,6 +75,17 @@ def _nnx_mpmd(
     env: dict[str, str] | None = None,
 ):
     return _run([sys.executable, "-m", "nnx_mpmd", *args], cwd=cwd, timeout=timeout, env=env)
+
+
+def _in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``nnx-mpmd ARGS`` through `cli.main` in this process, as a finished subprocess reads."""
+    capsys.readouterr()
+    try:
+        status = cli.main(list(args))
+    except SystemExit as e:  # argparse's --help and usage errors
+        status = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["nnx-mpmd", *args], status, out, err)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
@@ -163,17 +180,17 @@ def test_train_runs_every_schedule_with_the_default_preset(name, tmp_path):
     argv += ["--seq-len", "16", "--corpus-bytes", "50000", "--val-batches", "0"]
     argv += ["--sample-tokens", "0", "--ckpt-every", "0", "--run-dir", str(tmp_path)]
     # The schedules share most stage programs (GPipe's are 1F1B's, say): one compilation
-    # cache for all of them (this test run's, see conftest.py) compiles each once.
-    shared = {"NNX_MPMD_COMPILE_CACHE": jax.config.jax_compilation_cache_dir or "off"}
-    proc = _nnx_mpmd(*argv, timeout=500, env=shared)
+    # cache for all of them (this test run's, see _env) compiles each once.
+    proc = _nnx_mpmd(*argv, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "step 1/1  loss" in proc.stdout
     if SCHEDULES[name]().default_num_stages(4) > 4:  # the tiny preset has 4 layers
         assert "using 8 layers (one per stage)" in proc.stdout
 
 
-def test_too_few_explicit_layers_name_the_flag_to_add(tmp_path):
-    proc = _nnx_mpmd("train", "--schedule", "zb-v", "--layers", "4", "--run-dir", str(tmp_path))
+def test_too_few_explicit_layers_name_the_flag_to_add(tmp_path, capsys):
+    argv = ["train", "--schedule", "zb-v", "--layers", "4", "--run-dir", str(tmp_path)]
+    proc = _in_process(capsys, *argv)
     line = _one_line_error(proc, "nnx-mpmd train: error:")
     assert "--layers 4 is too few: --schedule zb-v runs 8 stages on 4 meshes" in line
     assert "add --layers 8" in line
@@ -182,16 +199,17 @@ def test_too_few_explicit_layers_name_the_flag_to_add(tmp_path):
 # -- 4. --resume without an earlier run ------------------------------------------------
 
 
-def test_resume_without_any_run_is_an_error_and_creates_nothing(tmp_path):
-    proc = _nnx_mpmd("train", "--resume", "--steps", "2", cwd=tmp_path)
+def test_resume_without_any_run_is_an_error_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    proc = _in_process(capsys, "train", "--resume", "--steps", "2")
     line = _one_line_error(proc, "nnx-mpmd train: error:")
     assert "--resume: no earlier run with checkpoints under" in line
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resume_into_a_missing_run_dir_creates_nothing(tmp_path):
+def test_resume_into_a_missing_run_dir_creates_nothing(tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    proc = _nnx_mpmd("train", "--resume", "--run-dir", str(missing))
+    proc = _in_process(capsys, "train", "--resume", "--run-dir", str(missing))
     line = _one_line_error(proc, "nnx-mpmd train: error:")
     assert f"--resume: {missing} holds no checkpoints/ directory" in line
     assert not missing.exists()
@@ -269,8 +287,12 @@ SUBCOMMAND_HELP = [[name, "--help"] for name in cli.SUBCOMMANDS] + [["--help"]]
 
 
 @pytest.mark.parametrize("argv", SUBCOMMAND_HELP, ids=lambda argv: argv[0])
-def test_help_has_no_markup_and_says_each_default_once(argv):
-    proc = _nnx_mpmd(*argv, timeout=120)
+def test_help_has_no_markup_and_says_each_default_once(argv, monkeypatch, capsys):
+    if argv == ["train", "--help"]:  # once through the real command line
+        proc = _nnx_mpmd(*argv, timeout=120)
+    else:
+        monkeypatch.setenv("COLUMNS", "80")  # argparse wraps as for a subprocess's pipe
+        proc = _in_process(capsys, *argv)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "usage:" in text

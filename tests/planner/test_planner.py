@@ -15,10 +15,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from mp_launch import optimization_level_flag
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
 from nnx_mpmd.annotate.stage import variable_stage
+from nnx_mpmd.apps import train
 from nnx_mpmd.apps.train import config_from_args
 from nnx_mpmd.models import build_model, lm_loss
 from nnx_mpmd.planner import (
@@ -411,9 +413,13 @@ def test_train_takes_its_layout_from_a_plan_file(tmp_path, capsys):
         config_from_args(["--plan", str(tmp_path / "bad.json")])
 
 
-@pytest.mark.slow  # plans, then trains, each in a fresh process: about 40 s
-def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
+@pytest.mark.slow  # plans in a fresh process, then trains twice in this one: about 30 s
+def test_plan_command_writes_a_plan_that_train_runs(tmp_path, capsys):
+    # The plan command in a fresh process (its own device count, at this run's XLA level);
+    # `train` reads the plan in this process, which has JAX imported and the run's cache.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if optimization_level_flag():
+        env["XLA_FLAGS"] = optimization_level_flag()
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
     env["TMPDIR"] = str(tmp_path / "tmp")  # the plan command leaves nothing there
@@ -437,23 +443,19 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path):
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["unit_paths"] == ["embed", "blocks.0", "blocks.1", "head"]
     assert data["donate"] is True  # as `train` runs it (--no-donate plans without)
-    trained = subprocess.run(
-        [sys.executable, "-m", "nnx_mpmd", "train", *common, "--plan", str(tmp_path / "p.json"),
-         "--steps", "1", "--ckpt-every", "0", "--val-batches", "0", "--sample-tokens", "0",
-         "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-3000:]
-    assert f"{data['best']['num_microbatches']} microbatches" in trained.stdout
+    once = ["--steps", "1", "--ckpt-every", "0", "--val-batches", "0", "--sample-tokens", "0"]
+
+    def train_with_the_plan(*extra: str) -> str:
+        capsys.readouterr()
+        status = train.main([*common, "--plan", str(tmp_path / "p.json"), *once, *extra])
+        out, err = capsys.readouterr()
+        assert status == 0, out[-2000:] + err[-3000:]
+        return out
+
+    expected = f"{data['best']['num_microbatches']} microbatches"
+    assert expected in train_with_the_plan("--run-dir", str(tmp_path / "run"))
     # The plan of the unrolled blocks cuts the scanned blocks of --scan-layers.
-    scanned = subprocess.run(
-        [sys.executable, "-m", "nnx_mpmd", "train", *common, "--plan", str(tmp_path / "p.json"),
-         "--scan-layers", "--steps", "1", "--ckpt-every", "0", "--val-batches", "0",
-         "--sample-tokens", "0", "--run-dir", str(tmp_path / "scanned")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    assert scanned.returncode == 0, scanned.stdout[-2000:] + scanned.stderr[-3000:]
-    assert f"{data['best']['num_microbatches']} microbatches" in scanned.stdout
+    assert expected in train_with_the_plan("--scan-layers", "--run-dir", str(tmp_path / "scanned"))
 
 
 def test_contention_slows_the_tasks_that_run_beside_others():
