@@ -86,23 +86,26 @@ class SnippetFailed(Exception):
     """A python block of a docs page raised; the message names the page, block and line."""
 
 
-def run_blocks(page: str, blocks: list[tuple[int, str]]) -> None:
+def run_blocks(page: str, blocks: list[tuple[int, str]], folder: pathlib.Path = DOCS) -> dict:
     """Runs ``blocks`` in order in one fresh module namespace of this process.
 
     In process, not one interpreter per page: the page then pays no JAX start-up
     and shares the test run's compilation cache, 8 CPU devices and O0 (conftest.py).
-    Tracebacks show the page's own lines (``docs/<page>``, its line numbers).
+    Tracebacks show the page's own lines (``folder/page``, its line numbers).
+
+    Returns:
+      The namespace the blocks ran in, for checks of what they made.
 
     Raises:
       SnippetFailed: a block raised; says which page, block and line, chained to the error.
     """
     module = types.ModuleType(f"docs_page_{uuid.uuid4().hex}")
-    module.__file__ = str(DOCS / page)
+    module.__file__ = str(folder / page)
     sys.modules[module.__name__] = module  # dataclasses and pickling look classes up here
     try:
         for index, (line, source) in enumerate(blocks, 1):
             # The fence is on line ``line``: padding puts each statement on its page line.
-            code = compile("\n" * line + source, str(DOCS / page), "exec")
+            code = compile("\n" * line + source, module.__file__, "exec")
             try:
                 exec(code, module.__dict__)
             except (Exception, SystemExit) as error:
@@ -111,6 +114,7 @@ def run_blocks(page: str, blocks: list[tuple[int, str]]) -> None:
                 ) from error
     finally:
         del sys.modules[module.__name__]
+    return module.__dict__
 
 
 # --- the snippet extractor -------------------------------------------------------------
