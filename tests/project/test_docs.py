@@ -180,11 +180,11 @@ def test_page_snippets_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files a page writes (plan.json, checkpoints) land here
     try:
         run_blocks(_page_name(page), blocks)
+        return
     except SnippetFailed as failure:
         cause = "".join(traceback.format_exception(failure.__cause__))
-        pytest.fail(
-            f"a python block of docs/{_page_name(page)} failed:\n{cause}\n{failure}", pytrace=False
-        )
+        message = f"a python block of docs/{_page_name(page)} failed:\n{cause}\n{failure}"
+    pytest.fail(message, pytrace=False)  # outside the except: no chained tracebacks around it
 
 
 # --- the API reference -----------------------------------------------------------------
