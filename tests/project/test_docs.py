@@ -4,8 +4,8 @@
   the docs tools are part of the ``dev`` extra, so a missing mkdocs is a failure.
 * Every name in ``nnx_mpmd.__all__`` has a ``::: ...`` entry in docs/api/.
 * Every ```` ```python```` block of docs/**/*.md runs: each page's blocks run in
-  order in one fresh subprocess with 8 CPU devices. A block right after a
-  ``<!-- no-test -->`` comment is skipped.
+  order in one fresh module namespace of the test process (8 CPU devices, set by
+  conftest.py). A block right after a ``<!-- no-test -->`` comment is skipped.
 * The schedule table of docs/concepts.md matches the simulator, and every
   schedule picture exists.
 * docs/hooks.py makes the Benchmarks page from BENCHMARKS.md at build time.
@@ -18,13 +18,14 @@ from __future__ import annotations
 import doctest
 import importlib
 import importlib.util
-import json
-import os
 import pathlib
 import re
 import subprocess
 import sys
 import tomllib
+import traceback
+import types
+import uuid
 
 import pytest
 
@@ -36,7 +37,7 @@ DOCS = ROOT / "docs"
 NO_TEST = "<!-- no-test -->"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})\s*(?P<lang>[\w+-]*)[^\n]*$")
 DIRECTIVE = re.compile(r"^:::\s+(?P<path>[\w.]+)\s*$", re.MULTILINE)
-PAGE_TIMEOUT_S = 300
+MKDOCS_TIMEOUT_S = 300
 
 
 def extract_python_blocks(text: str) -> list[tuple[int, str]]:
@@ -81,40 +82,39 @@ def _pages_with_code() -> list[pathlib.Path]:
     )
 
 
-# Runs the blocks of one page in one namespace; stops at the first failing block.
-_RUNNER = r"""
-import json, sys, traceback
-page, blocks = json.loads(sys.stdin.read())
-namespace = {"__name__": "__main__"}
-for index, (line, source) in enumerate(blocks, 1):
+class SnippetFailed(Exception):
+    """A python block of a docs page raised; the message names the page, block and line."""
+
+
+def run_blocks(page: str, blocks: list[tuple[int, str]], folder: pathlib.Path = DOCS) -> dict:
+    """Runs ``blocks`` in order in one fresh module namespace of this process.
+
+    In process, not one interpreter per page: the page then pays no JAX start-up
+    and shares the test run's compilation cache, 8 CPU devices and O0 (conftest.py).
+    Tracebacks show the page's own lines (``folder/page``, its line numbers).
+
+    Returns:
+      The namespace the blocks ran in, for checks of what they made.
+
+    Raises:
+      SnippetFailed: a block raised; says which page, block and line, chained to the error.
+    """
+    module = types.ModuleType(f"docs_page_{uuid.uuid4().hex}")
+    module.__file__ = str(folder / page)
+    sys.modules[module.__name__] = module  # dataclasses and pickling look classes up here
     try:
-        exec(compile(source, f"{page}:{line}", "exec"), namespace)
-    except BaseException:
-        traceback.print_exc()
-        print(f"DOCS SNIPPET FAILED: {page}, block {index} (line {line})", file=sys.stderr)
-        sys.exit(1)
-"""
-
-
-def run_blocks(
-    page: str, blocks: list[tuple[int, str]], cwd: pathlib.Path
-) -> subprocess.CompletedProcess:
-    """Runs ``blocks`` in order in a fresh interpreter with 8 CPU devices."""
-    env = dict(os.environ)
-    # O0 as in conftest.py: the snippets are compiled for speed, not measured.
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["MPLBACKEND"] = "Agg"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps([page, blocks]),
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=PAGE_TIMEOUT_S,
-    )
+        for index, (line, source) in enumerate(blocks, 1):
+            # The fence is on line ``line``: padding puts each statement on its page line.
+            code = compile("\n" * line + source, module.__file__, "exec")
+            try:
+                exec(code, module.__dict__)
+            except (Exception, SystemExit) as error:
+                raise SnippetFailed(
+                    f"DOCS SNIPPET FAILED: {page}, block {index} (line {line})"
+                ) from error
+    finally:
+        del sys.modules[module.__name__]
+    return module.__dict__
 
 
 # --- the snippet extractor -------------------------------------------------------------
@@ -145,19 +145,29 @@ def test_extract_rejects_unclosed_fence():
         extract_python_blocks("intro\n```python\nx = 1\n")
 
 
-def test_runner_names_page_and_block_on_failure(tmp_path):
-    blocks = [(3, "x = 1\n"), (9, "assert x == 2, 'x is not 2'\n")]
-    result = run_blocks("guide.md", blocks, tmp_path)
-    assert result.returncode == 1
-    assert "DOCS SNIPPET FAILED: guide.md, block 2 (line 9)" in result.stderr
-    assert "x is not 2" in result.stderr
+def test_runner_names_page_and_block_on_failure():
+    blocks = [(3, "x = 1\n"), (9, "y = 2\nassert x == 2, 'x is not 2'\n")]
+    with pytest.raises(
+        SnippetFailed, match=r"^DOCS SNIPPET FAILED: guide\.md, block 2 \(line 9\)$"
+    ) as info:
+        run_blocks("guide.md", blocks)
+    assert isinstance(info.value.__cause__, AssertionError)
+    assert str(info.value.__cause__) == "x is not 2"
+    # The traceback points at the page's line: the fence is line 9, the assert line 11.
+    frame = traceback.extract_tb(info.value.__cause__.__traceback__)[-1]
+    assert (frame.filename, frame.lineno) == (str(DOCS / "guide.md"), 11)
 
 
-def test_runner_shares_names_between_blocks_and_has_8_devices(tmp_path):
-    blocks = [(1, "import jax\nn = jax.device_count()\n"), (5, "print('devices', n)\n")]
-    result = run_blocks("page.md", blocks, tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "devices 8" in result.stdout
+def test_runner_shares_names_between_blocks_in_a_fresh_namespace_with_8_devices():
+    run_blocks("page.md", [(1, "import jax\nn = jax.device_count()\n"), (5, "assert n == 8, n\n")])
+    with pytest.raises(SnippetFailed, match=r"page\.md, block 1 \(line 1\)") as info:
+        run_blocks("page.md", [(1, "n\n")])  # the previous page's names are gone
+    assert isinstance(info.value.__cause__, NameError)
+
+
+def test_runner_fails_on_a_block_that_exits():
+    with pytest.raises(SnippetFailed, match=r"page\.md, block 1 \(line 2\)"):
+        run_blocks("page.md", [(2, "raise SystemExit(3)\n")])
 
 
 # --- the snippets of every page --------------------------------------------------------
@@ -165,14 +175,16 @@ def test_runner_shares_names_between_blocks_and_has_8_devices(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_with_code(), ids=_page_name)
-def test_page_snippets_run(page, tmp_path):
+def test_page_snippets_run(page, tmp_path, monkeypatch):
     blocks = extract_python_blocks(page.read_text(encoding="utf-8"))
-    result = run_blocks(_page_name(page), blocks, tmp_path)
-    if result.returncode != 0:
-        pytest.fail(
-            f"a python block of docs/{_page_name(page)} failed:\n{result.stderr[-6000:]}",
-            pytrace=False,
-        )
+    monkeypatch.chdir(tmp_path)  # files a page writes (plan.json, checkpoints) land here
+    try:
+        run_blocks(_page_name(page), blocks)
+        return
+    except SnippetFailed as failure:
+        cause = "".join(traceback.format_exception(failure.__cause__))
+        message = f"a python block of docs/{_page_name(page)} failed:\n{cause}\n{failure}"
+    pytest.fail(message, pytrace=False)  # outside the except: no chained tracebacks around it
 
 
 # --- the API reference -----------------------------------------------------------------
@@ -348,7 +360,7 @@ def test_mkdocs_build_strict(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=PAGE_TIMEOUT_S,
+        timeout=MKDOCS_TIMEOUT_S,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-8000:]}"
 
