@@ -130,6 +130,17 @@ def read_json(directory: Path, name: str) -> dict:
     return json.loads((directory / name).read_text())
 
 
+def launch_cache() -> str:
+    """A compilation cache for launched ``nnx-mpmd train`` runs, shared by the whole test run.
+
+    Pass it as ``--compile-cache``: launches of the same configuration in any test
+    (and xdist worker) then load process 0's programs instead of compiling them.
+    Only process 0 of a launch writes entries (JAX skips the write elsewhere), so
+    the processes of one launch never share what one of them is writing.
+    """
+    return str(Path(os.environ["NNX_MPMD_TEST_RUN_DIR"]) / "launch-cache")
+
+
 def train_env(**extra: str) -> dict[str, str]:
     """The environment of an ``nnx-mpmd train`` run a test starts: 2 CPU devices,
     none of this process's ``NNX_MPMD_*`` settings, and the test run's compilation

@@ -433,10 +433,10 @@ LAUNCHED = [
 @pytest.mark.multiprocess
 @pytest.mark.slow  # two launches of two processes
 def test_launched_resume_falls_back_together(tmp_path):
-    from mp_launch import check, launch
+    from mp_launch import check, launch, launch_cache
 
     run_dir = tmp_path / "run"
-    common = [*LAUNCHED, "--run-dir", str(run_dir), "--compile-cache", str(tmp_path / "cache")]
+    common = [*LAUNCHED, "--run-dir", str(run_dir), "--compile-cache", launch_cache()]
     command = [sys.executable, "-m", "nnx_mpmd", "train"]
     first, _ = launch(command, *common, "--stop-at", "4", devices_per_process=1, timeout=300,
                       fresh=[(run_dir, False)])  # fmt: skip

@@ -19,6 +19,7 @@ service's barriers, and the launcher names the first process that failed.
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ import time
 import numpy as np
 import pytest
 from absl import flags
-from mp_launch import check, launch, launch_once
+from mp_launch import ROOT, check, launch_cache, launch_once, train_env
 
 import nnx_mpmd as mp
 from nnx_mpmd.apps import launch as launcher
@@ -52,7 +53,7 @@ def _run_dying(tmp_path, die_at: str, *extra: str, **env: str):
         "dying_peer_train.py",
         *ARGS,
         "--run-dir", str(tmp_path / "run"),
-        "--compile-cache", str(tmp_path.parent / "cache"),
+        "--compile-cache", launch_cache(),
         *extra,
         processes=2,
         devices_per_process=1,
@@ -89,21 +90,14 @@ def test_death_during_a_save_is_named(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # two 2-process launches
+@pytest.mark.slow  # one run of one process (the checkpoint), one 2-process launch
 def test_death_during_a_restore_is_named(tmp_path):
-    first, _ = launch(
-        "dying_peer_train.py",
-        *ARGS,
-        "--run-dir", str(tmp_path / "run"),
-        "--compile-cache", str(tmp_path.parent / "cache"),
-        "--stop-at", "2",
-        processes=2,
-        devices_per_process=1,
-        timeout=TIMEOUT_S,
-        fresh=[(tmp_path / "run", False)],
-        NNX_MPMD_TEST_DIE_AT="never",
-        NNX_MPMD_TEST_DIE_MARKER=str(tmp_path / "unused"),
-        NNX_MPMD_DUMP_AFTER_S=DUMP_AFTER_S,
+    # The checkpoint to resume from: one process with both devices writes it (in the
+    # test run's compilation cache) for half the cost of a launch; any layout restores.
+    first = subprocess.run(
+        ["timeout", "-k", "5", str(TIMEOUT_S), sys.executable, "-m", "nnx_mpmd", "train",
+         *ARGS, "--devices", "2", "--run-dir", str(tmp_path / "run"), "--stop-at", "2"],
+        cwd=ROOT, env=train_env(), capture_output=True, text=True,
     )  # fmt: skip
     check(first)
     done, output, seconds = _run_dying(tmp_path, "restore", "--resume")
