@@ -455,37 +455,35 @@ def _token_batches(count):
     return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
-# The second case runs the first one's two steps with the roles swapped (each layout
-# on the same mesh as there), so its programs come from this run's compilation cache.
-@pytest.mark.parametrize(
-    "saved_scanned,saved_meshes,restored_meshes",
-    [(True, 2, 4), (False, 4, 2)],
-    ids=["stacked-to-unrolled", "unrolled-to-stacked"],
-)
-def test_a_checkpoint_converts_between_a_stack_and_its_unrolled_layers(
-    tmp_path, saved_scanned, saved_meshes, restored_meshes
-):
+def test_a_checkpoint_converts_between_a_stack_and_its_unrolled_layers(tmp_path):
     """A zoo model's checkpoint restores into its twin built the other way (`scan_layers`),
     parameters and Adam's state, split into other stages: the next step's loss is the
-    uninterrupted run's."""
+    uninterrupted run's. Both ways: the stacked model on 2 meshes and the unrolled one on
+    4 are each a saved run and the other's twin, run by the same two steps."""
     batches = _token_batches(3)
-    model, optimizer = _zoo_gpt(saved_scanned, saved_meshes)
-    saved_mesh = make_mesh(saved_meshes, 8 // saved_meshes)
-    step = mp.jit(_zoo_step, mesh=saved_mesh, schedule=mp.OneFOneB(), num_microbatches=4)
-    for batch in batches[:2]:
-        step(model, optimizer, batch)
-    mp.checkpoint.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
-    twin, twin_optimizer = _zoo_gpt(not saved_scanned, restored_meshes)
-    mp.checkpoint.restore(tmp_path / "ckpt", {"model": twin, "optimizer": twin_optimizer})
-    twin_mesh = make_mesh(restored_meshes, 8 // restored_meshes)
-    twin_step = mp.jit(_zoo_step, mesh=twin_mesh, schedule=mp.OneFOneB(), num_microbatches=4)
-    np.testing.assert_allclose(
-        float(twin_step(twin, twin_optimizer, batches[2])),
-        float(step(model, optimizer, batches[2])),
-        rtol=1e-5,
-    )
-    with pytest.raises(  # 6 layers, not 4: the error says why they do not convert
-        mp.CheckpointError,
-        match=r"model\.blocks\.0\.attn.*as a ScanStack.*same number of layers in total",
-    ):
-        mp.checkpoint.restore(tmp_path / "ckpt", {"model": _zoo_gpt(not saved_scanned, 2, 6)[0]})
+    meshes = {True: 2, False: 4}  # by scan_layers
+    steps = {
+        scanned: mp.jit(
+            _zoo_step, mesh=make_mesh(m, 8 // m), schedule=mp.OneFOneB(), num_microbatches=4
+        )
+        for scanned, m in meshes.items()
+    }
+    for saved_scanned in (True, False):
+        model, optimizer = _zoo_gpt(saved_scanned, meshes[saved_scanned])
+        for batch in batches[:2]:
+            steps[saved_scanned](model, optimizer, batch)
+        checkpoint = tmp_path / f"ckpt-{'stacked' if saved_scanned else 'unrolled'}"
+        mp.checkpoint.save(checkpoint, {"model": model, "optimizer": optimizer})
+        twin, twin_optimizer = _zoo_gpt(not saved_scanned, meshes[not saved_scanned])
+        mp.checkpoint.restore(checkpoint, {"model": twin, "optimizer": twin_optimizer})
+        np.testing.assert_allclose(
+            float(steps[not saved_scanned](twin, twin_optimizer, batches[2])),
+            float(steps[saved_scanned](model, optimizer, batches[2])),
+            rtol=1e-5,
+            err_msg=f"saved {'stacked' if saved_scanned else 'unrolled'}",
+        )
+        with pytest.raises(  # 6 layers, not 4: the error says why they do not convert
+            mp.CheckpointError,
+            match=r"model\.blocks\.0\.attn.*as a ScanStack.*same number of layers in total",
+        ):
+            mp.checkpoint.restore(checkpoint, {"model": _zoo_gpt(not saved_scanned, 2, 6)[0]})
