@@ -244,11 +244,12 @@ DROPPING = [
 ]  # fmt: skip
 
 
-def _train_dropping_beside_reference(case, checkpoint=None):
-    """Three steps of a `DroppingNet` cut as ``DROPPING[case]`` beside ``nnx.jit``: the
-    losses, the RNG counts after two steps and after three, and a probe's outputs in eval
-    mode; saved to ``checkpoint`` (if given) after one step."""
-    schedule, ranges, meshes, axis_type = DROPPING[case]
+@pytest.mark.parametrize(
+    "schedule,ranges,meshes,axis_type", DROPPING, ids=["1f1b", "zb-h1-auto", "interleaved"]
+)
+def test_stacked_layers_with_dropout_streams_train_like_nnx_jit(
+    schedule, ranges, meshes, axis_type
+):
     model, reference = mp.assign_stages(DroppingNet(nnx.Rngs(0)), ranges), DroppingNet(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     ref_optimizer = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
@@ -259,63 +260,36 @@ def _train_dropping_beside_reference(case, checkpoint=None):
         num_microbatches=4,
     )
     ref_step = nnx.jit(train_step(4))
-    losses, ref_losses = [], []
-    for seed in range(3):
-        if seed == 1 and checkpoint is not None:
-            mp.checkpoint.save(checkpoint, {"model": model, "optimizer": optimizer})
-        if seed == 2:
-            counts_after_two = _counts(model)
-        batch = make_batch("regression", 16, seed=seed)
-        losses.append(float(step(model, optimizer, batch)))
-        ref_losses.append(float(ref_step(reference, ref_optimizer, batch)))
-    counts, ref_counts = _counts(model), _counts(reference)
+    batches = [make_batch("regression", 16, seed=seed) for seed in range(3)]
+    _assert_losses_equal(step, ref_step, (model, optimizer), (reference, ref_optimizer), batches)
+    assert _counts(model) == _counts(reference) == [3 * 4] * NUM_LAYERS  # steps x microbatches
     mp.gather(model)
     model.eval()
     reference.eval()
     probe = make_batch("regression", 4, seed=9)["x"]
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "counts_after_two": counts_after_two,
-        "counts": counts,
-        "ref_counts": ref_counts,
-        "outputs": np.asarray(model(probe)),
-        "ref_outputs": np.asarray(reference(probe)),
-        "checkpoint": checkpoint,
-    }
+    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-5)
 
 
-def _first_dropping_run():
-    """`_train_dropping_beside_reference` of ``DROPPING[0]``, once for the whole test run;
-    its checkpoint after one step is what the restore test reads."""
-    return once_per_test_run(
-        "scan-stack-first-dropping", lambda d: _train_dropping_beside_reference(0, d / "ckpt")
-    )
-
-
-@pytest.mark.parametrize("case", range(len(DROPPING)), ids=["1f1b", "zb-h1-auto", "interleaved"])
-def test_stacked_layers_with_dropout_streams_train_like_nnx_jit(case):
-    run = _first_dropping_run() if case == 0 else _train_dropping_beside_reference(case)
-    for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert run["counts"] == run["ref_counts"] == [3 * 4] * NUM_LAYERS  # steps x microbatches
-    np.testing.assert_allclose(run["outputs"], run["ref_outputs"], rtol=1e-5, atol=1e-5)
-
-
-def test_stacked_dropout_streams_restore_into_other_ranges():
-    """``DROPPING[0]``'s checkpoint after one step, restored into ``DROPPING[1]``'s ranges:
-    the same keys are drawn (the same dropout masks), so its next step's loss and RNG
-    counts are the saved run's second step's."""
-    saved = _first_dropping_run()
+def test_stacked_dropout_streams_restore_into_other_ranges(tmp_path):
+    saved = mp.assign_stages(DroppingNet(nnx.Rngs(0)), DROPPING[0][1])
+    optimizer = nnx.Optimizer(saved, optax.sgd(0.1), wrt=nnx.Param)
+    step = mp.jit(train_step(), mesh=make_mesh(2, 4), schedule=mp.OneFOneB(), num_microbatches=4)
+    step(saved, optimizer, make_batch("regression", 16, seed=0))
+    mp.checkpoint.save(tmp_path / "ckpt", {"model": saved, "optimizer": optimizer})
     model = mp.assign_stages(DroppingNet(nnx.Rngs(1)), DROPPING[1][1])
     new_optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    mp.checkpoint.restore(saved["checkpoint"], {"model": model, "optimizer": new_optimizer})
-    step = mp.jit(
-        train_step(), mesh=make_mesh(2, 4), schedule=mp.ZeroBubbleH1(), num_microbatches=4
+    mp.checkpoint.restore(tmp_path / "ckpt", {"model": model, "optimizer": new_optimizer})
+    batch = make_batch("regression", 16, seed=1)
+    np.testing.assert_allclose(  # the same keys are drawn: the same dropout masks
+        float(step(saved, optimizer, batch)),
+        float(
+            mp.jit(
+                train_step(), mesh=make_mesh(2, 4), schedule=mp.ZeroBubbleH1(), num_microbatches=4
+            )(model, new_optimizer, batch)
+        ),
+        rtol=1e-5,
     )
-    loss = float(step(model, new_optimizer, make_batch("regression", 16, seed=1)))
-    np.testing.assert_allclose(loss, saved["losses"][1], rtol=1e-5)
-    assert _counts(model) == saved["counts_after_two"] == [2 * 4] * NUM_LAYERS
+    assert _counts(model) == _counts(saved) == [2 * 4] * NUM_LAYERS
 
 
 SEQ_LEN = 6
