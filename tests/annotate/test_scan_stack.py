@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from pipeline_models import WIDTH, make_batch, make_mesh
+from shared_results import once_per_test_run
 
 import nnx_mpmd as mp
 from nnx_mpmd.annotate.scan_stack import split_scan_stacks
@@ -70,26 +71,56 @@ LAYOUTS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "schedule,meshes,ranges,head", LAYOUTS, ids=["1f1b-2", "gpipe-2", "1f1b-4", "inter-4", "zb-2"]
-)
-def test_split_stack_trains_like_the_unsplit_reference(schedule, meshes, ranges, head):
+def _train_beside_reference(layout, checkpoint=None):
+    """Three steps of ``layout`` beside the unsplit model under ``nnx.jit``: the losses, the
+    chunks' stages and a probe's outputs after them; saved to ``checkpoint`` (if given)
+    before the third step."""
+    schedule, meshes, ranges, head = layout
     model, reference = StackedNet(nnx.Rngs(0)), StackedNet(nnx.Rngs(0))
     mp.assign_stages(model, {**ranges, "head": head})
-    assert [chunk.stage for chunk in model.blocks.chunks] == sorted(set(ranges.values()))
+    chunk_stages = [chunk.stage for chunk in model.blocks.chunks]
     optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     ref_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
     step = mp.jit(
         train_step(), mesh=make_mesh(meshes, 8 // meshes), schedule=schedule, num_microbatches=4
     )
     ref_step = nnx.jit(train_step(4))
+    losses, ref_losses = [], []
     for seed in range(3):
+        if seed == 2 and checkpoint is not None:
+            mp.checkpoint.save(checkpoint, {"model": model, "optimizer": optimizer})
         batch = make_batch("regression", 16, seed=seed)
-        loss = float(jax.device_get(step(model, optimizer, batch)))
-        np.testing.assert_allclose(loss, float(ref_step(reference, ref_optimizer, batch)), 1e-5)
+        losses.append(float(jax.device_get(step(model, optimizer, batch))))
+        ref_losses.append(float(ref_step(reference, ref_optimizer, batch)))
     mp.gather(model)
     probe = make_batch("regression", 4, seed=9)["x"]
-    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-6)
+    return {
+        "chunk_stages": chunk_stages,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "outputs": np.asarray(model(probe)),
+        "ref_outputs": np.asarray(reference(probe)),
+        "checkpoint": checkpoint,
+    }
+
+
+def _first_layout_run():
+    """`_train_beside_reference` of ``LAYOUTS[0]``, run once for the whole test run: its
+    checkpoint after two steps is what the re-cut tests restore (one compile, not four)."""
+    return once_per_test_run(
+        "scan-stack-first-layout", lambda d: _train_beside_reference(LAYOUTS[0], d / "ckpt")
+    )
+
+
+@pytest.mark.parametrize(
+    "layout", range(len(LAYOUTS)), ids=["1f1b-2", "gpipe-2", "1f1b-4", "inter-4", "zb-2"]
+)
+def test_split_stack_trains_like_the_unsplit_reference(layout):
+    run = _first_layout_run() if layout == 0 else _train_beside_reference(LAYOUTS[layout])
+    assert run["chunk_stages"] == sorted(set(LAYOUTS[layout][2].values()))
+    for loss, ref_loss in zip(run["losses"], run["ref_losses"], strict=True):
+        np.testing.assert_allclose(loss, ref_loss, 1e-5)
+    np.testing.assert_allclose(run["outputs"], run["ref_outputs"], rtol=1e-5, atol=1e-6)
 
 
 def test_split_slices_every_variable_and_can_split_again():
@@ -150,36 +181,24 @@ RECUTS = [
 @pytest.mark.parametrize(
     "ranges,meshes,schedule,placed", RECUTS, ids=["2-other-ranges", "4-chunks", "unsplit"]
 )
-def test_a_checkpoint_restores_into_a_stack_cut_into_other_ranges(
-    tmp_path, ranges, meshes, schedule, placed
-):
-    saved = mp.assign_stages(StackedNet(nnx.Rngs(0)), {**LAYOUTS[0][2], "head": 1})
-    reference = StackedNet(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(saved, optax.adamw(1e-2), wrt=nnx.Param)
-    ref_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
-    step = mp.jit(train_step(), mesh=make_mesh(2, 4), schedule=mp.OneFOneB(), num_microbatches=4)
-    ref_step = nnx.jit(train_step(4))
-    for seed in range(2):
-        step(saved, optimizer, make_batch("regression", 16, seed=seed))
-        ref_step(reference, ref_optimizer, make_batch("regression", 16, seed=seed))
-    mp.checkpoint.save(tmp_path / "ckpt", {"model": saved, "optimizer": optimizer})
-
+def test_a_checkpoint_restores_into_a_stack_cut_into_other_ranges(ranges, meshes, schedule, placed):
+    """``LAYOUTS[0]``'s checkpoint after two steps (`_first_layout_run`) restored into a
+    stack cut otherwise: its third step's loss and outputs are the unsplit reference's."""
+    saved = _first_layout_run()
     model = mp.assign_stages(StackedNet(nnx.Rngs(1)), ranges)
     new_optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     mesh = make_mesh(meshes, 8 // meshes)
     if placed:
         mp.place((model, new_optimizer), mesh, schedule)
-    mp.checkpoint.restore(tmp_path / "ckpt", {"model": model, "optimizer": new_optimizer})
+    mp.checkpoint.restore(saved["checkpoint"], {"model": model, "optimizer": new_optimizer})
     new_step = mp.jit(train_step(), mesh=mesh, schedule=schedule, num_microbatches=4)
     batch = make_batch("regression", 16, seed=2)
     np.testing.assert_allclose(
-        float(new_step(model, new_optimizer, batch)),
-        float(ref_step(reference, ref_optimizer, batch)),
-        rtol=1e-5,
+        float(new_step(model, new_optimizer, batch)), saved["ref_losses"][2], rtol=1e-5
     )
     mp.gather(model)
     probe = make_batch("regression", 4, seed=9)["x"]
-    np.testing.assert_allclose(model(probe), reference(probe), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model(probe), saved["ref_outputs"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_stack_with_other_layers_in_total_is_still_a_shape_mismatch(tmp_path):
@@ -410,37 +429,35 @@ def _token_batches(count):
     return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
-# The second case runs the first one's two steps with the roles swapped (each layout
-# on the same mesh as there), so its programs come from this run's compilation cache.
-@pytest.mark.parametrize(
-    "saved_scanned,saved_meshes,restored_meshes",
-    [(True, 2, 4), (False, 4, 2)],
-    ids=["stacked-to-unrolled", "unrolled-to-stacked"],
-)
-def test_a_checkpoint_converts_between_a_stack_and_its_unrolled_layers(
-    tmp_path, saved_scanned, saved_meshes, restored_meshes
-):
+def test_a_checkpoint_converts_between_a_stack_and_its_unrolled_layers(tmp_path):
     """A zoo model's checkpoint restores into its twin built the other way (`scan_layers`),
     parameters and Adam's state, split into other stages: the next step's loss is the
-    uninterrupted run's."""
+    uninterrupted run's. Both ways: the stacked model on 2 meshes and the unrolled one on
+    4 are each a saved run and the other's twin, run by the same two steps."""
     batches = _token_batches(3)
-    model, optimizer = _zoo_gpt(saved_scanned, saved_meshes)
-    saved_mesh = make_mesh(saved_meshes, 8 // saved_meshes)
-    step = mp.jit(_zoo_step, mesh=saved_mesh, schedule=mp.OneFOneB(), num_microbatches=4)
-    for batch in batches[:2]:
-        step(model, optimizer, batch)
-    mp.checkpoint.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
-    twin, twin_optimizer = _zoo_gpt(not saved_scanned, restored_meshes)
-    mp.checkpoint.restore(tmp_path / "ckpt", {"model": twin, "optimizer": twin_optimizer})
-    twin_mesh = make_mesh(restored_meshes, 8 // restored_meshes)
-    twin_step = mp.jit(_zoo_step, mesh=twin_mesh, schedule=mp.OneFOneB(), num_microbatches=4)
-    np.testing.assert_allclose(
-        float(twin_step(twin, twin_optimizer, batches[2])),
-        float(step(model, optimizer, batches[2])),
-        rtol=1e-5,
-    )
-    with pytest.raises(  # 6 layers, not 4: the error says why they do not convert
-        mp.CheckpointError,
-        match=r"model\.blocks\.0\.attn.*as a ScanStack.*same number of layers in total",
-    ):
-        mp.checkpoint.restore(tmp_path / "ckpt", {"model": _zoo_gpt(not saved_scanned, 2, 6)[0]})
+    meshes = {True: 2, False: 4}  # by scan_layers
+    steps = {
+        scanned: mp.jit(
+            _zoo_step, mesh=make_mesh(m, 8 // m), schedule=mp.OneFOneB(), num_microbatches=4
+        )
+        for scanned, m in meshes.items()
+    }
+    for saved_scanned in (True, False):
+        model, optimizer = _zoo_gpt(saved_scanned, meshes[saved_scanned])
+        for batch in batches[:2]:
+            steps[saved_scanned](model, optimizer, batch)
+        checkpoint = tmp_path / f"ckpt-{'stacked' if saved_scanned else 'unrolled'}"
+        mp.checkpoint.save(checkpoint, {"model": model, "optimizer": optimizer})
+        twin, twin_optimizer = _zoo_gpt(not saved_scanned, meshes[not saved_scanned])
+        mp.checkpoint.restore(checkpoint, {"model": twin, "optimizer": twin_optimizer})
+        np.testing.assert_allclose(
+            float(steps[not saved_scanned](twin, twin_optimizer, batches[2])),
+            float(steps[saved_scanned](model, optimizer, batches[2])),
+            rtol=1e-5,
+            err_msg=f"saved {'stacked' if saved_scanned else 'unrolled'}",
+        )
+        with pytest.raises(  # 6 layers, not 4: the error says why they do not convert
+            mp.CheckpointError,
+            match=r"model\.blocks\.0\.attn.*as a ScanStack.*same number of layers in total",
+        ):
+            mp.checkpoint.restore(checkpoint, {"model": _zoo_gpt(not saved_scanned, 2, 6)[0]})

@@ -65,50 +65,34 @@ def test_pipelined_tokens_equal_unpipelined_tokens(case):
         assert (other != want).any()
 
 
-@pytest.mark.parametrize("kv_cache,steps", [(True, 2), (False, 1)], ids=["cache", "window"])
 @pytest.mark.parametrize("data", [1, 2])
-def test_no_compilation_after_the_first_call(kv_cache, steps, data):
-    generator = mp.Generator(
-        mesh=make_mesh(2, data),
-        schedule=mp.OneFOneB(),
-        num_microbatches=2,
-        window=64,
-        kv_cache=kv_cache,
-    )
-    model = _model(2)
-    generator(model, _prompts(4), 3)
-    with count_compilations() as counter:
-        generator(model, _prompts(4, seed=1), 8)
-    assert counter.count == 0 and generator.num_compiled_steps == steps
-
-
-@pytest.mark.parametrize("data", [1, 2])
-def test_each_cache_stays_on_its_stage_sharded_like_the_microbatches(data):
+def test_decoding_compiles_once_keeps_caches_on_their_stages_and_equals_the_window(data):
+    """Cached decoding (prefill and decode: two steps) and the recomputed window (one)
+    compile nothing on a second call; each cache stays on its stage, sharded like the
+    microbatches; the cached tokens are the window's. One case per data size: both
+    generators are built once for all three checks."""
     mesh = make_mesh(2, data)
-    generator = mp.Generator(mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=2, window=64)
-    model = _model(2)
-    generator(model, _prompts(4), 4)
+    tokens, models = {}, {}
+    for kv_cache, steps in [(True, 2), (False, 1)]:
+        generator = mp.Generator(
+            mesh=mesh, schedule=mp.OneFOneB(), num_microbatches=2, window=64, kv_cache=kv_cache
+        )
+        models[kv_cache] = _model(2)
+        generator(models[kv_cache], _prompts(4), 3)
+        with count_compilations() as counter:
+            tokens[kv_cache] = generator(models[kv_cache], _prompts(4, seed=1), 12)
+        assert counter.count == 0 and generator.num_compiled_steps == steps, kv_cache
+    np.testing.assert_array_equal(tokens[True], tokens[False])
+    _assert_caches_on_their_stages(models[True], mesh, data)
+
+
+def _assert_caches_on_their_stages(model, mesh, data):
     for block, stage in zip(model.blocks, model.block_stages, strict=True):
         for cache in (block.attn.cached_key, block.attn.cached_value):
             sharding = cache.get_value().sharding
             assert set(sharding.device_set) == set(mesh.submesh(stage).devices.flat)
             assert tuple(sharding.spec)[:2] == ((None, "data") if data > 1 else (None, None))
     assert cache.get_metadata()["mpmd_stage"] == stage == 1
-
-
-def test_cached_tokens_are_the_recomputed_window_tokens():
-    generator = mp.Generator(
-        mesh=make_mesh(2, 1), schedule=mp.OneFOneB(), num_microbatches=2, window=64
-    )
-    cached = generator(_model(2), _prompts(4), 12)
-    window = mp.Generator(
-        mesh=make_mesh(2, 1),
-        schedule=mp.OneFOneB(),
-        num_microbatches=2,
-        window=64,
-        kv_cache=False,
-    )(_model(2), _prompts(4), 12)
-    np.testing.assert_array_equal(cached, window)
 
 
 class _NoCacheLM(nnx.Module):
