@@ -122,12 +122,20 @@ MODELS = {
     "gated": (lambda s, rngs: GatedModel(s, rngs=rngs), mlp_loss, "regression"),
 }
 
+# Adam divides by sqrt(v) + eps: with optax's eps=1e-8, a unit whose gradient is ~1e-8
+# (a dead ReLU column of the LM) turns last-bit differences between two correct
+# compilations of the same gradient (2e-8 here) into updates of up to +-lr, so the
+# parameters after a few steps match only by chance. eps=1e-5 keeps an update's
+# error about lr * (gradient error) / eps, well inside the comparisons' atol, while a
+# wrong gradient (off by more than rounding) still moves the parameters far outside it.
+ADAM_EPS = 1e-5
+
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.05),
-    "adamw": lambda: optax.adamw(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, eps=ADAM_EPS),
     "clip_adamw_cosine": lambda: optax.chain(
         optax.clip_by_global_norm(0.5),
-        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), eps=ADAM_EPS),
     ),
 }
 
