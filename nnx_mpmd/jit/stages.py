@@ -31,6 +31,7 @@ from nnx_mpmd.jit.run import StepRecords, profile_mode, run_step
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.runtime.executor import _Shardings
+from nnx_mpmd.runtime.interpreter import PreparedCache
 
 __all__ = ["Compiled", "Lowered", "StepContext", "Traced"]
 
@@ -358,6 +359,8 @@ class Compiled:
         self.bound_programs = bound
         self._context = context
         self._executables = bound.executables
+        # The runtime's prepared steps live here, not on the step: the IR never changes.
+        self._prepared = PreparedCache()
 
     def __call__(
         self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
@@ -391,6 +394,7 @@ class Compiled:
                 context.records,
                 profile,
                 memory,
+                self._prepared,
             )
         finally:
             bound.finish()
