@@ -106,15 +106,11 @@ def run_step(
     if mesh.is_multi_process:
         from nnx_mpmd.runtime.multi_process import execute_multi_process
 
-        outputs = execute_multi_process(
-            step, inputs, mesh, shardings, profiler, check, prepared
-        )
+        outputs = execute_multi_process(step, inputs, mesh, shardings, profiler, check, prepared)
     else:
         submeshes = list(mesh.submeshes)
         recorder = MemoryRecorder(submeshes) if memory else None
-        outputs = execute(
-            step, inputs, submeshes, shardings, profiler, recorder, check, prepared
-        )
+        outputs = execute(step, inputs, submeshes, shardings, profiler, recorder, check, prepared)
     if profile is not None:
         timed = isinstance(profiler, TimelineProfiler)
         records.last_profile = Profile(
