@@ -5,7 +5,8 @@ state typed where `mp.place` would put it) into a `Traced`; ``.lower()`` runs
 the compiler's passes into a `Lowered`, whose IR is never changed after; its
 ``.compile()`` compiles every program ahead of time into a `Compiled`, which
 binds the executables to a routed copy of the IR and runs the step when
-called. ``f.lower(*args)`` is ``f.trace(*args).lower()``. Each stage is made
+called, keeping the runtime's prepared steps itself (a `PreparedCache`, never
+on the IR). ``f.lower(*args)`` is ``f.trace(*args).lower()``. Each stage is made
 once per input signature: the step's `StepContext` keeps the lowerings, and a
 `Lowered` its `Compiled`. Nothing here runs the step or moves state until a
 `Compiled` is called.
