@@ -22,8 +22,9 @@ each task's start and end, and an optional memory recorder the bytes of live
 arrays per mesh after every instruction (`nnx_mpmd.runtime.observers`).
 
 The host work per instruction is kept small: a compiled step is prepared into
-steps once (kept in the runner's `PreparedCache`, never on the step), each a closure with its slot numbers and
-shardings built in, and the loop only calls them.
+steps once (kept in the runner's `PreparedCache`, never on the step), each a
+closure with its slot numbers and shardings built in, and the loop only calls
+them.
 
 Example:
   >>> import jax
