@@ -22,6 +22,7 @@ from nnx_mpmd.jit.arguments import StepCall
 from nnx_mpmd.jit.options import JitOptions
 from nnx_mpmd.runtime.executor import MemoryRecorder, TaskRecord, _Shardings, execute
 from nnx_mpmd.runtime.finite_check import FiniteCheck
+from nnx_mpmd.runtime.interpreter import PreparedCache
 from nnx_mpmd.runtime.timeline_profiler import Profile, TimelineProfiler
 
 __all__ = ["StepRecords", "profile_mode", "run_step"]
@@ -73,6 +74,7 @@ def run_step(
     records: StepRecords,
     profile: str | None = None,
     memory: bool = False,
+    prepared: PreparedCache | None = None,
 ) -> Any:
     """Runs ``step`` on ``call``'s arguments and writes the new state back.
 
@@ -85,6 +87,8 @@ def run_step(
       records: where a profile or a memory summary goes.
       profile: a `profile_mode`, or None.
       memory: record per-mesh live bytes.
+      prepared: the caller's cache of the step's prepared steps (None: prepared
+        for this run only).
 
     Returns:
       The step's outputs, as the step returned them.
@@ -102,11 +106,11 @@ def run_step(
     if mesh.is_multi_process:
         from nnx_mpmd.runtime.multi_process import execute_multi_process
 
-        outputs = execute_multi_process(step, inputs, mesh, shardings, profiler, check)
+        outputs = execute_multi_process(step, inputs, mesh, shardings, profiler, check, prepared)
     else:
         submeshes = list(mesh.submeshes)
         recorder = MemoryRecorder(submeshes) if memory else None
-        outputs = execute(step, inputs, submeshes, shardings, profiler, recorder, check)
+        outputs = execute(step, inputs, submeshes, shardings, profiler, recorder, check, prepared)
     if profile is not None:
         timed = isinstance(profiler, TimelineProfiler)
         records.last_profile = Profile(

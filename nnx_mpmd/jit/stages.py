@@ -5,7 +5,8 @@ state typed where `mp.place` would put it) into a `Traced`; ``.lower()`` runs
 the compiler's passes into a `Lowered`, whose IR is never changed after; its
 ``.compile()`` compiles every program ahead of time into a `Compiled`, which
 binds the executables to a routed copy of the IR and runs the step when
-called. ``f.lower(*args)`` is ``f.trace(*args).lower()``. Each stage is made
+called, keeping the runtime's prepared steps itself (a `PreparedCache`, never
+on the IR). ``f.lower(*args)`` is ``f.trace(*args).lower()``. Each stage is made
 once per input signature: the step's `StepContext` keeps the lowerings, and a
 `Lowered` its `Compiled`. Nothing here runs the step or moves state until a
 `Compiled` is called.
@@ -31,6 +32,7 @@ from nnx_mpmd.jit.run import StepRecords, profile_mode, run_step
 from nnx_mpmd.placement.abstract import PlacedAval, placed_aval
 from nnx_mpmd.placement.mesh import MpmdMesh
 from nnx_mpmd.runtime.executor import _Shardings
+from nnx_mpmd.runtime.interpreter import PreparedCache
 
 __all__ = ["Compiled", "Lowered", "StepContext", "Traced"]
 
@@ -358,6 +360,8 @@ class Compiled:
         self.bound_programs = bound
         self._context = context
         self._executables = bound.executables
+        # The runtime's prepared steps live here, not on the step: the IR never changes.
+        self._prepared = PreparedCache()
 
     def __call__(
         self, *args: Any, profile: bool | str = False, memory: bool = False, **kwargs: Any
@@ -391,6 +395,7 @@ class Compiled:
                 context.records,
                 profile,
                 memory,
+                self._prepared,
             )
         finally:
             bound.finish()

@@ -22,8 +22,9 @@ each task's start and end, and an optional memory recorder the bytes of live
 arrays per mesh after every instruction (`nnx_mpmd.runtime.observers`).
 
 The host work per instruction is kept small: a compiled step is prepared into
-steps once (cached on the step), each a closure with its slot numbers and
-shardings built in, and the loop only calls them.
+steps once (kept in the runner's `PreparedCache`, never on the step), each a
+closure with its slot numbers and shardings built in, and the loop only calls
+them.
 
 Example:
   >>> import jax
@@ -59,7 +60,7 @@ from nnx_mpmd.placement.process_batch import MicrobatchedArray, take_microbatche
 from nnx_mpmd.runtime import interpreter
 from nnx_mpmd.runtime.batch_split import MicrobatchSplitter, microbatched_shape
 from nnx_mpmd.runtime.batched_copy import BatchedCopier, BatchPlan
-from nnx_mpmd.runtime.interpreter import Observer, Step, call_step, free_step, prepared_for
+from nnx_mpmd.runtime.interpreter import Observer, PreparedCache, Step, call_step, free_step
 from nnx_mpmd.runtime.observers import MemoryRecorder, Profiler, TaskRecord
 
 __all__ = [
@@ -280,9 +281,11 @@ def _target_lookup(kept: _KeptSpec, value: Any) -> NamedSharding:
     return kept[getattr(value, "sharding", None)]
 
 
-def _single_process_shardings(step: CompiledStep, submeshes: Sequence[Any]) -> Shardings:
+def _single_process_shardings(
+    step: CompiledStep, submeshes: Sequence[Any], prepared: PreparedCache
+) -> Shardings:
     """The sharding cache the step was last prepared with, else a new one."""
-    for key in reversed(interpreter.cached_keys(step)):
+    for key in reversed(prepared.keys(step)):
         if key[0] == "single":
             return key[1]
     return Shardings(submeshes)
@@ -307,6 +310,7 @@ def execute(
     profile: list[Any] | Observer | None = None,
     memory: MemoryRecorder | None = None,
     watch: Sequence[Observer] = (),
+    prepared: PreparedCache | None = None,
 ) -> list[Any]:
     """Runs ``step`` on ``inputs`` (consts, state leaves, other leaves); returns its outputs.
 
@@ -318,6 +322,8 @@ def execute(
         (each call is waited for).
       memory: records live bytes per mesh after every instruction (each is waited for).
       watch: more observers of the run (`nnx_mpmd.runtime.finite_check.FiniteCheck`).
+      prepared: the runner's cache of the step's prepared steps (reused across
+        calls); None prepares the step for this call only.
 
     Raises:
       MeshError: the call is under a ``jax.set_mesh`` context (see `check_mesh_context`).
@@ -330,9 +336,11 @@ def execute(
     """
     if submeshes:
         check_mesh_context(submeshes)
+    if prepared is None:
+        prepared = PreparedCache()
     if shardings is None:
-        shardings = _single_process_shardings(step, submeshes)
-    _, prepared = prepared_for(step, ("single", shardings), lambda: DeviceOperations(shardings))
+        shardings = _single_process_shardings(step, submeshes, prepared)
+    _, steps = prepared.get(step, ("single", shardings), lambda: DeviceOperations(shardings))
     store = interpreter.load_store(step, inputs)
     observers: list[Observer] = []
     if profile is not None:
@@ -340,7 +348,7 @@ def execute(
     if memory is not None:
         observers.append(memory)
     observers.extend(watch)
-    interpreter.run(prepared, store, observers)
+    interpreter.run(steps, store, observers)
     return outputs_of(step, store)
 
 

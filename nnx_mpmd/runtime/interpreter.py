@@ -20,8 +20,8 @@ has two phases:
    copying the loop.
 
 The slot-store helpers shared by every runtime (`load_store`, `call_step`,
-`free_step`, `build`, `value_on`) and the cache of prepared steps on a compiled
-step (`prepared_for`) live here too.
+`free_step`, `build`, `value_on`) and the cache of a compiled step's prepared
+steps (`PreparedCache`, held by its runner, not by the step) live here too.
 
 Example:
   >>> import jax.numpy as jnp
@@ -57,14 +57,13 @@ __all__ = [
     "Operations",
     "Prepared",
     "PreparedStep",
+    "PreparedCache",
     "Step",
     "build",
-    "cached_keys",
     "call_step",
     "free_step",
     "load_store",
     "prepare",
-    "prepared_for",
     "run",
     "value_on",
 ]
@@ -226,40 +225,56 @@ def _observed(entry: PreparedStep, observers: tuple[Observer, ...]) -> Step:
     return step
 
 
-# The step attribute that caches its prepared steps: {key: (operations, prepared)},
-# oldest first, at most _MAX_PREPARED entries (one per sharding cache and process).
-_CACHE_ATTRIBUTE = "_runtime_prepared"
-_MAX_PREPARED = 4
 OperationsT = TypeVar("OperationsT", bound=Operations)
 
 
-def prepared_for(
-    step: Any, key: Any, make_operations: Callable[[], OperationsT]
-) -> tuple[OperationsT, Prepared]:
-    """``(operations, prepared)`` for ``step``'s instructions, cached on the step by ``key``.
+class PreparedCache:
+    """The prepared steps of one compiled step, by key, held by whoever runs it.
 
     Preparing is paid once per step and key, so a run pays only for the loop.
+    The cache belongs to its runner (`nnx_mpmd.jit.stages.Compiled` makes one),
+    never to the step: the step IR is not changed by running it. It holds one
+    step at a time; a run of another step (a routed copy made once its programs
+    compiled) starts it afresh. At most ``max_entries`` keys are kept (one per
+    sharding cache and process kind), the oldest dropped first.
+
+    Args:
+      max_entries: how many keys' prepared steps to keep.
 
     Example:
       >>> from types import SimpleNamespace
-      >>> step = SimpleNamespace(instructions=[])
-      >>> ops, prepared = prepared_for(step, "k", object)
-      >>> prepared_for(step, "k", object)[0] is ops, cached_keys(step)
-      (True, ['k'])
+      >>> step, cache = SimpleNamespace(instructions=[]), PreparedCache()
+      >>> ops, prepared = cache.get(step, "k", object)
+      >>> cache.get(step, "k", object)[0] is ops, cache.keys(step), vars(step)
+      (True, ['k'], {'instructions': []})
     """
-    cache = step.__dict__.setdefault(_CACHE_ATTRIBUTE, {})
-    entry = cache.get(key)
-    if entry is None:
-        operations = make_operations()
-        entry = cache[key] = (operations, prepare(step.instructions, operations))
-        while len(cache) > _MAX_PREPARED:
-            del cache[next(iter(cache))]
-    return entry
 
+    def __init__(self, max_entries: int = 4) -> None:
+        self.max_entries = max_entries
+        self._step: Any = None
+        self._entries: dict[Any, tuple[Any, Prepared]] = {}
 
-def cached_keys(step: Any) -> list[Any]:
-    """The keys `prepared_for` holds prepared steps under for ``step``, oldest first."""
-    return list(step.__dict__.get(_CACHE_ATTRIBUTE, {}))
+    def get(
+        self, step: Any, key: Any, make_operations: Callable[[], OperationsT]
+    ) -> tuple[OperationsT, Prepared]:
+        """``(operations, prepared)`` for ``step``'s instructions under ``key``, made once.
+
+        ``make_operations`` is called only when ``step`` has no prepared steps under ``key``.
+        """
+        if step is not self._step:
+            self._step, self._entries = step, {}
+        entries = self._entries
+        entry = entries.get(key)
+        if entry is None:
+            operations = make_operations()
+            entry = entries[key] = (operations, prepare(step.instructions, operations))
+            while len(entries) > self.max_entries:
+                del entries[next(iter(entries))]
+        return entry
+
+    def keys(self, step: Any) -> list[Any]:
+        """The keys holding prepared steps of ``step``, oldest first (none for another step)."""
+        return list(self._entries) if step is self._step else []
 
 
 # ---------------------------------------------------------------- slot store

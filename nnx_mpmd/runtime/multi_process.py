@@ -51,7 +51,7 @@ from nnx_mpmd.placement.partition import MpmdArray
 from nnx_mpmd.runtime import cross_process, interpreter
 from nnx_mpmd.runtime.coordination import Coordination, get_coordination
 from nnx_mpmd.runtime.executor import DeviceOperations, Shardings, outputs_of
-from nnx_mpmd.runtime.interpreter import Step, prepared_for
+from nnx_mpmd.runtime.interpreter import PreparedCache, Step
 from nnx_mpmd.runtime.observers import Profiler
 
 __all__ = [
@@ -314,11 +314,20 @@ def execute_multi_process(
     shardings: Shardings | None = None,
     profile: Any = None,
     observers: Sequence[Any] = (),
+    prepared: PreparedCache | None = None,
 ) -> list[Any]:
     """Runs ``step`` in this process of a multi-process run (see the module docstring).
 
     Every process calls it alike. User outputs come back whole on every process; state
     outputs are global arrays (remote where this process has no devices).
+
+    Args:
+      step: the compiled step; inputs: its consts, state leaves and other leaves.
+      mesh: the multi-process `MpmdMesh`; shardings: its sharding cache (None: a new one).
+      profile: a list for `TaskRecord` s, or an observer recording them.
+      observers: more observers of the run (`nnx_mpmd.runtime.finite_check.FiniteCheck`).
+      prepared: the runner's cache of the step's prepared steps (reused across
+        calls); None prepares the step for this call only.
 
     Raises:
       DistributedError: a peer died or timed out, or a transfer cannot be made
@@ -332,7 +341,7 @@ def execute_multi_process(
     check_mesh_context(submeshes)
     shardings = shardings or Shardings(submeshes)
     coordination = get_coordination()
-    _, prepared = prepared_for(
+    _, steps = (prepared or PreparedCache()).get(
         step,
         ("processes", shardings),
         lambda: ProcessOperations(shardings, on_failure=coordination.blame_peers),
@@ -345,7 +354,7 @@ def execute_multi_process(
             watching.append(profile)
         elif profile is not None:
             watching.append(Profiler(profile))
-        interpreter.run(prepared, store, watching)
+        interpreter.run(steps, store, watching)
     except DistributedError:
         raise
     except Exception:  # a transfer or program refused while a peer was dying: say so

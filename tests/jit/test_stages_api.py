@@ -199,6 +199,7 @@ def test_the_ir_is_not_changed_by_compiling_or_running():
     model, opt, step, batch = _setup()
     lowered = step.lower(model, opt, batch)
     text, instructions = lowered.ir_text(), lowered.compiled.instructions
+    fields = dict(vars(lowered.compiled))
     functions = [ins.fn for ins in instructions if isinstance(ins, Call)]
     compiled = lowered.compile()
     step(model, opt, batch)
@@ -208,6 +209,10 @@ def test_the_ir_is_not_changed_by_compiling_or_running():
     assert lowered.ir_text() == text
     routed = compiled.bound_programs.step  # the copy whose calls go to the executables
     assert routed is not lowered.compiled and format_instructions(routed.instructions) == text
+    # No runtime cache hangs on either IR: `Compiled` owns its prepared steps.
+    assert vars(lowered.compiled) == fields and vars(routed).keys() == fields.keys()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        routed.instructions = []  # type: ignore[misc]
 
 
 def test_compiled_runs_by_itself_and_compiles_nothing_more(monkeypatch):

@@ -137,15 +137,29 @@ def test_the_text_form_of_the_test_program_round_trips():
     assert parse_instructions(format_instructions(instructions), programs) == instructions
 
 
-def test_execute_runs_the_step_and_caches_its_prepared_steps(meshes):
-    step = _step(_programs())
+def test_execute_keeps_the_prepared_steps_in_the_callers_cache_not_on_the_step(meshes):
+    step, prepared = _step(_programs()), interpreter.PreparedCache()
+    fields = dict(vars(step))
     shardings = Shardings(meshes)
     for _ in range(2):
-        _, product = execute(step, [BATCH], meshes, shardings)
+        _, product = execute(step, [BATCH], meshes, shardings, prepared=prepared)
     np.testing.assert_allclose(product, _expected()[1])
-    assert interpreter.cached_keys(step) == [("single", shardings)]
-    execute(step, [BATCH], meshes)  # no cache given: the step's own is reused
-    assert interpreter.cached_keys(step) == [("single", shardings)]
+    assert prepared.keys(step) == [("single", shardings)]
+    made = prepared.get(step, ("single", shardings), list)
+    execute(step, [BATCH], meshes, prepared=prepared)  # no shardings: the cached ones
+    assert prepared.keys(step) == [("single", shardings)]
+    assert prepared.get(step, ("single", shardings), list) is made  # prepared once
+    assert vars(step) == fields  # nothing hung on the step
+
+
+def test_a_prepared_cache_holds_one_step_and_its_newest_keys():
+    first, second = SimpleNamespace(instructions=[]), SimpleNamespace(instructions=[])
+    cache = interpreter.PreparedCache(max_entries=2)
+    for key in "abc":
+        cache.get(first, key, object)
+    assert cache.keys(first) == ["b", "c"] and cache.keys(second) == []
+    cache.get(second, "a", object)  # another step (a routed copy): starts afresh
+    assert cache.keys(second) == ["a"] and cache.keys(first) == []
 
 
 class _Seen(interpreter.Observer):

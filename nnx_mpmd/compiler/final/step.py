@@ -104,9 +104,12 @@ class PassRecord:
         return self.render()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """A step compiled into one instruction list over slots."""
+    """A step compiled into one instruction list over slots.
+
+    Frozen: runners keep their caches elsewhere, so the IR never changes after lowering.
+    """
 
     instructions: list[Instruction]
     num_slots: int
