@@ -49,9 +49,9 @@ def env_for_launch(**extra: str) -> dict[str, str]:
 
     XLA_FLAGS keeps only the test run's code-generation flags (`codegen_flags`; both
     sides of every comparison compile with them): the launcher and the scripts set the
-    device counts. The
-    compilation cache is off unless the command names one (``--compile-cache``):
-    a launched ``nnx-mpmd train`` would otherwise fill ``~/.cache/nnx_mpmd/jax``.
+    device counts. The compilation cache is off unless the command names one
+    (``--compile-cache``): a launched ``nnx-mpmd train`` would otherwise fill
+    ``~/.cache/nnx_mpmd/jax``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
     env.pop("XLA_FLAGS", None)

@@ -5,10 +5,10 @@ tied embedding and every activation cross between processes. One run is
 stopped after step 3 (last checkpoint: step 2) and resumed by a second launch
 to step 4: the losses of both must equal the unpipelined `nnx.jit` step of the
 same model, optimizer and batches, and only process 0 may print the log and
-write the run's files. Every process of the first launch logs the rows it read: each
-reads only its stage's half of the batch (tests/integration/test_multiprocess_local_batches.py
-checks the other layout). Launches are bounded with ``timeout -k 5 N`` and listen
-on 127.0.0.1 only (tests/mp_launch.py).
+write the run's files. Every process of the first launch logs the rows it read:
+each reads only what its stages need (the other layout is checked in
+tests/integration/test_multiprocess_local_batches.py). Launches are bounded with
+``timeout -k 5 N`` and listen on 127.0.0.1 only (tests/mp_launch.py).
 """
 
 from __future__ import annotations
