@@ -38,7 +38,7 @@ def public_prefixes(init: pathlib.Path) -> set[str]:
     """
     tree = ast.parse(init.read_text())
     prefixes: set[str] = set()
-    for node in tree.body:
+    for node in ast.walk(tree):  # the imports under `if TYPE_CHECKING:` too
         is_all = isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         )

@@ -29,25 +29,34 @@ ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
 TIMED_OUT = (124, 137)
 
 
-def optimization_level_flag() -> str:
-    """This run's ``--xla_backend_optimization_level=N`` (tests/conftest.py sets it), or ''."""
+#: XLA flags of tests/conftest.py that make this test run compile faster (O0, loop emitters).
+CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+
+
+def codegen_flags() -> str:
+    """This run's XLA code-generation flags (tests/conftest.py sets them), or ''.
+
+    ``--xla_backend_optimization_level=N`` and ``--xla_cpu_use_fusion_emitters=B``:
+    a subprocess that builds its own ``XLA_FLAGS`` passes them on, so that it compiles
+    as the test process does (both sides of every comparison alike, and faster).
+    """
     flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if f.startswith("--xla_backend_optimization_level"))
+    return " ".join(f for f in flags if f.startswith(CODEGEN_FLAGS))
 
 
 def env_for_launch(**extra: str) -> dict[str, str]:
     """The environment of a launched run: CPU, short heartbeats, no inherited settings.
 
-    XLA_FLAGS keeps only the test run's optimization level (both sides of every
-    comparison run at it): the launcher and the scripts set the device counts. The
-    compilation cache is off unless the command names one (``--compile-cache``):
-    a launched ``nnx-mpmd train`` would otherwise fill ``~/.cache/nnx_mpmd/jax``.
+    XLA_FLAGS keeps only the test run's code-generation flags (`codegen_flags`; both
+    sides of every comparison compile with them): the launcher and the scripts set the
+    device counts. The compilation cache is off unless the command names one
+    (``--compile-cache``): a launched ``nnx-mpmd train`` would otherwise fill
+    ``~/.cache/nnx_mpmd/jax``.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
     env.pop("XLA_FLAGS", None)
-    level = optimization_level_flag()
-    if level:
-        env["XLA_FLAGS"] = level
+    if codegen_flags():
+        env["XLA_FLAGS"] = codegen_flags()
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
     env.update(NNX_MPMD_COMPILE_CACHE="off")
     env.update(extra)
@@ -146,7 +155,7 @@ def train_env(**extra: str) -> dict[str, str]:
     none of this process's ``NNX_MPMD_*`` settings, and the test run's compilation
     cache (the runs of one test compile alike); ``extra`` last."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_MPMD_")}
-    flags = f"--xla_force_host_platform_device_count=2 {optimization_level_flag()}"
+    flags = f"--xla_force_host_platform_device_count=2 {codegen_flags()}"
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     cache = jax.config.jax_compilation_cache_dir
     if cache:

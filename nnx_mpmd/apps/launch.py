@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from typing import IO, Any, cast
 
 from nnx_mpmd.errors import MpmdError
-from nnx_mpmd.runtime.multi_process import launch_env
+from nnx_mpmd.runtime.process_env import launch_env
 
 __all__ = ["coordinator_lost_note", "free_port", "is_noise", "launch", "main", "stop_summary"]
 

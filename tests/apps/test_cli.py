@@ -163,6 +163,25 @@ def test_version_is_the_package_version(command):
     assert metadata.version("nnx-mpmd") == nnx_mpmd.__version__ == cli.version()
 
 
+# The launcher parent only starts processes: JAX and the rest load in its children.
+LAUNCHER_IMPORTS = """
+import sys
+from nnx_mpmd.apps.cli import main
+main(["--version"])
+main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "2"])
+status = main(["launch", "-n", "2", "--", sys.executable, "-c", "print('child')"])
+heavy = {name.split(".")[0] for name in sys.modules} & {"jax", "flax", "optax", "orbax", "numpy"}
+print("status", status, "heavy", sorted(heavy))
+"""
+
+
+def test_launcher_version_and_schedule_do_not_import_jax():
+    proc = _run([sys.executable, "-c", LAUNCHER_IMPORTS], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("child") == 2, proc.stdout
+    assert proc.stdout.rstrip().endswith("status 0 heavy []"), proc.stdout
+
+
 def test_no_subcommand_and_unknown_subcommand_exit_2(capsys):
     assert cli.main([]) == 2
     assert capsys.readouterr().err.rstrip().endswith("nnx-mpmd: error: name a subcommand")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from mp_launch import codegen_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -20,7 +21,7 @@ BENCH = ROOT / "benchmarks"
 
 def _run(script: str, args: list[str], tmp_path: pathlib.Path) -> tuple[str, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["JAX_PLATFORMS"] = "cpu"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=codegen_flags())  # the script sets its devices
     out = tmp_path / "result.json"
     done = subprocess.run(
         [

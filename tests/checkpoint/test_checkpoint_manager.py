@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_helpers import Net, batches, make_optimizer, param_values, run_steps
-from mp_launch import optimization_level_flag
+from mp_launch import codegen_flags
 
 from nnx_mpmd.checkpoint import CheckpointManager
 
@@ -25,7 +25,7 @@ KILLED = (-9, 137)  # timeout re-raises the SIGKILL, or exits 128 + 9
 def run_bounded(args: list[str], seconds: int) -> subprocess.CompletedProcess:
     """Runs a Python script under ``timeout -k 5 seconds`` and captures its output."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = optimization_level_flag()  # the worker adds its device count
+    env["XLA_FLAGS"] = codegen_flags()  # the worker adds its device count
     return subprocess.run(
         ["timeout", "-k", "5", str(seconds), sys.executable, *args],
         capture_output=True,

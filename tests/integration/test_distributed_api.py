@@ -244,6 +244,19 @@ def test_launch_env_has_no_bind_for_a_remote_coordinator():
     assert "NNX_MPMD_COORDINATOR_BIND" not in env
 
 
+def test_launched_and_trained_subprocesses_compile_with_the_test_runs_codegen_flags(
+    monkeypatch,
+):
+    from mp_launch import env_for_launch, train_env
+
+    codegen = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {codegen}")
+    assert env_for_launch()["XLA_FLAGS"] == codegen  # the launcher adds the device count
+    assert train_env()["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {codegen}"
+    launched = multi_process.launch_env(0, 2, "127.0.0.1:1", devices_per_process=4)
+    assert launched["XLA_FLAGS"] == f"{codegen} --xla_force_host_platform_device_count=4"
+
+
 def test_initialize_sets_up_cpu_transfers_on_the_coordinators_interface(
     clean_env, captured_initialize
 ):

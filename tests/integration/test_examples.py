@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from mp_launch import optimization_level_flag
+from mp_launch import codegen_flags
 
 from nnx_mpmd.schedules.draw import matplotlib_missing
 
@@ -39,8 +39,8 @@ CASES = [
 
 
 # Examples run at XLA's default optimization level, so that equality with the
-# unpipelined run stays checked at O2; the others at this test run's level
-# (tests/conftest.py: O0, about a quarter less compile time).
+# unpipelined run stays checked at O2; the others with this test run's code-generation
+# flags (tests/conftest.py: O0 and loop emitters, about half the compile time).
 AT_DEFAULT_LEVEL = {"01_quickstart.py", "02_gpt_pipeline.py"}
 
 
@@ -55,8 +55,8 @@ def test_example_runs(script, flags, expected, tmp_path):
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
     }
-    if script not in AT_DEFAULT_LEVEL and optimization_level_flag():
-        env["XLA_FLAGS"] = optimization_level_flag()
+    if script not in AT_DEFAULT_LEVEL and codegen_flags():
+        env["XLA_FLAGS"] = codegen_flags()
     if script == "04_checkpoint_resume.py":
         flags = [*flags, "--dir", str(tmp_path)]
     if script == "11_measured_timeline.py":

@@ -1,10 +1,11 @@
 """Under ``nnx-mpmd launch`` each process of ``nnx-mpmd train`` reads only its rows.
 
-Two launches of 2 processes x 4 CPU devices: ``--meshes 2 --data 4`` (one
-mesh per process) and ``--meshes 4 --data 2`` (two meshes per process). With
-``NNX_MPMD_DEBUG_ROWS_DIR`` set, every process logs the rows it read for each
-batch (`nnx_mpmd.apps.local_batches`): process 0 (the first stage) must have
-read the ``inputs`` only, process 1 (the last stage) the ``targets`` only, each
+One launch of 2 processes x 4 CPU devices here: ``--meshes 2 --data 4`` (one mesh
+per process); ``--meshes 4 --data 2`` (two meshes per process) is checked on the
+first launch of tests/integration/test_multiprocess_train.py, which has that
+layout. With ``NNX_MPMD_DEBUG_ROWS_DIR`` set, every process logs the rows it read
+for each batch (`nnx_mpmd.apps.local_batches`): process 0 (the first stage) must
+have read the ``inputs`` only, process 1 (the last stage) the ``targets`` only, each
 once per step; and the losses must equal the unpipelined ``nnx.jit`` step on
 the whole batches. The row computation itself, for more layouts, is tested
 without processes in tests/placement/test_process_batch.py.
@@ -50,11 +51,22 @@ def _rows_read(folder, process: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow  # two launches of two processes
-@pytest.mark.parametrize("meshes,data", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
-def test_each_process_reads_only_its_rows_and_losses_equal_nnx_jit(tmp_path, meshes, data):
-    # One block per stage: the fewest that compile.
-    args = [*COMMON, "--meshes", str(meshes), "--data", str(data), "--layers", str(meshes)]
+def assert_each_process_read_only_its_rows(rows_dir, steps: int, batch: int) -> None:
+    """Process 0 (the first stage) read the inputs, process 1 (the last) the targets,
+    every row of each of ``steps`` batches, once each."""
+    everything = list(range(batch))
+    first, last = _rows_read(rows_dir, 0), _rows_read(rows_dir, 1)
+    assert [r["index"] for r in first] == [r["index"] for r in last] == list(range(steps))
+    for record in first:  # the first stage's process: the inputs, no targets
+        assert (record["inputs"], record["targets"]) == (everything, [])
+    for record in last:  # the last stage's process: the targets, no inputs
+        assert (record["inputs"], record["targets"]) == ([], everything)
+
+
+@pytest.mark.slow  # one launch of two processes
+def test_each_process_reads_only_its_rows_and_losses_equal_nnx_jit(tmp_path):
+    # One mesh per process; one block per stage: the fewest that compile.
+    args = [*COMMON, "--meshes", "2", "--data", "4", "--layers", "2"]
     rows_dir = tmp_path / "rows"
     rows_dir.mkdir()
     run_dir = tmp_path / "run"
@@ -63,13 +75,7 @@ def test_each_process_reads_only_its_rows_and_losses_equal_nnx_jit(tmp_path, mes
         fresh=[(run_dir, False), (rows_dir, True)], **{DEBUG_ROWS_ENV: str(rows_dir)},
     )  # fmt: skip
     check(done)
-    everything = list(range(BATCH))
-    first, last = _rows_read(rows_dir, 0), _rows_read(rows_dir, 1)
-    assert [r["index"] for r in first] == [r["index"] for r in last] == list(range(STEPS))
-    for record in first:  # the first stage's process: the inputs, no targets
-        assert (record["inputs"], record["targets"]) == (everything, [])
-    for record in last:  # the last stage's process: the targets, no inputs
-        assert (record["inputs"], record["targets"]) == ([], everything)
+    assert_each_process_read_only_its_rows(rows_dir, STEPS, BATCH)
     losses = logged_losses(run_dir)
     reference = _reference_losses(args, tmp_path / "reference")
     np.testing.assert_allclose([losses[s] for s in range(1, STEPS + 1)], reference, rtol=1e-5)

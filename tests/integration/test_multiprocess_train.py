@@ -5,8 +5,10 @@ tied embedding and every activation cross between processes. One run is
 stopped after step 3 (last checkpoint: step 2) and resumed by a second launch
 to step 4: the losses of both must equal the unpipelined `nnx.jit` step of the
 same model, optimizer and batches, and only process 0 may print the log and
-write the run's files. Launches are bounded with ``timeout -k 5 N`` and listen
-on 127.0.0.1 only (tests/mp_launch.py).
+write the run's files. Every process of the first launch logs the rows it read:
+each reads only what its stages need (the other layout is checked in
+tests/integration/test_multiprocess_local_batches.py). Launches are bounded with
+``timeout -k 5 N`` and listen on 127.0.0.1 only (tests/mp_launch.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from mp_launch import check as _check
 from mp_launch import launch as _launch
 from mp_launch import launch_once as _launch_once
 from shared_results import once_per_test_run
+from test_multiprocess_local_batches import assert_each_process_read_only_its_rows
 
+from nnx_mpmd.apps.local_batches import DEBUG_ROWS_ENV
 from nnx_mpmd.apps.train import config_from_args
 from nnx_mpmd.apps.train_loop import Trainer, train_step
 
@@ -41,11 +45,12 @@ ARGS = [
 
 def _train_launched(directory):
     """Steps 1-3 in one launch, then steps 3-4 resumed from step 2's checkpoint."""
-    run_dir = directory / "run"
+    run_dir, rows_dir = directory / "run", directory / "rows"
+    rows_dir.mkdir()
     common = [*ARGS, "--run-dir", str(run_dir), "--compile-cache", str(directory / "cache")]
     first, _ = _launch(
         TRAIN, *common, "--stop-at", "3", "--sample-tokens", "0", timeout=300,
-        fresh=[(run_dir, False)],
+        fresh=[(run_dir, False), (rows_dir, True)], **{DEBUG_ROWS_ENV: str(rows_dir)},
     )  # fmt: skip
     _check(first)
     after_first = (run_dir / "metrics.jsonl").read_text()
@@ -89,6 +94,12 @@ def test_launched_train_and_resume_equal_nnx_jit(launched_runs, tmp_path):
     resumed = _losses((run_dir / "metrics.jsonl").read_text())
     assert sorted(resumed) == [1, 2, 3, 4]
     np.testing.assert_allclose([resumed[s] for s in (1, 2, 3, 4)], reference, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_each_launched_process_reads_only_the_rows_of_its_stages(launched_runs):
+    run_dir, _, _, _ = launched_runs  # meshes 0-1 on process 0, meshes 2-3 on process 1
+    assert_each_process_read_only_its_rows(run_dir.parent / "rows", steps=3, batch=8)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from mp_launch import optimization_level_flag
+from mp_launch import codegen_flags
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
@@ -418,8 +418,8 @@ def test_plan_command_writes_a_plan_that_train_runs(tmp_path, capsys):
     # The plan command in a fresh process (its own device count, at this run's XLA level);
     # `train` reads the plan in this process, which has JAX imported and the run's cache.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if optimization_level_flag():
-        env["XLA_FLAGS"] = optimization_level_flag()
+    if codegen_flags():
+        env["XLA_FLAGS"] = codegen_flags()
     env.update(JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE=str(tmp_path / "cache"))
     (tmp_path / "tmp").mkdir()
     env["TMPDIR"] = str(tmp_path / "tmp")  # the plan command leaves nothing there

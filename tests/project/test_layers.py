@@ -11,7 +11,9 @@ imports included), so a violation names the file and the import.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import sys
 
 import pytest
 
@@ -274,3 +276,55 @@ def test_compiler_functions_are_small(path):
         f"{_name(path)}: {', '.join(long)} over {MAX_COMPILER_FUNCTION_LINES} lines; "
         "split it into passes or helpers"
     )
+
+
+# The package's ``__init__`` loads its public names on first use (PEP 562): ``import
+# nnx_mpmd`` and the launcher (``python -m nnx_mpmd launch``) do not import JAX.
+
+
+def _type_checking_imports_of_the_package() -> dict[str, tuple[str, str | None]]:
+    """Name -> (module, attribute or None for a module), from ``if TYPE_CHECKING:``."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    found: dict[str, tuple[str, str | None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in (n for n in node.body if isinstance(n, ast.ImportFrom)):
+                for alias in imp.names:
+                    is_module = imp.module == "nnx_mpmd"
+                    where = f"nnx_mpmd.{alias.name}" if is_module else str(imp.module)
+                    found[alias.asname or alias.name] = (where, None if is_module else alias.name)
+    return found
+
+
+def test_the_packages_lazy_names_are_its_typed_imports_and_all():
+    import nnx_mpmd
+
+    assert _type_checking_imports_of_the_package() == nnx_mpmd._LAZY
+    assert set(nnx_mpmd.__all__) <= set(nnx_mpmd._LAZY)  # and `planner`, public but not in *
+    for name, (module, attribute) in nnx_mpmd._LAZY.items():
+        loaded = importlib.import_module(module)
+        assert getattr(nnx_mpmd, name) is (
+            loaded if attribute is None else getattr(loaded, attribute)
+        )
+
+
+def test_a_loaded_subpackage_does_not_hide_the_public_name_it_shares(monkeypatch):
+    import nnx_mpmd
+    from nnx_mpmd.jit import jit as jit_module
+
+    monkeypatch.delitem(
+        vars(nnx_mpmd), "jit", raising=False
+    )  # as in a fresh process, before mp.jit
+    nnx_mpmd.jit = sys.modules["nnx_mpmd.jit"]  # what importing nnx_mpmd.jit.x does
+    assert nnx_mpmd.jit is jit_module.jit
+    monkeypatch.delitem(vars(nnx_mpmd), "annotate", raising=False)
+    nnx_mpmd.annotate = sys.modules["nnx_mpmd.annotate"]  # a public subpackage
+    assert nnx_mpmd.annotate is sys.modules["nnx_mpmd.annotate"]
+
+
+def test_an_unknown_name_of_the_package_is_an_attribute_error():
+    import nnx_mpmd
+
+    with pytest.raises(AttributeError, match="module 'nnx_mpmd' has no attribute 'jti'"):
+        nnx_mpmd.jti
+    assert "jit" in dir(nnx_mpmd)
