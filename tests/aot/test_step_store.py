@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from mp_launch import codegen_flags
 from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
 
 import nnx_mpmd as mp
@@ -273,7 +274,6 @@ def test_a_later_process_runs_the_stored_step(tmp_path, donate):
     script = textwrap.dedent(
         """
         import os, sys
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         sys.path.insert(0, sys.argv[2])
         import jax
         jax.config.update("jax_compilation_cache_dir", sys.argv[1])
@@ -298,6 +298,7 @@ def test_a_later_process_runs_the_stored_step(tmp_path, donate):
     tests = os.path.dirname(os.path.dirname(__file__))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NNX_"))}
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {codegen_flags()}"
     runs = [
         subprocess.run(
             [
