@@ -8,7 +8,10 @@ builds it), so what is timed is the runtime's own host work: arguments,
 results, transfers, frees. Reported per row: stage tasks, instructions, ms of
 host time per step (median and fastest), µs per task, the host thread's CPU
 time per task (what the host work costs without the waits for a core on a
-loaded machine), and how much of the wall time is spent inside JAX's batched
+loaded machine), the CPU time of the process's other threads per task (XLA's
+CPU client runs every copy on its worker pool, whose threads spin while they
+look for work and take cores from the host thread), how often the host thread
+was preempted, and how much of the wall time is spent inside JAX's batched
 copy (the transfers between meshes) and outside it.
 
 The sweep is a cross by default: microbatches at the largest stage count and
@@ -35,6 +38,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -112,14 +116,20 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
     replay, tasks, calls = _replay(variant)
     for _ in range(WARM_REPLAYS):  # untimed: the first replays prepare the instruction list
         replay()
-    times, cpu_times, copy_times, arrays = [], [], [], 0
+    times, cpu_times, process_times, copy_times, arrays = [], [], [], [], 0
+    preemptions_start = _host_thread_preemptions()
     for _ in range(repeats):
         with CopyTimer() as copies:
+            # The process's interval holds the thread's, so the other threads' share is >= 0.
+            process_start = time.process_time()
             cpu_start = time.thread_time()
             times.append(common.seconds(replay)[0])
             cpu_times.append(time.thread_time() - cpu_start)
+            process_times.append(time.process_time() - process_start)
         copy_times.append(copies.seconds)
         arrays = copies.arrays
+    preemptions = _host_thread_preemptions() - preemptions_start
+    other_threads_s = statistics.median(p - c for p, c in zip(process_times, cpu_times))
     step_s, copy_s = statistics.median(times), statistics.median(copy_times)
     outside_s = statistics.median(t - c for t, c in zip(times, copy_times))
     return {
@@ -133,12 +143,23 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
         "us_per_task": step_s / tasks * 1e6,
         "us_per_task_min": min(times) / tasks * 1e6,
         "cpu_us_per_task": statistics.median(cpu_times) / tasks * 1e6,
+        "other_threads_cpu_us_per_task": other_threads_s / tasks * 1e6,
+        "preemptions_per_task": preemptions / (repeats * tasks),
         "copy_us_per_task": copy_s / tasks * 1e6,
         "outside_copies_us_per_task": outside_s / tasks * 1e6,
         "arrays_copied_per_step": arrays,
         "first_step_s": first_s,
         "load": os.getloadavg()[0],
     }, replay
+
+
+def _host_thread_preemptions() -> int:
+    """How often the calling thread was preempted (involuntary context switches) so far.
+
+    Per thread on Linux only; elsewhere the whole process's count.
+    """
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_nivcsw
 
 
 def copy_floor(batch_sizes: tuple[int, ...] = (1, 16), repeats: int = 200) -> dict[str, float]:
@@ -254,7 +275,8 @@ def plots(rows: list[dict], plot_dir: str) -> list[str]:
 def report(rows: list[dict], fits: dict[str, dict]) -> str:
     """The Markdown table of the rows and the fit's line."""
     header = ["stages", "microbatches", "tasks", "instructions", "host ms/step", "fastest", "µs/task",
-              "host thread CPU µs/task", "of which JAX's copies µs/task", "outside the copies µs/task",
+              "host thread CPU µs/task", "other threads CPU µs/task", "host thread preempted/task",
+              "of which JAX's copies µs/task", "outside the copies µs/task",
               "arrays copied/step", "first step s"]  # fmt: skip
     table = common.markdown_table(
         header,
@@ -268,6 +290,8 @@ def report(rows: list[dict], fits: dict[str, dict]) -> str:
                 r["host_ms_per_step_min"],
                 r["us_per_task"],
                 r.get("cpu_us_per_task", float("nan")),
+                r.get("other_threads_cpu_us_per_task", float("nan")),
+                r.get("preemptions_per_task", float("nan")),
                 r["copy_us_per_task"],
                 r["outside_copies_us_per_task"],
                 r["arrays_copied_per_step"],

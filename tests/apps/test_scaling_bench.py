@@ -58,6 +58,8 @@ def test_host_bench_reports_every_row_the_fit_and_the_figures(tmp_path):
         # 1F1B: a forward and a backward per stage and microbatch (the last stage's fused).
         assert row["tasks"] >= row["stages"] * row["microbatches"]
         assert row["instructions"] > row["tasks"] and row["us_per_task"] > 0
+        # The copies run on XLA's worker threads: their CPU time is reported beside the host's.
+        assert row["other_threads_cpu_us_per_task"] >= 0 <= row["preemptions_per_task"]
     assert "| stages | microbatches | tasks |" in stdout
     assert "host µs/step =" in stdout and "growth exponent" in stdout
     assert "tottime" in result["profile"]
