@@ -18,12 +18,14 @@ copy:
 Only the device count changes between the rows, so a rise in wall time or in the
 other threads' CPU is the client's, not ``nnx_mpmd``'s. ``--live N`` holds ``N``
 more arrays spread over the devices while it copies, to check that the number of
-live arrays is not what makes a copy dearer.
+live arrays is not what makes a copy dearer; ``--nice-other-threads N`` gives the
+other threads the nice value ``N`` first (Linux), to see how much of the wall
+time is the calling thread waiting for a core they hold.
 
 Run::
 
     .venv/bin/python benchmarks/host_copy_pool_bench.py [--devices 2,8,32]
-        [--copies 4000] [--live 0] [--rounds 2] [--out results.json]
+        [--copies 4000] [--live 0] [--rounds 2] [--nice-other-threads 0] [--out results.json]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _preemptions() -> int:
     return resource.getrusage(who).ru_nivcsw
 
 
-def worker(num_devices: int, copies: int, live: int) -> dict[str, Any]:
+def worker(num_devices: int, copies: int, live: int, niceness: int = 0) -> dict[str, Any]:
     """One row, in a process whose JAX backend has not started: ``copies`` copies, timed."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -75,6 +77,10 @@ def worker(num_devices: int, copies: int, live: int) -> dict[str, Any]:
         kept.append(batched_copy(source, device_lists, targets))
     jax.block_until_ready(kept)
     kept.clear()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from scaling_host_bench import nice_other_threads
+
+    nice_other_threads(niceness)
     walls, cpus = [], []
     preempted = _preemptions()
     process_start = time.process_time()
@@ -94,6 +100,7 @@ def worker(num_devices: int, copies: int, live: int) -> dict[str, Any]:
     return {
         "devices": num_devices,
         "live_arrays": live,
+        "other_threads_niceness": niceness,
         "copies": copies,
         "wall_us_median": statistics.median(walls) * 1e6,
         "host_cpu_us_mean": statistics.mean(cpus) * 1e6,
@@ -104,10 +111,11 @@ def worker(num_devices: int, copies: int, live: int) -> dict[str, Any]:
     }
 
 
-def run_row(num_devices: int, copies: int, live: int) -> dict[str, Any]:
+def run_row(num_devices: int, copies: int, live: int, niceness: int = 0) -> dict[str, Any]:
     """`worker` in a fresh process (the device count is fixed when JAX's backend starts)."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", str(num_devices)]
     command += ["--copies", str(copies), "--live", str(live)]
+    command += ["--nice-other-threads", str(niceness)]
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"the {num_devices}-device worker failed:\n{done.stderr[-3000:]}")
@@ -116,11 +124,11 @@ def run_row(num_devices: int, copies: int, live: int) -> dict[str, Any]:
 
 def report(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table, in the order they ran."""
-    header = ["devices", "live arrays", "wall µs/copy (median)", "host thread CPU µs/copy",
+    header = ["devices", "live arrays", "others' nice", "wall µs/copy (median)", "host thread CPU µs/copy",
               "other threads CPU µs/copy", "host thread preempted/copy", "threads", "load"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
-        cells = [r["devices"], r["live_arrays"], f"{r['wall_us_median']:.1f}",
+        cells = [r["devices"], r["live_arrays"], r["other_threads_niceness"], f"{r['wall_us_median']:.1f}",
                  f"{r['host_cpu_us_mean']:.1f}", f"{r['other_threads_cpu_us']:.1f}",
                  f"{r['preempted_per_copy']:.2f}", r["threads"], f"{r['load']:.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -133,17 +141,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--copies", type=int, default=4000, help="timed copies per row")
     parser.add_argument("--live", type=int, default=0, help="more arrays held while copying")
     parser.add_argument("--rounds", type=int, default=2, help="passes over the device counts")
+    parser.add_argument("--nice-other-threads", type=int, default=0, help="their nice value")
     parser.add_argument("--out", default=None, help="write the rows here (JSON)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        row = worker(args.worker, args.copies, args.live)
+        row = worker(args.worker, args.copies, args.live, args.nice_other_threads)
         print(json.dumps(row), flush=True)
         return [row]
     rows = []
     for _ in range(args.rounds):  # the device counts alternate, so a change of load hits each
         for num_devices in (int(x) for x in args.devices.split(",")):
-            rows.append(run_row(num_devices, args.copies, args.live))
+            rows.append(run_row(num_devices, args.copies, args.live, args.nice_other_threads))
             print(json.dumps(rows[-1]), flush=True)
     print(report(rows))
     if args.out:

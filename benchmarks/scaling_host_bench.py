@@ -28,6 +28,12 @@ Run (32 simulated CPU devices)::
     .venv/bin/python benchmarks/scaling_host_bench.py [--stages 2,4,8,16,32]
         [--microbatches 8,16,32,64,128,256] [--grid cross|full] [--repeats 10]
         [--plot-dir docs/img] [--out results.json] [--profile] [--replot results.json]
+        [--nice-other-threads 10]
+
+``--nice-other-threads N`` gives every other thread of the process (XLA's worker
+and compute pools) the nice value ``N`` (a lower priority) before timing, on Linux:
+an experiment that shows how much of the host time is the host thread waiting
+for a core those threads hold (see docs/guides/performance.md).
 """
 
 from __future__ import annotations
@@ -104,8 +110,13 @@ class CopyTimer:
             setattr(self._module, name, original)
 
 
-def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict, object]:
-    """One row: the no-op replay's host time for this pipeline size, and the replay."""
+def measure(
+    num_stages: int, num_microbatches: int, repeats: int, niceness: int = 0
+) -> tuple[dict, object]:
+    """One row: the no-op replay's host time for this pipeline size, and the replay.
+
+    ``niceness`` > 0: the other threads get that nice value before the timed replays.
+    """
     from host_overhead_bench import _replay
 
     from nnx_mpmd.apps.bench_probes import Variant
@@ -116,6 +127,7 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
     replay, tasks, calls = _replay(variant)
     for _ in range(WARM_REPLAYS):  # untimed: the first replays prepare the instruction list
         replay()
+    nice_other_threads(niceness)  # after the warm replays, which may start threads
     times, cpu_times, process_times, copy_times, arrays = [], [], [], [], 0
     preemptions_start = _host_thread_preemptions()
     for _ in range(repeats):
@@ -149,6 +161,7 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
         "outside_copies_us_per_task": outside_s / tasks * 1e6,
         "arrays_copied_per_step": arrays,
         "first_step_s": first_s,
+        "other_threads_niceness": niceness,
         "load": os.getloadavg()[0],
     }, replay
 
@@ -160,6 +173,27 @@ def _host_thread_preemptions() -> int:
     """
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     return resource.getrusage(who).ru_nivcsw
+
+
+def nice_other_threads(niceness: int) -> int:
+    """Gives every other thread the nice value ``niceness`` (Linux); returns how many it set.
+
+    Only the benchmark does this, to measure the effect; ``nnx_mpmd`` never does.
+    """
+    import threading
+
+    if niceness <= 0 or not os.path.isdir("/proc/self/task"):
+        return 0
+    me = threading.get_native_id()
+    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+    done = 0
+    for tid in others:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            done += 1
+        except ProcessLookupError:  # the thread ended since the listing
+            pass
+    return done
 
 
 def copy_floor(batch_sizes: tuple[int, ...] = (1, 16), repeats: int = 200) -> dict[str, float]:
@@ -319,6 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="write the rows and the fit here (JSON)")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
     parser.add_argument("--replot", default=None, help="tables and figures from this --out file")
+    parser.add_argument(
+        "--nice-other-threads", type=int, default=0, help="the other threads' nice value"
+    )
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -332,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     common.setup_devices(max(stages))
     rows, largest = [], None
     for s, m in _pairs(stages, microbatches, args.grid):
-        row, replay = measure(s, m, args.repeats)
+        row, replay = measure(s, m, args.repeats, args.nice_other_threads)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if largest is None or row["tasks"] >= largest[0]:
