@@ -8,7 +8,10 @@ builds it), so what is timed is the runtime's own host work: arguments,
 results, transfers, frees. Reported per row: stage tasks, instructions, ms of
 host time per step (median and fastest), µs per task, the host thread's CPU
 time per task (what the host work costs without the waits for a core on a
-loaded machine), and how much of the wall time is spent inside JAX's batched
+loaded machine), the CPU time of the process's other threads per task (XLA's
+CPU client runs every copy on its worker pool, whose threads spin while they
+look for work and take cores from the host thread), how often the host thread
+was preempted, and how much of the wall time is spent inside JAX's batched
 copy (the transfers between meshes) and outside it.
 
 The sweep is a cross by default: microbatches at the largest stage count and
@@ -25,6 +28,12 @@ Run (32 simulated CPU devices)::
     .venv/bin/python benchmarks/scaling_host_bench.py [--stages 2,4,8,16,32]
         [--microbatches 8,16,32,64,128,256] [--grid cross|full] [--repeats 10]
         [--plot-dir docs/img] [--out results.json] [--profile] [--replot results.json]
+        [--nice-other-threads 10]
+
+``--nice-other-threads N`` gives every other thread of the process (XLA's worker
+and compute pools) the nice value ``N`` (a lower priority) before timing, on Linux:
+an experiment that shows how much of the host time is the host thread waiting
+for a core those threads hold (see docs/guides/performance.md).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -100,8 +110,13 @@ class CopyTimer:
             setattr(self._module, name, original)
 
 
-def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict, object]:
-    """One row: the no-op replay's host time for this pipeline size, and the replay."""
+def measure(
+    num_stages: int, num_microbatches: int, repeats: int, niceness: int = 0
+) -> tuple[dict, object]:
+    """One row: the no-op replay's host time for this pipeline size, and the replay.
+
+    ``niceness`` > 0: the other threads get that nice value before the timed replays.
+    """
     from host_overhead_bench import _replay
 
     from nnx_mpmd.apps.bench_probes import Variant
@@ -112,14 +127,21 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
     replay, tasks, calls = _replay(variant)
     for _ in range(WARM_REPLAYS):  # untimed: the first replays prepare the instruction list
         replay()
-    times, cpu_times, copy_times, arrays = [], [], [], 0
+    nice_other_threads(niceness)  # after the warm replays, which may start threads
+    times, cpu_times, process_times, copy_times, arrays = [], [], [], [], 0
+    preemptions_start = _host_thread_preemptions()
     for _ in range(repeats):
         with CopyTimer() as copies:
+            # The process's interval holds the thread's, so the other threads' share is >= 0.
+            process_start = time.process_time()
             cpu_start = time.thread_time()
             times.append(common.seconds(replay)[0])
             cpu_times.append(time.thread_time() - cpu_start)
+            process_times.append(time.process_time() - process_start)
         copy_times.append(copies.seconds)
         arrays = copies.arrays
+    preemptions = _host_thread_preemptions() - preemptions_start
+    other_threads_s = statistics.median(p - c for p, c in zip(process_times, cpu_times))
     step_s, copy_s = statistics.median(times), statistics.median(copy_times)
     outside_s = statistics.median(t - c for t, c in zip(times, copy_times))
     return {
@@ -133,12 +155,45 @@ def measure(num_stages: int, num_microbatches: int, repeats: int) -> tuple[dict,
         "us_per_task": step_s / tasks * 1e6,
         "us_per_task_min": min(times) / tasks * 1e6,
         "cpu_us_per_task": statistics.median(cpu_times) / tasks * 1e6,
+        "other_threads_cpu_us_per_task": other_threads_s / tasks * 1e6,
+        "preemptions_per_task": preemptions / (repeats * tasks),
         "copy_us_per_task": copy_s / tasks * 1e6,
         "outside_copies_us_per_task": outside_s / tasks * 1e6,
         "arrays_copied_per_step": arrays,
         "first_step_s": first_s,
+        "other_threads_niceness": niceness,
         "load": os.getloadavg()[0],
     }, replay
+
+
+def _host_thread_preemptions() -> int:
+    """How often the calling thread was preempted (involuntary context switches) so far.
+
+    Per thread on Linux only; elsewhere the whole process's count.
+    """
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_nivcsw
+
+
+def nice_other_threads(niceness: int) -> int:
+    """Gives every other thread the nice value ``niceness`` (Linux); returns how many it set.
+
+    Only the benchmark does this, to measure the effect; ``nnx_mpmd`` never does.
+    """
+    import threading
+
+    if niceness <= 0 or not os.path.isdir("/proc/self/task"):
+        return 0
+    me = threading.get_native_id()
+    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) != me]
+    done = 0
+    for tid in others:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            done += 1
+        except ProcessLookupError:  # the thread ended since the listing
+            pass
+    return done
 
 
 def copy_floor(batch_sizes: tuple[int, ...] = (1, 16), repeats: int = 200) -> dict[str, float]:
@@ -254,7 +309,8 @@ def plots(rows: list[dict], plot_dir: str) -> list[str]:
 def report(rows: list[dict], fits: dict[str, dict]) -> str:
     """The Markdown table of the rows and the fit's line."""
     header = ["stages", "microbatches", "tasks", "instructions", "host ms/step", "fastest", "µs/task",
-              "host thread CPU µs/task", "of which JAX's copies µs/task", "outside the copies µs/task",
+              "host thread CPU µs/task", "other threads CPU µs/task", "host thread preempted/task",
+              "of which JAX's copies µs/task", "outside the copies µs/task",
               "arrays copied/step", "first step s"]  # fmt: skip
     table = common.markdown_table(
         header,
@@ -268,6 +324,8 @@ def report(rows: list[dict], fits: dict[str, dict]) -> str:
                 r["host_ms_per_step_min"],
                 r["us_per_task"],
                 r.get("cpu_us_per_task", float("nan")),
+                r.get("other_threads_cpu_us_per_task", float("nan")),
+                r.get("preemptions_per_task", float("nan")),
                 r["copy_us_per_task"],
                 r["outside_copies_us_per_task"],
                 r["arrays_copied_per_step"],
@@ -295,6 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="write the rows and the fit here (JSON)")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest replay")
     parser.add_argument("--replot", default=None, help="tables and figures from this --out file")
+    parser.add_argument(
+        "--nice-other-threads", type=int, default=0, help="the other threads' nice value"
+    )
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -308,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     common.setup_devices(max(stages))
     rows, largest = [], None
     for s, m in _pairs(stages, microbatches, args.grid):
-        row, replay = measure(s, m, args.repeats)
+        row, replay = measure(s, m, args.repeats, args.nice_other_threads)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if largest is None or row["tasks"] >= largest[0]:

@@ -48,17 +48,18 @@ def _run(script: str, args: list[str], tmp_path: pathlib.Path) -> tuple[str, dic
 
 @pytest.mark.slow  # a fresh process that compiles 3 small pipelines: ~20 s on 2 cores
 def test_host_bench_reports_every_row_the_fit_and_the_figures(tmp_path):
-    stdout, result = _run(
-        "scaling_host_bench.py",
-        ["--stages", "2,3", "--microbatches", "2,4", "--repeats", "2", "--profile"],
-        tmp_path,
-    )
+    sizes = ["--stages", "2,3", "--microbatches", "2,4", "--repeats", "2"]
+    options = ["--profile", "--nice-other-threads", "5"]
+    stdout, result = _run("scaling_host_bench.py", [*sizes, *options], tmp_path)
     pairs = [(r["stages"], r["microbatches"]) for r in result["rows"]]
     assert pairs == [(2, 4), (3, 2), (3, 4)]  # the cross through the largest sizes
     for row in result["rows"]:
         # 1F1B: a forward and a backward per stage and microbatch (the last stage's fused).
         assert row["tasks"] >= row["stages"] * row["microbatches"]
         assert row["instructions"] > row["tasks"] and row["us_per_task"] > 0
+        # The copies run on XLA's worker threads: their CPU time is reported beside the host's.
+        assert row["other_threads_cpu_us_per_task"] >= 0 <= row["preemptions_per_task"]
+        assert row["other_threads_niceness"] == 5
     assert "| stages | microbatches | tasks |" in stdout
     assert "host µs/step =" in stdout and "growth exponent" in stdout
     assert "tottime" in result["profile"]
