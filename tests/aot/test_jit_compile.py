@@ -50,6 +50,13 @@ def test_one_program_per_stage_and_task_kind():
     assert sum(label.startswith("F0.") for label in tasks) == 8
     assert sum(label.startswith("B0.") for label in tasks) == 8
     assert {"F0", "B0", "FB3"} <= set(lowered.programs)
+    # The stages' parameters are alike: the last stage's init (which also makes the loss
+    # accumulator) is the others' program too (they make an unused loss): compiled once.
+    assert {f"init{k}" for k in range(4)} <= set(lowered.programs)
+    with count_compilations() as compiled:
+        lowered.compile()
+    inits = [name for name in compiled.names if name.startswith("jit(init")]
+    assert len(inits) == 1, compiled.names
 
 
 def test_lowered_prints_every_mesh_and_transfers():
