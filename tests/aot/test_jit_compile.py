@@ -37,7 +37,7 @@ def test_compilations_do_not_grow_with_microbatches(schedule, compiled_here):
     assert _first_step_compilations(4, schedule) == _first_step_compilations(16, schedule)
 
 
-def test_one_program_per_stage_and_task_kind():
+def test_one_program_per_stage_and_task_kind(compiled_here):
     model, opt, loss_fn, kind = build("mlp", "sgd", 4)
     step = mp.jit(
         train_step_fn(loss_fn), mesh=make_mesh(4, 1), schedule=mp.OneFOneB(), num_microbatches=8
