@@ -15,7 +15,9 @@ meshes' are not, although most of their work is the same block update: XLA
 compiles it again in each module, kernel by kernel. Such a program is cut into
 the rest (with the prologue) and a *common* part equal to the smallest program
 of its level that the others contain; a program that is all common part runs
-its prologue as a program of its own. The common parts of every mesh are then
+its prologue as a program of its own, unless the prologue is equal on every mesh
+and the rest reads none of its values (the step count of an SGD-like update):
+then it runs inside the common part everywhere. The common parts of every mesh are then
 one program, compiled once, and the rest is small. The pieces are independent,
 so running them as separate programs computes the same values. Programs equal
 piece by piece but not as wholes (with a global-norm clip each mesh receives every
