@@ -45,17 +45,20 @@ def measure(row_name: str, peer: str) -> dict:
     pm.setup_cpu_devices(8)
     sums: dict[str, float] = collections.defaultdict(float)
     compiled: list[str] = []
+    compile_s: dict[str, float] = collections.defaultdict(float)
 
     def listener(event: str, duration: float, **kwargs: object) -> None:
         if event in _EVENTS:
             sums[_EVENTS[event]] += duration
         if event.endswith("backend_compile_duration"):
             compiled.append(str(kwargs.get("fun_name", "?")))
+            compile_s[compiled[-1]] += duration
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     run_step, block = pw.step_runner(pm.ROWS[row_name], peer)
     sums.clear()
     compiled.clear()
+    compile_s.clear()
     wall, cpu, caller = time.perf_counter(), time.process_time(), time.thread_time()
     block(run_step())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -69,6 +72,7 @@ def measure(row_name: str, peer: str) -> dict:
         "other_threads_cpu_s": cpu - caller,
         "xla_compilations": len(compiled),
         "programs": dict(sorted(names.items())),
+        "program_compile_s": {k: round(v, 3) for k, v in sorted(compile_s.items())},
         **{k: round(v, 4) for k, v in sums.items()},
     }
 

@@ -37,7 +37,7 @@ def test_compilations_do_not_grow_with_microbatches(schedule, compiled_here):
     assert _first_step_compilations(4, schedule) == _first_step_compilations(16, schedule)
 
 
-def test_one_program_per_stage_and_task_kind():
+def test_one_program_per_stage_and_task_kind(compiled_here):
     model, opt, loss_fn, kind = build("mlp", "sgd", 4)
     step = mp.jit(
         train_step_fn(loss_fn), mesh=make_mesh(4, 1), schedule=mp.OneFOneB(), num_microbatches=8
@@ -50,6 +50,13 @@ def test_one_program_per_stage_and_task_kind():
     assert sum(label.startswith("F0.") for label in tasks) == 8
     assert sum(label.startswith("B0.") for label in tasks) == 8
     assert {"F0", "B0", "FB3"} <= set(lowered.programs)
+    # The stages' parameters are alike: the last stage's init (which also makes the loss
+    # accumulator) is the others' program too (they make an unused loss): compiled once.
+    assert {f"init{k}" for k in range(4)} <= set(lowered.programs)
+    with count_compilations() as compiled:
+        lowered.compile()
+    inits = [name for name in compiled.names if name.startswith("jit(init")]
+    assert len(inits) == 1, compiled.names
 
 
 def test_lowered_prints_every_mesh_and_transfers():

@@ -107,6 +107,35 @@ def test_the_update_of_equal_blocks_is_one_program_on_every_mesh():
         assert len(names) == 2 and names[-1].startswith("pre_common."), names
 
 
+def _sgd_update(e, w0, g_e, g0, w1, g1, w2, f, g2, g_f, count):
+    """`_update` with SGD: no update reads the step count, which each mesh advances."""
+    pairs = ((e, g_e), (w0, g0), (w1, g1), (w2, g2), (f, g_f))
+    return (*(x - 0.1 * jnp.tanh(g) * jnp.sqrt(jnp.abs(x) + 1.0) for x, g in pairs), count + 1)
+
+
+def _sgd_problem():
+    where = [{0}, {0}, {0}, {0}, {1}, {1}, {2}, {2}, {2}, {2}, {0, 1, 2}]
+    targets = [{0}, {0}, {1}, {2}, {2}, {0, 1, 2}]
+    return _problem(_sgd_update, _update_args(), where, targets=targets)
+
+
+def test_a_prologue_the_rest_does_not_read_runs_in_the_common_part():
+    # The count is each mesh's whole prologue and no update reads it: it runs in the
+    # common part on every mesh, so mesh 1 has no prologue program of its own.
+    plan = plan_outer_problem(_sgd_problem(), SlotTable())
+    calls = _calls(plan)
+    assert not any(name.startswith("pre_prologue.") for name in calls), sorted(calls)
+    common = [c for name, c in calls.items() if name.startswith("pre_common.")]
+    assert sorted(c.mesh for c in common) == [0, 1, 2], sorted(calls)
+    assert len({c.structure for c in common}) == 1 and common[0].structure is not None
+    assert sorted(c.mesh for name, c in calls.items() if name.startswith("pre.")) == [0, 2]
+    want = jax.jit(_sgd_update)(*_update_args())
+    for j, (placed, w) in enumerate(zip(_run(plan, _update_args()), want, strict=True)):
+        assert placed, j
+        for q, g in placed:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{j}@{q}")
+
+
 def test_split_programs_compute_what_the_function_computes():
     problem = _update_problem()
     plan = plan_outer_problem(problem, SlotTable())

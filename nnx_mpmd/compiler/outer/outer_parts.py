@@ -15,7 +15,9 @@ meshes' are not, although most of their work is the same block update: XLA
 compiles it again in each module, kernel by kernel. Such a program is cut into
 the rest (with the prologue) and a *common* part equal to the smallest program
 of its level that the others contain; a program that is all common part runs
-its prologue as a program of its own. The common parts of every mesh are then
+its prologue as a program of its own, unless the prologue is equal on every mesh
+and the rest reads none of its values (the step count of an SGD-like update):
+then it runs inside the common part everywhere. The common parts of every mesh are then
 one program, compiled once, and the rest is small. The pieces are independent,
 so running them as separate programs computes the same values. Programs equal
 piece by piece but not as wholes (with a global-norm clip each mesh receives every
@@ -157,20 +159,26 @@ def split_common_parts(levels: OuterLevels) -> OuterLevels:
         core = _core(family, pieces)
         if core is None:
             core = _wired_apart(eqns, family, pieces, levels.groups)
+        orders = {}
         for group in family if core is not None else ():
             assert core is not None  # for the type checker: the loop is empty otherwise
             order = _match(pieces[core], pieces[group])
-            if order is None:
-                continue
+            if order is not None:
+                orders[group] = order
+        joined = _prologue_joins_common(eqns, pieces, orders)
+        for group, order in orders.items():
             del groups[group]
             taken = set(order)
             rest = [i for k, p in enumerate(pieces[group].pieces) if k not in taken for i in p]
-            # The prologue runs with the rest where there is one: a module less to compile.
+            common = [i for k in order for i in pieces[group].pieces[k]]
             prologue = list(pieces[group].prologue)
+            if joined:  # every mesh's common part computes it: no program of its own
+                common, prologue = prologue + common, []
+            # The prologue runs with the rest where there is one: a module less to compile.
             parts = {
                 Part.PROLOGUE: [] if rest else prologue,
                 Part.WHOLE: sorted(rest + prologue) if rest else [],
-                Part.COMMON: [i for k in order for i in pieces[group].pieces[k]],
+                Part.COMMON: common,
             }
             for part, members in parts.items():
                 if members:
@@ -178,6 +186,36 @@ def split_common_parts(levels: OuterLevels) -> OuterLevels:
     if groups.keys() == levels.groups.keys():
         return levels
     return dataclasses.replace(levels, groups={g: groups[g] for g in sorted(groups)})
+
+
+def _prologue_joins_common(
+    eqns: Sequence[Any],
+    pieces: Mapping[OuterGroup, _Pieces],
+    orders: Mapping[OuterGroup, list[int]],
+) -> bool:
+    """Whether each split program's prologue can run inside its common part.
+
+    So when the prologues are equal (the step count of an optimizer whose
+    updates do not read it), the prologue stays equal on every mesh, and the
+    rest reads none of its values (the rest runs first): one program less
+    (``post_prologue``) to compile. The common parts must stay equal with it.
+    """
+    if len(orders) < 2:
+        return False
+    keys = set()
+    for group, order in orders.items():
+        prologue = pieces[group].prologue
+        if not prologue:
+            return False
+        made = {o for i in prologue for o in eqns[i].outvars}
+        taken = set(order)
+        for k, piece in enumerate(pieces[group].pieces):
+            reads = (v for i in piece for v in eqns[i].invars if not is_literal(v))
+            if k not in taken and any(v in made for v in reads):
+                return False
+        common = [*prologue, *(i for k in order for i in pieces[group].pieces[k])]
+        keys.add(_slice_key(eqns, common))
+    return len(keys) == 1 and None not in keys
 
 
 def _pieces(eqns: Sequence[Any], members: Sequence[int], names: dict[Any, int]) -> _Pieces:

@@ -38,7 +38,7 @@ from nnx_mpmd.compiler.ir import (
     SlotTable,
     Transfer,
 )
-from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar
+from nnx_mpmd.compiler.jaxpr_utils import named_jit, put_scalar, var_bytes
 from nnx_mpmd.compiler.region.overlap import overlap_tasks
 from nnx_mpmd.compiler.region.region_outputs import OutputLocations, region_outputs
 from nnx_mpmd.compiler.region.region_transfers import insert_transfers
@@ -60,6 +60,7 @@ __all__ = [
     "build_region_program",
     "compile_stage_programs",
     "donatable_cotangents",
+    "init_donors",
     "dispatch_order",
 ]
 
@@ -79,6 +80,21 @@ class RegionProgram:
     donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
 
 
+# XLA:CPU's fusion emitters compile one kernel per distinct zero-filled shape at
+# ~20 ms each; its loop emitter compiles them in about half that, and its fills run
+# no slower (measured on the compute row's 4 MiB accumulators).
+_CPU_ZERO_FILL_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def _zero_fill_compiler_options(submesh: Any) -> dict[str, Any] | None:
+    """XLA options for a program that only fills zeros on ``submesh``; None off CPU
+    (the option exists on XLA:CPU only)."""
+    devices = getattr(submesh, "devices", None)
+    if devices is None or devices.size == 0 or devices.flat[0].platform != "cpu":
+        return None
+    return dict(_CPU_ZERO_FILL_OPTIONS)
+
+
 class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
@@ -88,12 +104,21 @@ class _LazyInit:
     partials (`grad_reduction_auto`; the concrete parameters decide which).
     """
 
-    def __init__(self, f: StageFunctions, submesh: Any, label: str) -> None:
+    def __init__(
+        self, f: StageFunctions, submesh: Any, label: str, donor: StageFunctions | None = None
+    ) -> None:
         self.fn, self.submesh, self.num_acc, self.jitted = f.init, submesh, len(f.accumulated), None
         self.reduction = getattr(f, "reduction", None)
         # Each result accumulator (a mean, a concatenated aux value's buffer) as
         # the stage programs return it (`StageFunctions.result_specs`).
         self.result_specs = list(getattr(f, "result_specs", (None,) * self.num_acc))
+        # A stage without result accumulators makes ``donor``'s too (never read), so
+        # that its init is the donor's program, compiled once (`init_donors`).
+        self.padding: tuple[str, ...] = ()  # the types of the donor's accumulators
+        if donor is not None:
+            self.padding = tuple(str(v.aval) for v in donor.accumulated)
+            self.result_specs = list(donor.result_specs)
+            self.fn = lambda params, stacked=(): (f.init(params, stacked)[0], donor.zero_results())
         self.label = self.__name__ = label
 
     def _gradient_sharding(self, param: Any) -> Any:
@@ -116,7 +141,8 @@ class _LazyInit:
             fn = self.fn
             if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
                 fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))
-            self.jitted = named_jit(fn, self.label, out_shardings=out)
+            options = _zero_fill_compiler_options(self.submesh)
+            self.jitted = named_jit(fn, self.label, out_shardings=out, compiler_options=options)
         return self.jitted
 
     def __call__(self, params: tuple[Any, ...]) -> Any:
@@ -172,9 +198,58 @@ def compile_stage_programs(
             programs[ProgramKey(kind, k)] = named_jit(fn, f"{kind}{k}", donate_argnums=donated)
         if getattr(f, "reduction", None) is not None:  # data-parallel on an Explicit axis
             programs[ProgramKey("reduce", k)] = _LazyReduce(f, f"reduce{k}")
+    donors = init_donors(fns, stage_mesh, submeshes)
+    for k, f in enumerate(fns):
         submesh = submeshes[stage_mesh[k]]
-        programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}")
+        donor = fns[donors[k]] if k in donors else None
+        programs[ProgramKey("init", k)] = _LazyInit(f, submesh, f"init{k}", donor)
     return programs
+
+
+# A stage makes at most this many bytes of another stage's result accumulators.
+_DONATED_RESULT_BYTES = 16 * 1024
+
+
+def init_donors(
+    fns: Sequence[StageFunctions], stage_mesh: Sequence[int], submeshes: Sequence[Any]
+) -> dict[int, int]:
+    """For stages without loss/aux accumulators, an alike stage whose accumulators they make too.
+
+    Alike: the same parameter types, no gradient reduction and equal-shaped submeshes. Then
+    the two ``init`` programs are one module, compiled once (`nnx_mpmd.aot.program_sharing`):
+    a 4-stage MLP whose last stage holds the loss compiles one init, not two. Only small
+    accumulators (a loss, scalar aux values) are made for nothing.
+
+    Returns:
+      ``{stage: donor stage}``.
+
+    Example:
+      >>> init_donors([], [], [])
+      {}
+    """
+
+    def alike(k: int) -> Any:
+        f, submesh = fns[k], submeshes[stage_mesh[k]]
+        plan = getattr(f, "plan", None)  # (hand-made stage functions have none)
+        if plan is None or getattr(f, "reduction", None) is not None:
+            return None
+        body = plan.info.body
+        params = tuple(str(body.invars[r].aval) for r in f.param_inputs)
+        return params, tuple(dict(submesh.shape).items()), str(submesh.devices.flat[0].platform)
+
+    donors: dict[int, int] = {}
+    with_results: dict[Any, int] = {}
+    for k, f in enumerate(fns):
+        small = sum(var_bytes(v) for v in f.accumulated) <= _DONATED_RESULT_BYTES
+        if f.accumulated and small and not any(getattr(f, "stacked_results", ())):
+            key = alike(k)
+            if key is not None:
+                with_results.setdefault(key, k)
+    for k, f in enumerate(fns):
+        key = None if f.accumulated else alike(k)
+        if key is not None and key in with_results:
+            donors[k] = with_results[key]
+    return donors
 
 
 # The backward kinds' cotangent argument, the ct_xd result it can alias, and the

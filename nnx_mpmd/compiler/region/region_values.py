@@ -36,6 +36,8 @@ VALUE_KINDS = {
     "extras": "what a BI task leaves for its BW task (ident: stage)",
     "grad": "a gradient accumulator (ident: stage, parameter position)",
     "acc": "a loss/aux accumulator (ident: stage, output position)",
+    "unused_acc": "a result accumulator an init makes for an alike stage's sake (ident: stage, "
+    "position); never read (`region_plan.init_donors`)",
     "out": "a forward-only output of one microbatch (ident: stage, output position)",
     "carry": "mutable state before a microbatch's forward (ident: region input r)",
     "stacked": "a forward-only output stacked over microbatches (ident: output index)",

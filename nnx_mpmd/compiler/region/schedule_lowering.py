@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nnx_mpmd.compiler.ir import Call, Instruction
-from nnx_mpmd.compiler.region.region_values import RegionContext
+from nnx_mpmd.compiler.region.region_values import RegionContext, RegionValue
 from nnx_mpmd.compiler.trace.stage_programs import StageFunctions
 from nnx_mpmd.compiler.trace.stages import StagePlan
 from nnx_mpmd.errors import CompileError, ScheduleError
@@ -116,8 +116,14 @@ def init_accumulators(ctx: RegionContext) -> list[Instruction]:
         q = ctx.stage_mesh[k]
         params = tuple(ctx.input(r, q) for r in f.param_inputs)
         key, fn = ctx.program("init", k)
-        outs = (ctx.grad_accumulators(k), ctx.result_accumulators(k))
-        calls.append(Call(q, key, fn, (params,), outs, f"init{k}", structure=f.structure("init")))
+        # An init that also makes an alike stage's accumulators (`region_plan.init_donors`).
+        padding = getattr(fn, "padding", ())
+        unused = tuple(RegionValue("unused_acc", (k, j), None, q) for j in range(len(padding)))
+        outs = (ctx.grad_accumulators(k), ctx.result_accumulators(k) + unused)
+        structure = f.structure("init")
+        if padding and structure is not None:
+            structure = (*structure, "padding", padding)
+        calls.append(Call(q, key, fn, (params,), outs, f"init{k}", structure=structure))
     return calls
 
 

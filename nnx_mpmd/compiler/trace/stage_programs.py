@@ -496,7 +496,11 @@ class StageFunctions:
             gacc = tuple(
                 red.zeros_like(p) if red and red.defers(p) else jnp.zeros_like(p) for p in params
             )
-        return gacc, tuple(
+        return gacc, self.zero_results()
+
+    def zero_results(self):
+        """The zero loss/aux accumulators ``init`` makes: means, or stacked-value buffers."""
+        return tuple(
             _stacked_zeros(v.aval, self.m) if stacked else _mean_zeros(v.aval)
             for v, stacked in zip(self.accumulated, self.stacked_results)
         )
