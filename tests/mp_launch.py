@@ -29,7 +29,8 @@ ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
 TIMED_OUT = (124, 137)
 
 
-#: XLA flags of tests/conftest.py that make this test run compile faster (O0, loop emitters).
+#: XLA code-generation flags a subprocess inherits: the O0 of tests/conftest.py, and an
+#: emitter choice that the XLA_FLAGS of the test run sets.
 CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
 
 

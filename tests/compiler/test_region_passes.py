@@ -540,34 +540,3 @@ def test_region_values_are_dataclasses_with_value_semantics():
     value = RegionValue("ct", (0, 1), 0, 1)
     assert dataclasses.replace(value, mesh=0) == value.on(0)
     assert {value, value.on(1)} == {value}
-
-
-def test_zero_fill_programs_compile_with_the_loop_emitter_on_cpu_only(monkeypatch):
-    # XLA:CPU's fusion emitters compile each zero-filled shape's kernel in about twice the
-    # time; the option does not exist on other backends, so it is never passed there.
-    import jax
-    import jax.numpy as jnp
-
-    from nnx_mpmd.compiler.region import region_plan
-
-    made, named_jit = [], region_plan.named_jit
-
-    def recording_jit(fn, label, **kwargs):
-        made.append((label, kwargs.get("compiler_options")))
-        return named_jit(fn, label, **kwargs)
-
-    monkeypatch.setattr(region_plan, "named_jit", recording_jit, raising=True)
-    stage = SimpleNamespace(
-        init=lambda params: (tuple(jnp.zeros_like(p) for p in params), ()),
-        accumulated=(),
-        reduction=None,
-        result_specs=(),
-    )
-    submesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    params = (jnp.ones((4, 3)), jnp.ones(5))
-    grads, results = region_plan._LazyInit(stage, submesh, "init0")(params)
-    assert made == [("init0", {"xla_cpu_use_fusion_emitters": False})]
-    assert [g.shape for g in grads] == [(4, 3), (5,)] and results == ()
-    assert all(not np.asarray(g).any() for g in grads)
-    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))
-    assert region_plan._zero_fill_compiler_options(gpu) is None

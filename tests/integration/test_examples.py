@@ -40,7 +40,7 @@ CASES = [
 
 # Examples run at XLA's default optimization level, so that equality with the
 # unpipelined run stays checked at O2; the others with this test run's code-generation
-# flags (tests/conftest.py: O0 and loop emitters, about half the compile time).
+# flags (tests/conftest.py: O0, about a quarter less compile time).
 AT_DEFAULT_LEVEL = {"01_quickstart.py", "02_gpt_pipeline.py"}
 
 

@@ -80,21 +80,6 @@ class RegionProgram:
     donatable: dict[ProgramKey, Donatable] = dataclasses.field(default_factory=dict)
 
 
-# XLA:CPU's fusion emitters compile one kernel per distinct zero-filled shape at
-# ~20 ms each; its loop emitter compiles them in about half that, and its fills run
-# no slower (measured on the compute row's 4 MiB accumulators).
-_CPU_ZERO_FILL_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
-
-
-def _zero_fill_compiler_options(submesh: Any) -> dict[str, Any] | None:
-    """XLA options for a program that only fills zeros on ``submesh``; None off CPU
-    (the option exists on XLA:CPU only)."""
-    devices = getattr(submesh, "devices", None)
-    if devices is None or devices.size == 0 or devices.flat[0].platform != "cpu":
-        return None
-    return dict(_CPU_ZERO_FILL_OPTIONS)
-
-
 class _LazyInit:
     """Zero accumulators, compiled on first use with the parameters' shardings.
 
@@ -141,8 +126,7 @@ class _LazyInit:
             fn = self.fn
             if isinstance(self.reduction, StackedReduction):  # decided by the concrete params
                 fn = functools.partial(fn, stacked=tuple(map(self.reduction.defers, params)))
-            options = _zero_fill_compiler_options(self.submesh)
-            self.jitted = named_jit(fn, self.label, out_shardings=out, compiler_options=options)
+            self.jitted = named_jit(fn, self.label, out_shardings=out)
         return self.jitted
 
     def __call__(self, params: tuple[Any, ...]) -> Any:
