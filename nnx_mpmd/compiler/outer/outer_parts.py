@@ -195,10 +195,11 @@ def _prologue_joins_common(
 ) -> bool:
     """Whether each split program's prologue can run inside its common part.
 
-    So when the prologues are equal (the step count of an optimizer whose
-    updates do not read it), the prologue stays equal on every mesh, and the
-    rest reads none of its values (the rest runs first): one program less
-    (``post_prologue``) to compile. The common parts must stay equal with it.
+    True when there are two or more split programs, each prologue is non-empty, the
+    rest of each program reads none of the prologue's values (the rest may run first),
+    and the common parts stay equal with the prologue added (the step count of an
+    optimizer whose updates do not read it). Then no ``post_prologue`` program is
+    compiled.
     """
     if len(orders) < 2:
         return False
