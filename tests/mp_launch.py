@@ -27,6 +27,13 @@ SCRIPTS = Path(__file__).resolve().parent / "mp_scripts"
 # NNX_MPMD_TEST_LAUNCH_ATTEMPTS=1 to soak-test without retries.
 ATTEMPTS = int(os.environ.get("NNX_MPMD_TEST_LAUNCH_ATTEMPTS", "3"))
 TIMED_OUT = (124, 137)
+# A launch's time limit bounds a hang, not the happy path: CI's 2-core host may be
+# loaded several times over, and a run that merely runs slowly must not hit it.
+LAUNCH_TIMEOUT_S = 300
+# A run expected to succeed counts a peer dead after the library's default 10 s without
+# a heartbeat (a loaded machine can stall a process for seconds); tests in which a
+# process dies (`launch_once`) keep 3 s, so that the survivors give up quickly.
+SUCCESS_HEARTBEAT_S = "10"
 
 
 #: XLA code-generation flags a subprocess inherits: the O0 of tests/conftest.py, and an
@@ -45,12 +52,23 @@ def codegen_flags() -> str:
     return " ".join(f for f in flags if f.startswith(CODEGEN_FLAGS))
 
 
+def dump_after_s(timeout: int) -> int:
+    """When a launched script under a ``timeout`` s limit prints its stacks and exits.
+
+    Just before the limit, so that a hang shows where it hung, and never sooner: a
+    script that runs slowly on a loaded machine is not cut short.
+    """
+    return max(timeout - 20, 1)
+
+
 def env_for_launch(**extra: str) -> dict[str, str]:
     """The environment of a launched run: CPU, short heartbeats, no inherited settings.
 
     XLA_FLAGS keeps only the test run's code-generation flags (`codegen_flags`; both
     sides of every comparison compile with them): the launcher and the scripts set the
-    device counts. The compilation cache is off unless the command names one
+    device counts. A hung script prints its stacks and exits just before the time
+    limit (``NNX_MPMD_DUMP_AFTER_S``, `dump_after_s`). The compilation cache is off
+    unless the command names one
     (``--compile-cache``): a launched ``nnx-mpmd train`` would otherwise fill
     ``~/.cache/nnx_mpmd/jax``.
     """
@@ -58,7 +76,8 @@ def env_for_launch(**extra: str) -> dict[str, str]:
     env.pop("XLA_FLAGS", None)
     if codegen_flags():
         env["XLA_FLAGS"] = codegen_flags()
-    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3", NNX_MPMD_DUMP_AFTER_S="100")
+    env.update(JAX_PLATFORMS="cpu", NNX_MPMD_HEARTBEAT_S="3")
+    env.update(NNX_MPMD_DUMP_AFTER_S=str(dump_after_s(LAUNCH_TIMEOUT_S)))
     env.update(NNX_MPMD_COMPILE_CACHE="off")
     env.update(extra)
     return env
@@ -69,7 +88,7 @@ def launch(
     *args: str,
     processes: int = 2,
     devices_per_process: int = 4,
-    timeout: int = 120,
+    timeout: int = LAUNCH_TIMEOUT_S,
     fresh=(),
     **env: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
@@ -79,7 +98,11 @@ def launch(
 
     ``fresh``: ``(path, is_output_folder)`` pairs removed before a retry (output
     folders are recreated empty).
+
+    The run is expected to succeed: peers count as dead after `SUCCESS_HEARTBEAT_S`
+    unless ``env`` says otherwise.
     """
+    env = {"NNX_MPMD_HEARTBEAT_S": SUCCESS_HEARTBEAT_S, **env}
     for attempt in range(ATTEMPTS):
         if attempt:
             for path, keep_dir in fresh:
@@ -104,13 +127,16 @@ def launch_once(
     *args: str,
     processes: int = 2,
     devices_per_process: int = 4,
-    timeout: int = 120,
+    timeout: int = LAUNCH_TIMEOUT_S,
     **env: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
     """One bounded ``nnx-mpmd launch`` of ``script``, without retries.
 
     ``script``: a file under ``mp_scripts/``, or a whole command line (a list).
+    A hung script dumps its stacks at ``dump_after_s(timeout)`` unless ``env`` sets
+    ``NNX_MPMD_DUMP_AFTER_S``.
     """
+    env = {"NNX_MPMD_DUMP_AFTER_S": str(dump_after_s(timeout)), **env}
     program = list(script) if isinstance(script, list) else [sys.executable, str(SCRIPTS / script)]
     command = [
         "timeout", "-k", "5", str(timeout), sys.executable, "-m", "nnx_mpmd", "launch",
@@ -124,15 +150,40 @@ def launch_once(
     return done, time.monotonic() - start
 
 
-def run_single(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run_single(
+    script: str, *args: str, timeout: int = LAUNCH_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """Runs ``script`` as one process (8 CPU devices unless the script says otherwise)."""
     command = ["timeout", "-k", "5", str(timeout), sys.executable, str(SCRIPTS / script), *args]
-    return subprocess.run(command, cwd=ROOT, env=env_for_launch(), capture_output=True, text=True)
+    env = env_for_launch(NNX_MPMD_DUMP_AFTER_S=str(dump_after_s(timeout)))
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def time_limit(done: subprocess.CompletedProcess) -> int | None:
+    """The ``N`` of the ``timeout -k 5 N`` a run ran under, or None."""
+    command = done.args if isinstance(done.args, list) else []
+    if len(command) > 3 and command[0] == "timeout" and command[1] == "-k":
+        return int(command[3])
+    return None
 
 
 def check(done: subprocess.CompletedProcess) -> None:
-    """Asserts that a run succeeded, showing the end of its output otherwise."""
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    """Asserts that a run succeeded, showing the end of its output otherwise.
+
+    A run stopped by its time limit says so first: on a loaded machine that is the
+    likely cause, and the output alone reads like a crash.
+    """
+    limit = time_limit(done)
+    said = ""
+    if limit is not None and done.returncode in TIMED_OUT:
+        killed = " (or a process was SIGKILLed)" if done.returncode == 137 else ""
+        said = (
+            f"the run hit its time limit of {limit} s (`timeout -k 5 {limit}`, exit "
+            f"{done.returncode}{killed}; `launch` tries such a run {ATTEMPTS} times): it hung, "
+            "or the machine was too loaded to finish in time. Stacks dumped before the limit "
+            "(NNX_MPMD_DUMP_AFTER_S) are in the output below.\n"
+        )
+    assert done.returncode == 0, said + done.stdout[-6000:] + done.stderr[-3000:]
 
 
 def read_json(directory: Path, name: str) -> dict:

@@ -238,6 +238,35 @@ def test_launch_names_a_failed_coordinator_as_the_cause():
     assert "killed by signal 9" in launch.coordinator_lost_note(137)
 
 
+def test_launched_scripts_dump_stacks_just_before_the_time_limit_and_beat_as_expected():
+    # A hang dumps its stacks and exits at `dump_after_s`, which follows the launch's
+    # time limit: a slow run on a loaded machine is not cut short before the limit.
+    # Runs expected to succeed count a peer dead after 10 s, those that kill one after 3.
+    from mp_launch import check, launch, launch_once
+
+    show = (
+        "import os; print(os.environ['NNX_MPMD_DUMP_AFTER_S'], os.environ['NNX_MPMD_HEARTBEAT_S'])"
+    )
+    for run, heartbeat in ((launch, "10"), (launch_once, "3")):
+        done, _ = run([sys.executable, "-c", show], processes=2, devices_per_process=1, timeout=240)
+        check(done)
+        assert sorted(done.stdout.splitlines()) == [f"[p{p}] 220 {heartbeat}" for p in (0, 1)]
+
+
+def test_a_launch_that_hits_its_time_limit_says_so():
+    from mp_launch import check, launch_once
+
+    sleep = "import time; time.sleep(60)"
+    done, _ = launch_once(
+        [sys.executable, "-c", sleep], processes=2, devices_per_process=1, timeout=3
+    )
+    assert done.returncode == 124, done.stdout + done.stderr
+    with pytest.raises(
+        AssertionError, match=r"^the run hit its time limit of 3 s \(`timeout -k 5 3`, exit 124;"
+    ):
+        check(done)
+
+
 def test_launch_env_has_no_bind_for_a_remote_coordinator():
     stale = {"NNX_MPMD_COORDINATOR_BIND": "127.0.0.1:1"}
     env = multi_process.launch_env(0, 2, "10.1.2.3:4321", base=stale)
