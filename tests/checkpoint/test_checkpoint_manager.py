@@ -37,7 +37,7 @@ def run_bounded(args: list[str], seconds: int) -> subprocess.CompletedProcess:
 
 
 def worker(*args: str) -> subprocess.CompletedProcess:
-    return run_bounded([str(TESTS / "checkpoint_worker.py"), *args], 90)
+    return run_bounded([str(TESTS / "checkpoint_worker.py"), *args], 240)  # bounds a hang only
 
 
 @pytest.mark.parametrize("async_save", [True, False])

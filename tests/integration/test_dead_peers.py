@@ -42,8 +42,7 @@ ARGS = [
     "--steps", "4", "--sample-tokens", "0", "--val-batches", "0",
 ]  # fmt: skip
 BOUND_S = 20.0  # what holds for a death mid-step (issue 47)
-TIMEOUT_S = 150
-DUMP_AFTER_S = str(TIMEOUT_S - 10)  # stacks of a hang, just before the launch's time limit
+TIMEOUT_S = 300  # bounds a hang; a loaded machine compiles slowly (stacks dumped before it)
 
 
 def _run_dying(tmp_path, die_at: str, *extra: str, **env: str):
@@ -60,7 +59,6 @@ def _run_dying(tmp_path, die_at: str, *extra: str, **env: str):
         timeout=TIMEOUT_S,
         NNX_MPMD_TEST_DIE_AT=die_at,
         NNX_MPMD_TEST_DIE_MARKER=str(marker),
-        NNX_MPMD_DUMP_AFTER_S=DUMP_AFTER_S,
         **env,
     )  # fmt: skip
     ended = time.time()

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flax import nnx
-from mp_launch import env_for_launch, launch_cache, logged_losses, train_env
+from mp_launch import SUCCESS_HEARTBEAT_S, env_for_launch, launch_cache, logged_losses, train_env
 
 from nnx_mpmd.apps.stop_signals import exit_status, stopped_message
 from nnx_mpmd.apps.train import config_from_args
@@ -31,7 +31,9 @@ from nnx_mpmd.checkpoint import CheckpointManager
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parents[1] / "mp_scripts"
-TIMEOUT_S = 150
+# Bounds a hang, not the happy path: a loaded 2-core CI host can take minutes to
+# compile and reach the step where a signal is sent.
+TIMEOUT_S = 300
 
 # 2 stages on 2 CPU devices, a save every 4 steps; many steps, so that the signal
 # lands mid-run however slow the machine (the run stops long before the last).
@@ -146,7 +148,9 @@ def test_sigterm_saves_the_step_and_a_resume_stopped_by_sigint_matches_a_straigh
     # GNU timeout passes the exit status on.
     assert code == 143, output[-4000:]
     assert "got SIGTERM: finishing the step in progress" in output
-    assert 2 < stop_step < 400
+    # The step in progress when the signal came; the logged step itself when the signal
+    # beat the loop's check after logging it (a loaded machine can delay the loop there).
+    assert 2 <= stop_step < 400
     assert stop_step in _saved_steps(run_dir)  # a checkpoint of the stop step, committed
     with CheckpointManager(run_dir / "checkpoints", async_save=False) as manager:
         assert manager.metadata()["step"] == stop_step
@@ -159,7 +163,7 @@ def test_sigterm_saves_the_step_and_a_resume_stopped_by_sigint_matches_a_straigh
     assert code == 130, resumed[-4000:]
     assert "Traceback" not in resumed and "KeyboardInterrupt" not in resumed, resumed[-4000:]
     assert f"resumed from step {stop_step}" in resumed
-    assert stop_step + 2 < end < 400
+    assert stop_step + 2 <= end < 400
     assert end in _saved_steps(run_dir)
     losses = logged_losses(run_dir)
     assert sorted(losses) == list(range(1, end + 1))
@@ -184,8 +188,9 @@ def test_second_signal_stops_at_once(tmp_path):
         _wait_for(marker.exists, proc, log, "the stop")  # stalled where it would save
         os.kill(int(marker.read_text()), signal.SIGTERM)
         started = time.monotonic()
-        code = proc.wait(timeout=30)
-        assert time.monotonic() - started < 10
+        code = proc.wait(timeout=90)
+        # At once: far below the 120 s the stop stalls (slow_stop_train.py), however loaded.
+        assert time.monotonic() - started < 60
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -267,7 +272,7 @@ def test_children_die_with_a_killed_launcher(tmp_path):
     proc, log = _launch(tmp_path, "stubborn")
     pids = _child_pids(tmp_path, proc, log)
     _signal_launcher(proc, signal.SIGKILL)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # they die at once; a loaded machine reaps them late
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     alive = [pid for pid in pids if _alive(pid)]
@@ -314,30 +319,30 @@ def _stop_launched_train(tmp_path: Path, after_step: int, *resume: str) -> tuple
     run_dir, log = tmp_path / "run", tmp_path / f"launch{len(resume)}.log"
     command = [
         sys.executable, "-m", "nnx_mpmd", "launch", "--processes", "2",
-        "--devices-per-process", "1", "--stop-grace", "60", "--",
+        "--devices-per-process", "1", "--stop-grace", "120", "--",
         sys.executable, "-m", "nnx_mpmd", "train", *LAUNCHED_TRAIN, "--run-dir", str(run_dir),
         "--compile-cache", launch_cache(), *resume,
     ]  # fmt: skip
-    proc = _start(command, log, env_for_launch())
+    proc = _start(command, log, env_for_launch(NNX_MPMD_HEARTBEAT_S=SUCCESS_HEARTBEAT_S))
     try:
         _wait_for(_logged_step(run_dir, after_step), proc, log, f"step {after_step}")
-        signalled = time.monotonic()
         _signal_launcher(proc, signal.SIGTERM)
         code = proc.wait(timeout=TIMEOUT_S)
-        assert time.monotonic() - signalled < 60  # within --stop-grace
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     output = log.read_text()
     assert code == 143, output[-6000:]
-    assert "stopped by SIGTERM: every process exited" in output, output[-6000:]
+    # Within --stop-grace, as the launcher says (it kills stragglers, 137), not as a
+    # clock on a loaded machine says: a stop that saves may take a minute there.
+    assert "stopped by SIGTERM: every process exited within the 120 s" in output, output[-6000:]
     assert "p0: 143, p1: 143" in output
     match = STOPPED.search(output)
     assert match and match[2] == "SIGTERM", output[-6000:]
     assert "[p1] stopped at step" not in output  # process 0 speaks for the run
     stop_step = int(match[1])
-    assert stop_step > after_step
+    assert stop_step >= after_step  # the logged step, or one after (the test above says why)
     # The stop step's checkpoint is committed, with both processes' parts.
     arrays = run_dir / "checkpoints" / str(stop_step) / "arrays"
     assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()

@@ -167,7 +167,7 @@ def test_launched_check_finite_names_the_same_first_value_on_every_process(tmp_p
     argv += ["--ckpt-every", "0", "--sample-tokens", "0", "--val-batches", "0"]
     argv += ["--compile-cache", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run")]
     done, _ = launch_once(
-        "nonfinite_train.py", *argv, "--check-finite", devices_per_process=1, timeout=150
+        "nonfinite_train.py", *argv, "--check-finite", devices_per_process=1, timeout=300
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-6000:]
