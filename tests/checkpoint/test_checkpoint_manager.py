@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from checkpoint_helpers import Net, batches, make_optimizer, param_values, run_steps
 from mp_launch import codegen_flags
+from orbax.checkpoint import JsonCheckpointHandler
 
 from nnx_mpmd.checkpoint import CheckpointManager
 
@@ -69,7 +72,25 @@ def test_metadata_defaults_to_empty_dict(tmp_path):
         assert mgr.metadata() == {}
 
 
-def test_async_save_overlaps_training_and_changes_nothing(tmp_path):
+def _hold_background_json_writes(monkeypatch) -> threading.Event:
+    """Orbax's background JSON writes wait for the returned event (at most 60 s).
+
+    The save is then still in flight after the steps however the machine's load
+    splits the time between the steps and the background write.
+    """
+    release = threading.Event()
+    write = JsonCheckpointHandler._save_fn
+
+    async def held(self, item, directory):
+        await asyncio.to_thread(release.wait, 60)
+        return await write(self, item, directory)
+
+    monkeypatch.setattr(JsonCheckpointHandler, "_save_fn", held)
+    return release
+
+
+def test_async_save_overlaps_training_and_changes_nothing(tmp_path, monkeypatch):
+    release = _hold_background_json_writes(monkeypatch)
     data = batches(0, 3)
     model, optimizer = Net((0, 0, 1, 1), seed=3), None
     optimizer = make_optimizer(model)
@@ -86,6 +107,7 @@ def test_async_save_overlaps_training_and_changes_nothing(tmp_path):
         mgr.save(1, {"model": model, "optimizer": optimizer, "big": big})
         losses = run_steps(model, optimizer, data[1:])
         in_flight_after_steps = mgr.is_saving_in_progress()
+        release.set()
         mgr.wait_until_finished()
         assert in_flight_after_steps, "the save finished before the train steps ran"
         assert losses == expected
