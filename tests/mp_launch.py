@@ -170,8 +170,9 @@ def time_limit(done: subprocess.CompletedProcess) -> int | None:
 def check(done: subprocess.CompletedProcess) -> None:
     """Asserts that a run succeeded, showing the end of its output otherwise.
 
-    A run stopped by its time limit says so first: on a loaded machine that is the
-    likely cause, and the output alone reads like a crash.
+    A run stopped by its time limit, or whose stacks were dumped just before it, says
+    so first: on a loaded machine that is the likely cause, and the output alone reads
+    like a crash.
     """
     limit = time_limit(done)
     said = ""
@@ -182,6 +183,12 @@ def check(done: subprocess.CompletedProcess) -> None:
             f"{done.returncode}{killed}; `launch` tries such a run {ATTEMPTS} times): it hung, "
             "or the machine was too loaded to finish in time. Stacks dumped before the limit "
             "(NNX_MPMD_DUMP_AFTER_S) are in the output below.\n"
+        )
+    elif "Timeout (" in done.stdout + done.stderr:  # faulthandler's header, before the limit
+        said = (
+            "a process ran past NNX_MPMD_DUMP_AFTER_S (just before the time limit) and dumped "
+            "its stacks: it hung, or the machine was too loaded to finish in time. The stacks "
+            "are in the output below.\n"
         )
     assert done.returncode == 0, said + done.stdout[-6000:] + done.stderr[-3000:]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
 import sys
 from typing import NamedTuple
 
@@ -265,6 +266,10 @@ def test_a_launch_that_hits_its_time_limit_says_so():
         AssertionError, match=r"^the run hit its time limit of 3 s \(`timeout -k 5 3`, exit 124;"
     ):
         check(done)
+    # A hang's stacks, dumped just before the limit (faulthandler's header), say so too.
+    dumped = subprocess.CompletedProcess(done.args, 1, "[p1] Timeout (0:04:40)!\n[p1] Thread", "")
+    with pytest.raises(AssertionError, match=r"^a process ran past NNX_MPMD_DUMP_AFTER_S"):
+        check(dumped)
 
 
 def test_launch_env_has_no_bind_for_a_remote_coordinator():
