@@ -2,10 +2,11 @@
 every schedule with the defaults, --help of every subcommand, and clear errors.
 
 The tests that need a fresh process (a plain install, the installed script,
-every schedule's first step) run the real command in a subprocess
+``train --help`` through the real entry point) run the real command in a subprocess
 (``python -m nnx_mpmd``), with 8 simulated CPU devices as tests/apps/test_train.py
-does; the others call `cli.main` in this process, which reads the same argv and
-reports errors the same way, without a Python and JAX start of their own.
+does; the others, every schedule's first step included, call `cli.main` in this
+process, which reads the same argv and reports errors the same way, without a
+Python and JAX start of their own (about 3 CPU seconds each).
 """
 
 from __future__ import annotations
@@ -192,15 +193,30 @@ def test_no_subcommand_and_unknown_subcommand_exit_2(capsys):
 # -- 3. every registered schedule with the default preset ------------------------------
 
 
-@pytest.mark.slow  # compiles 4-8 stage programs on 4 meshes: 30-70 s each on 2 cores
+@pytest.fixture
+def stores_as_the_command_does(monkeypatch):
+    """`nnx_mpmd.aot`'s stores as in a process of ``nnx-mpmd train``, not as tests/conftest.py
+    sets them for tests that count compilations: whole steps are stored, and the programs
+    of every test that uses this share one folder (GPipe's stage programs are 1F1B's, say)."""
+    from nnx_mpmd.aot import program_sharing, step_store
+
+    monkeypatch.setattr(step_store, "ENABLED", True)
+    monkeypatch.setattr(program_sharing, "_STORE_FOLDER", "nnx_mpmd_shared-cli-schedules")
+
+
+@pytest.mark.slow  # compiles 4-8 stage programs on 4 meshes: 10-20 s each on 2 cores
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_train_runs_every_schedule_with_the_default_preset(name, tmp_path):
+def test_train_runs_every_schedule_with_the_default_preset(
+    name, tmp_path, capsys, stores_as_the_command_does
+):
     argv = ["train", "--schedule", name, "--steps", "1", "--batch-size", "16"]
     argv += ["--seq-len", "16", "--corpus-bytes", "50000", "--val-batches", "0"]
     argv += ["--sample-tokens", "0", "--ckpt-every", "0", "--run-dir", str(tmp_path)]
-    # The schedules share most stage programs (GPipe's are 1F1B's, say): one compilation
-    # cache for all of them (this test run's, see _env) compiles each once.
-    proc = _nnx_mpmd(*argv, timeout=500)
+    # In this process, without a Python and JAX start per schedule (the real entry point
+    # runs in test_help_has_no_markup_and_says_each_default_once and the plain-install
+    # test). The schedules share most stage programs: this test run's compilation cache
+    # (tests/conftest.py), which every test worker shares, compiles each once.
+    proc = _in_process(capsys, *argv)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "step 1/1  loss" in proc.stdout
     if SCHEDULES[name]().default_num_stages(4) > 4:  # the tiny preset has 4 layers
