@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from shared_results import once_per_test_run
 
 import nnx_mpmd as mp
 from nnx_mpmd.placement.mesh import MpmdMesh
@@ -190,6 +191,41 @@ def lm_on_four_meshes(opt_name: str, axis_types=None, num_microbatches: int = 4)
         num_microbatches=num_microbatches,
     )
     return step, (model, opt), (ref_model, ref_opt), loss_fn, kind
+
+
+def reference_run(
+    model_name: str,
+    opt_name: str,
+    num_stages: int,
+    num_microbatches: int,
+    batch_size: int,
+    steps: int,
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The ``nnx.jit`` reference of `build`'s model: per-step losses and final parameters.
+
+    Steps ``make_batch(kind, batch_size, seed=s)`` for ``s < steps`` with
+    `train_step_fn` over ``num_microbatches``. Several tests (of several files)
+    compare their pipelined runs with the same reference: it is computed once
+    per test run (`once_per_test_run`), not traced and compiled by each.
+
+    Returns:
+      ``(losses, params)``: a float per step and `params_of` the trained model.
+    """
+    key = (
+        f"reference-{model_name}-{opt_name}-S{num_stages}-m{num_microbatches}"
+        f"-b{batch_size}-n{steps}"
+    )
+
+    def compute(_directory) -> tuple[list[float], dict[str, np.ndarray]]:
+        model, optimizer, loss_fn, kind = build(model_name, opt_name, num_stages)
+        step = nnx.jit(train_step_fn(loss_fn, num_microbatches))
+        losses = [
+            float(step(model, optimizer, make_batch(kind, batch_size, seed=s)))
+            for s in range(steps)
+        ]
+        return losses, params_of(model)
+
+    return once_per_test_run(key, compute)
 
 
 def params_of(model) -> dict[str, np.ndarray]:

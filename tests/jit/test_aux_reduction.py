@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, params_of
+from shared_results import once_per_test_run
 
 import nnx_mpmd as mp
 from nnx_mpmd.aot.stats import count_compilations
@@ -76,20 +77,38 @@ def _case_id(case):
     )
 
 
+def _reference(model_name, stages):
+    """Per step, the reference's full-batch forward, loss and aux; then its parameters.
+
+    It depends on the model and its stage count only, so the cases of one model
+    share it (computed once per test run)."""
+
+    def compute(_directory):
+        ref_model, ref_opt, _, kind = build(model_name, "adamw", stages)
+        reference = nnx.jit(_step(4))
+        forward = nnx.jit(lambda m, x: m(x))  # made once: a new function would trace again
+        steps = []
+        for i in range(2):
+            batch = make_batch(kind, 16, seed=i)
+            full_batch_outputs = np.asarray(forward(ref_model, _inputs(batch)))
+            ref_loss, ref_aux = reference(ref_model, ref_opt, batch)
+            ref_aux = {key: np.asarray(value) for key, value in ref_aux.items()}
+            steps.append((full_batch_outputs, float(ref_loss), ref_aux))
+        return steps, params_of(ref_model)
+
+    return once_per_test_run(f"aux-reduction-reference-{model_name}-S{stages}", compute)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_concatenated_aux_is_the_full_batchs_and_equals_nnx_jit(case):
     model_name, schedule, meshes, stages, axis_types = case
-    ref_model, ref_opt, _, kind = build(model_name, "adamw", stages)
-    model, opt, _, _ = build(model_name, "adamw", stages)
-    reference = nnx.jit(_step(4))
+    reference_steps, expected = _reference(model_name, stages)
+    model, opt, _, kind = build(model_name, "adamw", stages)
     pipelined = mp.jit(
         _step(), mesh=make_mesh(meshes, 2, axis_types), schedule=schedule, num_microbatches=4
     )
-    forward = nnx.jit(lambda m, x: m(x))  # made once: a new function would trace again
-    for i in range(2):
+    for i, (full_batch_outputs, ref_loss, ref_aux) in enumerate(reference_steps):
         batch = make_batch(kind, 16, seed=i)
-        full_batch_outputs = forward(ref_model, _inputs(batch))
-        ref_loss, ref_aux = reference(ref_model, ref_opt, batch)
         with count_compilations() as counter:
             loss, aux = pipelined(model, opt, batch)
         assert i == 0 or counter.count == 0, f"step {i} recompiled {counter.names}"
@@ -100,9 +119,9 @@ def test_concatenated_aux_is_the_full_batchs_and_equals_nnx_jit(case):
         np.testing.assert_allclose(aux["outputs"], full_batch_outputs, atol=1e-5)
         for key in MODES:
             np.testing.assert_allclose(aux[key], ref_aux[key], atol=1e-5, err_msg=key)
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-        np.testing.assert_allclose(float(ref_aux["per_example"].mean()), float(ref_loss), rtol=1e-5)
-    expected, got = params_of(ref_model), params_of(model)
+        np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+        np.testing.assert_allclose(float(ref_aux["per_example"].mean()), ref_loss, rtol=1e-5)
+    got = params_of(model)
     for path in expected:
         np.testing.assert_allclose(got[path], expected[path], atol=1e-4, err_msg=path)
     if axis_types is None:

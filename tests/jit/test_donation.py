@@ -16,7 +16,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from pipeline_models import WIDTH, build, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import (
+    WIDTH,
+    build,
+    make_batch,
+    make_mesh,
+    params_of,
+    reference_run,
+    train_step_fn,
+)
 
 import nnx_mpmd as mp
 from nnx_mpmd.aot.stats import count_compilations
@@ -50,9 +58,8 @@ def _old_arrays(model, optimizer):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_donated_steps_equal_nnx_jit_and_consume_the_old_state(case):
     model_name, schedule, meshes, stages, axis_types = case
-    ref_model, ref_opt, loss_fn, kind = build(model_name, "adamw", stages)
-    model, opt, _, _ = build(model_name, "adamw", stages)
-    reference = nnx.jit(train_step_fn(loss_fn, num_microbatches=4))
+    ref_losses, expected = reference_run(model_name, "adamw", stages, 4, 16, 3)
+    model, opt, loss_fn, kind = build(model_name, "adamw", stages)
     step = mp.jit(
         train_step_fn(loss_fn),
         mesh=make_mesh(meshes, 2, axis_types),
@@ -62,17 +69,16 @@ def test_donated_steps_equal_nnx_jit_and_consume_the_old_state(case):
     )
     for i in range(3):
         batch = make_batch(kind, 16, seed=i)
-        ref_loss = reference(ref_model, ref_opt, batch)
         before = _old_arrays(model, opt) if i > 0 else []  # step 0 places the state first
         with count_compilations() as counter, warnings.catch_warnings():
             # JAX's "Some donated buffers were not usable" would mean a wasted donation.
             warnings.filterwarnings("error", message=".*donated buffers")
             loss = step(model, opt, batch)
         assert i == 0 or counter.count == 0, f"step {i} recompiled {counter.names}"
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
         kept = [a for a in before if not a.is_deleted()]
         assert not kept, f"{len(kept)} of {len(before)} old arrays not donated"
-    expected, got = params_of(ref_model), params_of(model)
+    got = params_of(model)
     for path in expected:
         np.testing.assert_allclose(got[path], expected[path], atol=1e-4, err_msg=path)
     text = step.lower(model, opt, make_batch(kind, 16)).pass_text("donate_step_inputs")

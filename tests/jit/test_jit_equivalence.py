@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
-from pipeline_models import build, make_batch, make_mesh, params_of, train_step_fn
+from pipeline_models import build, make_batch, make_mesh, params_of, reference_run, train_step_fn
 
 import nnx_mpmd as mp
 from nnx_mpmd import schedules
@@ -37,26 +36,25 @@ def _config_id(c):
 def run_equivalence(model_name, opt_name, config, steps=STEPS):
     schedule_cls, meshes, stages, microbatches, data = config
     batch_size = microbatches * 2 * data
-    ref_model, ref_opt, loss_fn, kind = build(model_name, opt_name, stages)
-    model, opt, _, _ = build(model_name, opt_name, stages)
-    reference = nnx.jit(train_step_fn(loss_fn, microbatches))
+    ref_losses, expected = reference_run(
+        model_name, opt_name, stages, microbatches, batch_size, steps
+    )
+    model, opt, loss_fn, kind = build(model_name, opt_name, stages)
     mesh = make_mesh(meshes, data)
     pipelined = mp.jit(
         train_step_fn(loss_fn), mesh=mesh, schedule=schedule_cls(), num_microbatches=microbatches
     )
     for step in range(steps):
         batch = make_batch(kind, batch_size, seed=step)
-        ref_loss = reference(ref_model, ref_opt, batch)
         with count_compilations() as counter:
             loss = pipelined(model, opt, batch)
-            np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+            np.testing.assert_allclose(float(loss), ref_losses[step], rtol=1e-5)
         if step > 0:
             assert counter.count == 0, f"step {step} recompiled {counter.count} programs"
         else:
             twice = sorted({n for n in counter.names if counter.names.count(n) > 1})
             assert not twice, f"the first step compiled {twice} more than once"
     atol = 1e-5 if opt_name == "sgd" else 1e-4
-    expected = params_of(ref_model)
     got = params_of(model)
     assert expected.keys() == got.keys()
     for path in expected:

@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 from pipeline_models import SEQ, VOCAB, build, make_batch, make_mesh, params_of
+from shared_results import once_per_test_run
 
 import nnx_mpmd as mp
 from nnx_mpmd.compiler.trace.grad_reduction import step_all_reduce_bytes
@@ -69,6 +70,25 @@ def reference_step(reduction):
     return step
 
 
+def _tx(reduction):
+    return optax.sgd(0.05 if reduction == "token_mean" else 0.001)
+
+
+def _full_batch_reference(stages, reduction):
+    """The full-batch reference's losses on ``padded_batch(0)`` and ``(1)`` and its final
+    parameters: it depends on neither schedule nor microbatches, so the layouts of one
+    stage count share it (computed once per test run)."""
+
+    def compute(_directory):
+        model, _, _, _ = build("lm_tied", "sgd", stages)
+        optimizer = nnx.Optimizer(model, _tx(reduction), wrt=nnx.Param)
+        step = nnx.jit(reference_step(reduction))
+        losses = [float(step(model, optimizer, padded_batch(seed))) for seed in range(2)]
+        return losses, params_of(model)
+
+    return once_per_test_run(f"losses-reference-S{stages}-{reduction}", compute)
+
+
 # (schedule, stages, meshes, microbatches)
 LAYOUTS = [
     (mp.GPipe, 2, 2, 2),
@@ -86,25 +106,22 @@ LAYOUTS = [
 )
 def test_reductions_equal_the_full_batch_reference(layout, reduction):
     schedule, stages, meshes, m = layout
+    ref_losses, want = _full_batch_reference(stages, reduction)
     model, _, _, _ = build("lm_tied", "sgd", stages)
-    reference, _, _, _ = build("lm_tied", "sgd", stages)
-    tx = optax.sgd(0.05 if reduction == "token_mean" else 0.001)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    ref_optimizer = nnx.Optimizer(reference, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, _tx(reduction), wrt=nnx.Param)
     step = mp.jit(
         pipelined_step(reduction),
         mesh=make_mesh(meshes, 8 // meshes),
         schedule=schedule(),
         num_microbatches=m,
     )
-    ref = nnx.jit(reference_step(reduction))
     for seed in range(2):
         batch = padded_batch(seed)
         counts = batch["mask"].reshape(m, -1).sum(axis=1)  # real tokens per microbatch
         assert len(set(counts.tolist())) > 1, counts
         loss = float(jax.device_get(step(model, optimizer, batch)))
-        np.testing.assert_allclose(loss, float(ref(reference, ref_optimizer, batch)), rtol=1e-5)
-    got, want = params_of(mp.gather(model)), params_of(reference)
+        np.testing.assert_allclose(loss, ref_losses[seed], rtol=1e-5)
+    got = params_of(mp.gather(model))
     for path, value in want.items():
         np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-5, err_msg=path)
 

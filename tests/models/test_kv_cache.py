@@ -19,6 +19,13 @@ def _model(family, **overrides):
     )
 
 
+@nnx.jit
+def _forward(model, tokens, positions=None, cache_rows=None):
+    """``model(tokens, ...)`` compiled once per shape: eager calls would compile each
+    operation of the model for each shape instead."""
+    return model(tokens, positions=positions, cache_rows=cache_rows)
+
+
 def _tokens(rows, length, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (rows, length)), jnp.int32)
 
@@ -30,39 +37,43 @@ def _tokens(rows, length, seed=0):
 def test_prefill_then_one_token_calls_equal_the_full_forward(family, overrides, microbatches):
     model = _model(family, **overrides)
     tokens = _tokens(4, 10)
-    full = model(tokens)
+    full = _forward(model, tokens)
     kv_cache.init_cache(model, 4, num_microbatches=microbatches)
     rows = jnp.arange(4)
-    outs = [model(tokens[:, :6], positions=jnp.zeros(4, jnp.int32), cache_rows=rows)]
+    outs = [_forward(model, tokens[:, :6], positions=jnp.zeros(4, jnp.int32), cache_rows=rows)]
     for p in range(6, 10):
         position = jnp.full(4, p, jnp.int32)
-        outs.append(model(tokens[:, p : p + 1], positions=position, cache_rows=rows))
+        outs.append(_forward(model, tokens[:, p : p + 1], positions=position, cache_rows=rows))
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5)
 
 
 def test_a_microbatch_reads_and_writes_only_its_rows():
     model = _model("gpt")
     tokens = _tokens(4, 8)
-    full = model(tokens)
+    full = _forward(model, tokens)
     kv_cache.init_cache(model, 4, num_microbatches=2)
     for first in (0, 2):  # each microbatch of two rows on its own
         rows = jnp.arange(first, first + 2)
         part = tokens[first : first + 2]
-        model(part[:, :7], positions=jnp.zeros(2, jnp.int32), cache_rows=rows)
-        last = model(part[:, 7:], positions=jnp.full(2, 7, jnp.int32), cache_rows=rows)
+        _forward(model, part[:, :7], positions=jnp.zeros(2, jnp.int32), cache_rows=rows)
+        last = _forward(model, part[:, 7:], positions=jnp.full(2, 7, jnp.int32), cache_rows=rows)
         np.testing.assert_allclose(last[:, 0], full[first : first + 2, 7], atol=2e-5)
 
 
 def test_rows_at_different_positions():
     model = _model("gpt")
     tokens = _tokens(2, 8)
-    full = model(tokens)
+    full = _forward(model, tokens)
     kv_cache.init_cache(model, 2)
     rows = jnp.arange(2)
-    model(tokens[:, :5], positions=jnp.zeros(2, jnp.int32), cache_rows=rows)
-    model(tokens[:1, 5:7], positions=jnp.array([5]), cache_rows=jnp.array([0]))  # row 0 runs ahead
-    out = model(
-        jnp.stack([tokens[0, 7:8], tokens[1, 5:6]]), positions=jnp.array([7, 5]), cache_rows=rows
+    _forward(model, tokens[:, :5], positions=jnp.zeros(2, jnp.int32), cache_rows=rows)
+    row_0_ahead = {"positions": jnp.array([5]), "cache_rows": jnp.array([0])}
+    _forward(model, tokens[:1, 5:7], **row_0_ahead)
+    out = _forward(
+        model,
+        jnp.stack([tokens[0, 7:8], tokens[1, 5:6]]),
+        positions=jnp.array([7, 5]),
+        cache_rows=rows,
     )
     np.testing.assert_allclose(out[0, 0], full[0, 7], atol=2e-5)
     np.testing.assert_allclose(out[1, 0], full[1, 5], atol=2e-5)

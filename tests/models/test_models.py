@@ -113,7 +113,10 @@ def test_scanned_blocks_have_the_unrolled_stages_and_outputs(name):
     for attr in ("embed", "head"):
         nnx.update(getattr(scanned, attr), nnx.state(getattr(unrolled, attr), nnx.Param))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
-    np.testing.assert_allclose(scanned(tokens), unrolled(tokens), rtol=1e-5, atol=1e-5)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # eager, it compiles op by op
+    np.testing.assert_allclose(
+        forward(scanned, tokens), forward(unrolled, tokens), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_untied_gpt_has_its_own_head():
@@ -151,9 +154,10 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(name):
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     reference = build_model(name, "tiny", num_stages=1, rngs=nnx.Rngs(0))
     tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
-    logits = model(tokens)
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # eager, it compiles op by op
+    logits = forward(model, tokens)
     assert logits.dtype == jnp.float32
-    np.testing.assert_allclose(logits, reference(tokens), atol=0.1)
+    np.testing.assert_allclose(logits, forward(reference, tokens), atol=0.1)
 
 
 def test_lm_loss_is_mean_token_cross_entropy():
@@ -183,7 +187,7 @@ def test_one_jitted_sgd_step_lowers_the_loss(name):
         return loss
 
     before = train_step(model, optimizer, batch)
-    after = lm_loss(model, batch)
+    after = nnx.jit(lm_loss)(model, batch)  # eager, it would compile op by op
     assert float(after) < float(before)
     # The tied embedding receives gradient from both of its uses and stays shared.
     if name == "gpt":

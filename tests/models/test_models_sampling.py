@@ -17,11 +17,17 @@ def model():
     return build_model("gpt", "tiny", num_stages=2, rngs=nnx.Rngs(0), vocab_size=32, max_len=16)
 
 
+@nnx.jit
+def _forward(model, tokens):
+    """``model(tokens)`` compiled once per shape (eager calls compile op by op)."""
+    return model(tokens)
+
+
 def naive_greedy(model, prompt, steps, window):
     tokens = list(prompt)
     for _ in range(steps):
         context = jnp.asarray(tokens[-window:], jnp.int32)[None]
-        tokens.append(int(jnp.argmax(model(context)[0, -1])))
+        tokens.append(int(jnp.argmax(_forward(model, context)[0, -1])))
     return tokens
 
 
@@ -48,7 +54,7 @@ def test_batched_prompts_and_top_k_support(model):
     prompts = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
     out = generate(model, None, prompts, 5, top_k=3, seed=0)
     assert out.shape == (2, 8)
-    logits = np.asarray(model(jnp.asarray(prompts)))[:, -1]
+    logits = np.asarray(_forward(model, jnp.asarray(prompts)))[:, -1]
     top3 = np.argsort(logits, axis=-1)[:, -3:]
     assert all(out[b, 3] in top3[b] for b in range(2))
 
