@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices, configured before JAX starts."""
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -160,6 +161,18 @@ def compiled_here():
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
         compilation_cache.reset_cache()
+
+
+def pytest_collection_finish(session):
+    """Moves everything alive after collection (JAX, Flax, the test modules) out of the
+    collector's reach: Python's full collections otherwise walk those millions of
+    long-lived objects again and again. About 12% less CPU for the suite (measured on
+    tests/aot/test_jit_compile.py + tests/placement/test_explicit_axes.py and
+    tests/jit/test_losses.py + tests/compiler/test_overlap.py, alternated). Garbage
+    made by the tests is collected as before."""
+    del session
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
