@@ -1,0 +1,110 @@
+"""How often a first step traces the user's code: each trace costs every test its Python time.
+
+`mp.value_and_grad` outside `mp.jit` (the reference every numeric test compares
+with) needs the loss's and aux's types before its microbatch loop; the forward
+alone gives them, so the backward is traced once, by the loop. With a captured
+Rngs, the probe that finds the used Variables gives them too: the loss function
+is traced twice (probe and loop), not three times.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import nnx_mpmd as mp
+
+M = 2  # microbatches
+WIDTH = 4
+
+
+class _Counts:
+    """Calls of the loss function and of a custom_vjp's backward rule (each is one trace)."""
+
+    loss = 0
+    backward = 0
+
+
+@jax.custom_vjp
+def _counted_identity(x):
+    return x
+
+
+def _identity_fwd(x):
+    return x, None
+
+
+def _identity_bwd(_, ct):
+    _Counts.backward += 1
+    return (ct,)
+
+
+_counted_identity.defvjp(_identity_fwd, _identity_bwd)
+
+
+def _model() -> nnx.Linear:
+    return nnx.Linear(WIDTH, WIDTH, rngs=nnx.Rngs(0))
+
+
+def _batch() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.normal(size=(4, WIDTH)), jnp.float32) for _ in range(2))
+    return {"x": x, "y": y}
+
+
+def _mse(model, x, y):
+    return jnp.mean((_counted_identity(model(x)) - y) ** 2)
+
+
+def _loss(model, batch):
+    _Counts.loss += 1
+    return _mse(model, batch["x"], batch["y"])
+
+
+def _mean_of_microbatches(model, batch):
+    """The reference: the mean of the microbatches' losses, as one nnx function."""
+    halves = [jax.tree.map(lambda v, i=i: v[i * 2 : (i + 1) * 2], batch) for i in range(M)]
+    return sum(_mse(model, h["x"], h["y"]) for h in halves) / M
+
+
+def test_unpipelined_value_and_grad_traces_the_backward_once():
+    _Counts.loss = _Counts.backward = 0
+    got_loss, got_grads = nnx.jit(mp.value_and_grad(_loss, num_microbatches=M))(_model(), _batch())
+    assert (_Counts.loss, _Counts.backward) == (2, 1)  # forward types, then the loop
+    want_loss, want_grads = nnx.jit(nnx.value_and_grad(_mean_of_microbatches))(_model(), _batch())
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+_NOISE = nnx.Rngs(noise=3)  # captured by name: the probe finds that the loss draws from it
+
+
+def _noisy_mse(model, x, y, key):
+    return jnp.mean((model(x) + 0.1 * jax.random.normal(key, y.shape) - y) ** 2)
+
+
+def _captured_loss(model, batch):
+    _Counts.loss += 1
+    return _noisy_mse(model, batch["x"], batch["y"], _NOISE.noise())
+
+
+def test_unpipelined_value_and_grad_with_a_captured_rngs_traces_the_loss_twice():
+    _Counts.loss = 0
+    start = int(_NOISE.noise.count.get_value())
+    got_loss, got_grads = mp.value_and_grad(_captured_loss, num_microbatches=M)(_model(), _batch())
+    assert _Counts.loss == 2  # the probe (which Variables it uses, and its types), the loop
+    assert int(_NOISE.noise.count.get_value()) == start + M
+
+    def reference(model, batch, rngs):  # the same keys, the Rngs passed in
+        halves = [jax.tree.map(lambda v, i=i: v[i * 2 : (i + 1) * 2], batch) for i in range(M)]
+        return sum(_noisy_mse(model, h["x"], h["y"], rngs.noise()) for h in halves) / M
+
+    rngs = nnx.Rngs(noise=3)
+    rngs.noise.count.set_value(jnp.uint32(start))
+    want_loss, want_grads = nnx.jit(nnx.value_and_grad(reference))(_model(), _batch(), rngs)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
