@@ -12,9 +12,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from pipeline_models import MLP, make_batch, make_mesh, mlp_loss, train_step_fn
 
 import nnx_mpmd as mp
+from nnx_mpmd.aot.compile_jobs import ProgramCompiler
+from nnx_mpmd.aot.stats import count_compilations
 
 M = 2  # microbatches
 WIDTH = 4
@@ -108,3 +112,31 @@ def test_unpipelined_value_and_grad_with_a_captured_rngs_traces_the_loss_twice()
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_first_step_traces_each_program_once(monkeypatch):
+    """A gradient accumulator comes typed ``P()`` from its init and ``P(None, None)`` from
+    the backward that updated it: one program for both, traced and lowered once."""
+    traced: list[str] = []
+    trace_and_compile = ProgramCompiler._trace_and_compile
+
+    def counted(self, fn, args, on_traced, name, *rest):
+        traced.append(name)
+        return trace_and_compile(self, fn, args, on_traced, name, *rest)
+
+    monkeypatch.setattr(ProgramCompiler, "_trace_and_compile", counted)
+    models = [MLP(2, rngs=nnx.Rngs(0)) for _ in range(2)]
+    opts = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    step = mp.jit(
+        train_step_fn(mlp_loss),
+        mesh=make_mesh(2, 1),
+        schedule=mp.OneFOneB(),
+        num_microbatches=4,
+    )
+    batch = make_batch("mlp", 8)
+    with count_compilations() as counter:
+        loss = step(models[0], opts[0], batch)
+    assert traced and sorted(set(traced)) == sorted(traced)
+    assert sorted(counter.names) == sorted(set(counter.names))  # nor compiled twice
+    reference = nnx.jit(train_step_fn(mlp_loss, 4))(models[1], opts[1], batch)
+    np.testing.assert_allclose(float(loss), float(reference), rtol=1e-5)
