@@ -5,6 +5,10 @@ with) needs the loss's and aux's types before its microbatch loop; the forward
 alone gives them, so the backward is traced once, by the loop. With a captured
 Rngs, the probe that finds the used Variables gives them too: the loss function
 is traced twice (probe and loop), not three times.
+
+Under `mp.jit`, the first step's ahead-of-time compilation traces and lowers
+each program once (equivalent argument shardings are one job), and a
+zero-bubble BW program traces its stage's forward once for its seeds' types.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import numpy as np
 import optax
 from flax import nnx
 from pipeline_models import MLP, make_batch, make_mesh, mlp_loss, train_step_fn
+from pipeline_models import WIDTH as MLP_WIDTH
 
 import nnx_mpmd as mp
 from nnx_mpmd.aot.compile_jobs import ProgramCompiler
 from nnx_mpmd.aot.stats import count_compilations
+from nnx_mpmd.compiler.trace.stage_programs import StageFunctions
 
 M = 2  # microbatches
 WIDTH = 4
@@ -139,4 +145,65 @@ def test_first_step_traces_each_program_once(monkeypatch):
     assert traced and sorted(set(traced)) == sorted(traced)
     assert sorted(counter.names) == sorted(set(counter.names))  # nor compiled twice
     reference = nnx.jit(train_step_fn(mlp_loss, 4))(models[1], opts[1], batch)
+    np.testing.assert_allclose(float(loss), float(reference), rtol=1e-5)
+
+
+class _TwoSendsBlock(nnx.Module):
+    """Sends two differentiated values to the next stage."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(MLP_WIDTH, MLP_WIDTH, rngs=rngs)
+
+    def __call__(self, xs):
+        x, h = xs
+        y = jnp.tanh(self.linear(x))
+        return y + h, y * x
+
+
+class _TwoSends(mp.PipelinedModel):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.blocks = nnx.List([mp.Stage(_TwoSendsBlock(rngs=rngs), stage=s) for s in range(3)])
+
+    def __call__(self, x):
+        xs = (x, x)
+        for block in self.blocks:
+            xs = block(xs)
+        return xs[0] * xs[1]
+
+
+def _two_sends_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_weight_backward_traces_its_forward_once_for_all_its_sends(monkeypatch):
+    """ZB-H1's BW program needs its forward's output types: one forward trace, not one
+    per differentiated send (stages 0 and 1 send two)."""
+    forwards = [0]
+    per_bw: list[int] = []
+    forward, backward_weight = StageFunctions._forward, StageFunctions.backward_weight
+
+    def counted_forward(self, *args):
+        forwards[0] += 1
+        return forward(self, *args)
+
+    def counted_backward_weight(self, *args):
+        before = forwards[0]
+        out = backward_weight(self, *args)
+        per_bw.append(forwards[0] - before)
+        return out
+
+    monkeypatch.setattr(StageFunctions, "_forward", counted_forward)
+    monkeypatch.setattr(StageFunctions, "backward_weight", counted_backward_weight)
+    models = [_TwoSends(rngs=nnx.Rngs(0)) for _ in range(2)]
+    opts = [nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in models]
+    step = mp.jit(
+        train_step_fn(_two_sends_loss),
+        mesh=make_mesh(3, 1),
+        schedule=mp.ZeroBubbleH1(),
+        num_microbatches=4,
+    )
+    batch = make_batch("mlp", 8)
+    loss = step(models[0], opts[0], batch)
+    assert per_bw and per_bw == [1] * len(per_bw)
+    reference = nnx.jit(train_step_fn(_two_sends_loss, 4))(models[1], opts[1], batch)
     np.testing.assert_allclose(float(loss), float(reference), rtol=1e-5)
