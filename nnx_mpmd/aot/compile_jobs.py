@@ -60,13 +60,29 @@ def abstract(x: Any) -> Any:
     return jax.tree.map(abstract, x)
 
 
-def signature(value: Any) -> Any:
-    """A hashable key of an abstract argument tuple: its tree, shapes, dtypes, shardings."""
+def signature(value: Any, equivalent_shardings: bool = False) -> Any:
+    """A hashable key of an abstract argument tuple: its tree, shapes, dtypes, shardings.
+
+    With ``equivalent_shardings``, shardings that differ only in their specs' trailing
+    Nones (`program_sharing.normal_sharding`) give one key.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> a, b = (jax.ShapeDtypeStruct((2, 2), jnp.float32, sharding=NamedSharding(mesh, s))
+      ...         for s in (P(), P(None, None)))
+      >>> signature((a,)) == signature((b,)), signature((a,), True) == signature((b,), True)
+      (False, True)
+    """
     leaves, tree = jax.tree.flatten(value)
     key = []
     for leaf in leaves:
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            key.append((leaf.shape, str(leaf.dtype), leaf.sharding, leaf.weak_type))
+            sharding = leaf.sharding
+            if equivalent_shardings:
+                sharding = program_sharing.normal_sharding(sharding)
+            key.append((leaf.shape, str(leaf.dtype), sharding, leaf.weak_type))
         else:
             key.append((type(leaf).__name__, np.shape(leaf), str(np.result_type(leaf))))
     return tree, tuple(key)
@@ -211,7 +227,10 @@ class ProgramCompiler:
         if contains_unknown(args) or not hasattr(fn, "trace"):
             on_traced(UNKNOWN)
             return UNKNOWN
-        key = (id(fn), signature(args))
+        # Sharing on, calls go to `SharedProgram`, which runs one executable for equivalent
+        # shardings: those compile once (the accumulators' P() from an init, P(None, None) later).
+        routed = self.share and self.executables is not None
+        key = (id(fn), signature(args, equivalent_shardings=routed))
         with self.lock:
             job = self.jobs.get(key)
             owner = job is None
@@ -395,7 +414,10 @@ class ProgramCompiler:
 
 
 def _mesh_free_signature(args: Any) -> Any:
-    """`signature` with each sharding's mesh reduced to its shape: equal for twins."""
+    """`signature` with each sharding's mesh reduced to its shape: equal for twins.
+
+    Specs are compared up to trailing Nones, as `program_sharing.SharedProgram` does.
+    """
     leaves, tree = jax.tree.flatten(args)
     key = []
     for leaf in leaves:
@@ -407,7 +429,7 @@ def _mesh_free_signature(args: Any) -> Any:
                 leaf.shape,
                 str(leaf.dtype),
                 leaf.weak_type,
-                sharding.spec,
+                program_sharing.normal_sharding(sharding)[1:4],
                 sharding.memory_kind,
                 mesh_shape_key(sharding.mesh),
             )

@@ -72,6 +72,7 @@ __all__ = [
     "keep_fresh",
     "load_for_devices",
     "load_serialized",
+    "normal_sharding",
     "recall",
     "recall_in_process",
     "remember",
@@ -537,7 +538,7 @@ class SharedProgram:
         # executable's results would then carry the other Explicit type. Only an
         # executable compiled for the same types (its typed input avals, unused
         # arguments included) is used.
-        actual = [_normal_spec(s) for s in shardings]
+        actual = [normal_sharding(s) for s in shardings]
         for executable, expected in zip(self.loaded, self._expected, strict=True):
             if expected is not None and _same_types(actual, expected):
                 return _checked(executable, self.fn)
@@ -563,7 +564,7 @@ def _argument_types(executable: Any) -> tuple[Any, ...] | None:
     if len(avals) != len(layouts):
         return None
     return tuple(
-        (_typed_spec(aval), _normal_spec(layout) if layout is not None else None)
+        (_typed_spec(aval), normal_sharding(layout) if layout is not None else None)
         for aval, layout in zip(avals, layouts, strict=True)
     )
 
@@ -572,7 +573,7 @@ def _typed_spec(aval: Any) -> Any:
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, NamedSharding) or not _has_explicit_axes(sharding.mesh):
         return None
-    return _normal_spec(sharding)[1:4]
+    return normal_sharding(sharding)[1:4]
 
 
 def _has_explicit_axes(mesh: Any) -> bool:
@@ -598,7 +599,20 @@ def _explicit_spec(normal: Any) -> Any:
     return (tuple(kept), unreduced, reduced)
 
 
-def _normal_spec(sharding: Any) -> Any:
+def normal_sharding(sharding: Any) -> Any:
+    """A key of ``sharding`` that equivalent specs share (trailing Nones dropped); others as is.
+
+    ``P()`` and ``P(None, None)`` give one key: `SharedProgram` runs an executable
+    compiled for either on both, so `nnx_mpmd.aot.compile_jobs` compiles one of them.
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> keys = [normal_sharding(NamedSharding(mesh, s)) for s in (P(), P(None, None), P("data"))]
+      >>> keys[0] == keys[1], keys[0] == keys[2]
+      (True, False)
+    """
     if not isinstance(sharding, NamedSharding):
         return sharding
     parts = list(sharding.spec.partitions)

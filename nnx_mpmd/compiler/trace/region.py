@@ -605,9 +605,12 @@ def reference_value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, (_new_state_leaves(local, wrt, other_tree), held))
 
+    forward_shapes = None  # (loss, (aux, state)) of one microbatch, shapes only
     if captured:  # keep only what the loss function really uses
         held = [c.variable.get_raw_value() for c in captured]
-        probe = jax.make_jaxpr(one)(diff_leaves, (other_leaves, held), first_mb)
+        probe, forward_shapes = jax.make_jaxpr(one, return_shape=True)(
+            diff_leaves, (other_leaves, held), first_mb
+        )
         n_aux = len(probe.out_avals) - 1 - len(other_leaves) - len(held)
         used = _held_used(
             probe.jaxpr,
@@ -622,7 +625,10 @@ def reference_value_and_grad(
     grad_fn = _mean_seeded_value_and_grad(one, scale)
 
     state0 = (other_leaves, held_leaves)
-    (loss0, (aux0, _)), _ = jax.eval_shape(grad_fn, diff_leaves, state0, first_mb)
+    # The loss and aux types need the forward only: the scan below traces the backward.
+    if forward_shapes is None:
+        forward_shapes = jax.eval_shape(one, diff_leaves, state0, first_mb)
+    loss0, (aux0, _) = forward_shapes
     aux_tree = jax.tree.structure(aux0)
     modes = _aux_modes(aux_reduction, aux_tree, jax.tree.leaves(aux0), batch, num_microbatches)
 

@@ -444,6 +444,10 @@ class StageFunctions:
         sends = tuple(values[v] for v in self.sends)
         return sends, ct_xd, gacc, self._accumulate(values, racc, idx), self._carried(values)
 
+    def _differentiated_sends(self, values):
+        """The forward's differentiated outputs, from one trace (not one per output)."""
+        return tuple(values[v] for v in self.yd)
+
     def _seeds(self, cts):
         seeds = []
         ct_iter = iter(cts)
@@ -463,7 +467,7 @@ class StageFunctions:
         # The cotangents' types are the forward outputs' types for these inputs
         # (shardings included: on Explicit axes they are part of the type).
         outputs = jax.eval_shape(
-            lambda *a: tuple(self._forward(*a)[0][v] for v in self.yd), *inputs
+            lambda *a: self._differentiated_sends(self._forward(*a)[0]), *inputs
         )
         seed_avals = [abstract_like(o) for o in outputs]
         vjp_fn = self._unpack(kept, inputs)
