@@ -13,6 +13,9 @@ zero-bubble BW program traces its stage's forward once for its seeds' types.
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,18 +181,19 @@ def _two_sends_loss(model, batch):
 def test_weight_backward_traces_its_forward_once_for_all_its_sends(monkeypatch):
     """ZB-H1's BW program needs its forward's output types: one forward trace, not one
     per differentiated send (stages 0 and 1 send two)."""
-    forwards = [0]
+    # Programs are traced on several compile threads at once: count each thread's own.
+    forwards: collections.Counter[int] = collections.Counter()
     per_bw: list[int] = []
     forward, backward_weight = StageFunctions._forward, StageFunctions.backward_weight
 
     def counted_forward(self, *args):
-        forwards[0] += 1
+        forwards[threading.get_ident()] += 1
         return forward(self, *args)
 
     def counted_backward_weight(self, *args):
-        before = forwards[0]
+        before = forwards[threading.get_ident()]
         out = backward_weight(self, *args)
-        per_bw.append(forwards[0] - before)
+        per_bw.append(forwards[threading.get_ident()] - before)
         return out
 
     monkeypatch.setattr(StageFunctions, "_forward", counted_forward)
