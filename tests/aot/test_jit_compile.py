@@ -260,6 +260,20 @@ def test_a_first_call_runs_its_first_tasks_while_later_programs_compile(monkeypa
     assert second.count == 0
 
 
+@pytest.fixture
+def unfrozen_collector():
+    """The test run freezes what collection left (tests/conftest.py), and a step then
+    leaves the collector alone; these tests check a step's own freezing, so they start
+    unfrozen and freeze again (after a collection, so no garbage is frozen) when done."""
+    import gc
+
+    collect, freeze, unfreeze = gc.collect, gc.freeze, gc.unfreeze  # not the counting ones
+    unfreeze()
+    yield
+    collect()
+    freeze()
+
+
 def _counting_freezes(monkeypatch) -> list[str]:
     import gc
 
@@ -271,7 +285,7 @@ def _counting_freezes(monkeypatch) -> list[str]:
 
 
 def test_compiling_calls_leave_older_objects_to_the_collector_only_while_they_compile(
-    monkeypatch,
+    monkeypatch, unfrozen_collector
 ):
     import gc
 
@@ -289,7 +303,9 @@ def test_compiling_calls_leave_older_objects_to_the_collector_only_while_they_co
     assert compiled is not None
 
 
-def test_a_failed_compilation_unfreezes_and_a_caller_s_collector_settings_stand(monkeypatch):
+def test_a_failed_compilation_unfreezes_and_a_caller_s_collector_settings_stand(
+    monkeypatch, unfrozen_collector
+):
     import gc
 
     events = _counting_freezes(monkeypatch)
