@@ -606,20 +606,10 @@ def reference_value_and_grad(
         return loss, (aux, (_new_state_leaves(local, wrt, other_tree), held))
 
     forward_shapes = None  # (loss, (aux, state)) of one microbatch, shapes only
-    if captured:  # keep only what the loss function really uses
-        held = [c.variable.get_raw_value() for c in captured]
-        probe, forward_shapes = jax.make_jaxpr(one, return_shape=True)(
-            diff_leaves, (other_leaves, held), first_mb
+    if captured:  # keep only what the loss function really uses (`one` reads the new list)
+        captured, forward_shapes = _captured_in_use(
+            one, captured, diff_leaves, other_leaves, first_mb
         )
-        n_aux = len(probe.out_avals) - 1 - len(other_leaves) - len(held)
-        used = _held_used(
-            probe.jaxpr,
-            len(diff_leaves) + len(other_leaves),
-            1 + n_aux + len(other_leaves),
-            len(captured),
-        )
-        captured = [c for c, u in zip(captured, used) if u]
-        _check_writable(captured)
     held_leaves = [c.variable.get_raw_value() for c in captured]
     scale = 1.0 / num_microbatches
     grad_fn = _mean_seeded_value_and_grad(one, scale)
@@ -653,6 +643,31 @@ def reference_value_and_grad(
     aux = _aux_leaves(modes, [a * scale for a in aux_sum], aux_stacked)
     loss = loss_sum * scale
     return ((loss, jax.tree.unflatten(aux_tree, aux)), grads) if has_aux else (loss, grads)
+
+
+def _captured_in_use(
+    one: Callable[..., Any],
+    captured: list[Any],
+    diff_leaves: list[Any],
+    other_leaves: list[Any],
+    first_mb: Any,
+) -> tuple[list[Any], Any]:
+    """The captured Variables that ``one`` (the microbatch loss) really uses, and its output
+    shapes: one trace serves both, so the forward is not traced again for its types."""
+    held = [c.variable.get_raw_value() for c in captured]
+    probe, forward_shapes = jax.make_jaxpr(one, return_shape=True)(
+        diff_leaves, (other_leaves, held), first_mb
+    )
+    n_aux = len(probe.out_avals) - 1 - len(other_leaves) - len(held)
+    used = _held_used(
+        probe.jaxpr,
+        len(diff_leaves) + len(other_leaves),
+        1 + n_aux + len(other_leaves),
+        len(captured),
+    )
+    in_use = [c for c, u in zip(captured, used) if u]
+    _check_writable(in_use)
+    return in_use, forward_shapes
 
 
 def _aux_leaves(modes: tuple, means: list[Any], stacked: list[Any]) -> list[Any]:
