@@ -21,10 +21,13 @@ if "--xla_force_host_platform_device_count=8" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
-# Not XLA:CPU's loop emitters (--xla_cpu_use_fusion_emitters=false), although they
-# compile this suite in about 30% less CPU: with them XLA segfaults (tests/compiler +
-# tests/aot in one process, every time, with or without the compilation cache; once
-# in a full run, while writing an executable to the cache), so the defaults stay.
+# XLA:CPU's loop emitters (--xla_cpu_use_fusion_emitters=false): the suite in about 20%
+# less CPU (the fusion emitters load every MLIR dialect into a new context per compile
+# and spend about 10 ms per fusion). At b4975fe XLA segfaulted with them in concurrent
+# compiles (tests/compiler + tests/aot in one process); since the first step stopped
+# tracing and compiling equal programs twice, no run has. A value in XLA_FLAGS is kept.
+if "--xla_cpu_use_fusion_emitters" not in _flags:
+    _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands that tests start (nnx-mpmd train, examples) would otherwise write to
