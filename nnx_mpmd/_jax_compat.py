@@ -21,6 +21,7 @@ __all__ = [
     "argument_aval",
     "kept_arguments",
     "has_host_callbacks",
+    "lowered_platform",
     "batched_copy",
     "batched_copy_prepared",
     "copy_semantics",
@@ -210,6 +211,17 @@ def kept_arguments(lowered: Any) -> tuple[int, ...] | None:
     except (AttributeError, KeyError, TypeError):
         return None
     return tuple(sorted(kept))
+
+
+def lowered_platform(lowered: Any) -> str | None:
+    """The platform (``"cpu"``, ``"gpu"``...) a lowered program compiles for, or None if unknown.
+
+    Relies on: ``Lowered._lowering.compile_args["backend"].platform`` (jax 0.10).
+    """
+    try:
+        return str(lowered._lowering.compile_args["backend"].platform)
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def has_host_callbacks(lowered: Any) -> bool | None:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnx_mpmd.aot import program_sharing
+from nnx_mpmd.aot.codegen import compile_program
 from nnx_mpmd.placement.mesh import mesh_shape_key
 from nnx_mpmd.placement.process_batch import MicrobatchedArray
 
@@ -282,7 +283,9 @@ class ProgramCompiler:
                 if twin is not None:
                     twin.set_result((traced, share))
                 if source is not None:
-                    return self._load(share, source, traced, job, name, mesh, lowered.compile)
+                    return self._load(
+                        share, source, traced, job, name, mesh, lambda: compile_program(lowered)
+                    )
             elif twin is not None:
                 twin.set_result(None)
             recalled = None
@@ -355,7 +358,7 @@ class ProgramCompiler:
                 on_traced(_traced_outputs(traced, mesh))  # the twin's types, on this mesh
                 with self.lock:
                     source = self.shared[share]
-                compile_here = lambda: fn.trace(*args).lower().compile()  # noqa: E731
+                compile_here = lambda: compile_program(fn.trace(*args).lower())  # noqa: E731
                 self._load(share, source, traced, job, name, mesh, compile_here)
             except Exception:  # the real call compiles it, or raises where it belongs
                 if not job.done():

@@ -58,6 +58,7 @@ from nnx_mpmd._jax_compat import (
     has_host_callbacks,
     kept_arguments,
 )
+from nnx_mpmd.aot.codegen import compile_program
 from nnx_mpmd.aot.compile_cache import safe_to_load
 from nnx_mpmd.errors import CompileError
 
@@ -212,7 +213,7 @@ def _on_event(event: str, **kwargs: Any) -> None:
 
 
 def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
-    """``lowered.compile()``, and whether XLA compiled it here (not a persistent-cache hit).
+    """`compile_program` of ``lowered``, and whether XLA compiled it here (not a persistent-cache hit).
 
     A persistent-cache hit loses its kernels when serialized again (CPU, jax 0.10).
 
@@ -228,7 +229,7 @@ def compile_fresh(lowered: Any) -> tuple[jax.stages.Compiled, bool]:
             jax.monitoring.register_event_listener(_on_event)
             _listener_installed = True
     before = getattr(_hits, "count", 0)
-    compiled = lowered.compile()
+    compiled = compile_program(lowered)
     return compiled, getattr(_hits, "count", 0) == before
 
 
