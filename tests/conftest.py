@@ -28,7 +28,7 @@ if "--xla_backend_optimization_level" not in _flags:
 # tracing and compiling equal programs twice, no run has. A value in XLA_FLAGS is kept.
 # The runs named above that keep the default level get no flag either: there the
 # nnx.jit references use the fusion emitters and nnx_mpmd's programs the loop emitters
-# (its own choice on CPU, nnx_mpmd.aot.codegen), so equality across the two is checked.
+# (its own choice on CPU, nnx_mpmd.compiler.codegen), so equality across the two is checked.
 if "--xla_cpu_use_fusion_emitters" not in _flags:
     _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()

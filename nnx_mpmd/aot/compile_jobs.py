@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from nnx_mpmd.aot import program_sharing
-from nnx_mpmd.aot.codegen import compile_program
+from nnx_mpmd.compiler.codegen import compile_program
 from nnx_mpmd.placement.mesh import mesh_shape_key
 from nnx_mpmd.placement.process_batch import MicrobatchedArray
 

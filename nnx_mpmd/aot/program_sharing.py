@@ -58,8 +58,8 @@ from nnx_mpmd._jax_compat import (
     has_host_callbacks,
     kept_arguments,
 )
-from nnx_mpmd.aot.codegen import compile_program
 from nnx_mpmd.aot.compile_cache import safe_to_load
+from nnx_mpmd.compiler.codegen import compile_program
 from nnx_mpmd.errors import CompileError
 
 __all__ = [

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
+from nnx_mpmd.compiler.codegen import program_compiler_options
 
 __all__ = ["MicrobatchSplitter", "microbatched_shape"]
 
@@ -117,8 +118,9 @@ def _plan(value: jax.Array, m: int, target: Any) -> _SplitPlan | None:
     indices = target.addressable_devices_indices_map(shape)
     slices = tuple(indices.values())
     shardings = [SingleDeviceSharding(d) for d in indices]
+    (device,) = value.sharding.device_set
     return _SplitPlan(
-        _split_program(shape, slices),
+        _split_program(shape, slices, device.platform),
         [sharding_device_list(s) for s in shardings],
         shardings,
         shape,
@@ -126,13 +128,20 @@ def _plan(value: jax.Array, m: int, target: Any) -> _SplitPlan | None:
     )
 
 
-def _split_program(shape: tuple[int, ...], slices: tuple[Any, ...]) -> Callable[[Any], Any]:
-    """The jitted split into ``shape``'s shards ``slices``: one per (shape, slices).
+def _split_program(
+    shape: tuple[int, ...], slices: tuple[Any, ...], platform: str
+) -> Callable[[Any], Any]:
+    """The jitted split into ``shape``'s shards ``slices``: one per (shape, slices, platform).
 
     Batches that differ only in their destination mesh (inputs and labels going
-    to the first and the last stage) share it, so it compiles once for them.
+    to the first and the last stage) share it, so it compiles once for them. It
+    compiles with the XLA options of nnx_mpmd's other programs (`program_compiler_options`).
     """
-    key = (shape, tuple(tuple((s.start, s.stop, s.step) for s in index) for index in slices))
+    key = (
+        shape,
+        tuple(tuple((s.start, s.stop, s.step) for s in index) for index in slices),
+        platform,
+    )
     program = _PROGRAMS.get(key)
     if program is None:
 
@@ -140,7 +149,8 @@ def _split_program(shape: tuple[int, ...], slices: tuple[Any, ...]) -> Callable[
             microbatches = batch.reshape(shape)
             return [microbatches[index] for index in slices]
 
-        program = _PROGRAMS[key] = jax.jit(microbatch_split)
+        options = program_compiler_options(platform) or None
+        program = _PROGRAMS[key] = jax.jit(microbatch_split, compiler_options=options)
     return program
 
 

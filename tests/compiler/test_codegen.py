@@ -12,8 +12,8 @@ from flax import nnx
 from pipeline_models import build, make_batch, make_mesh, train_step_fn
 
 import nnx_mpmd as mp
-from nnx_mpmd.aot import codegen
-from nnx_mpmd.aot.codegen import CPU_EMITTER_OPTION, compile_program, program_compiler_options
+from nnx_mpmd.compiler import codegen
+from nnx_mpmd.compiler.codegen import CPU_EMITTER_OPTION, compile_program, program_compiler_options
 
 LOOP = {CPU_EMITTER_OPTION: False}
 # The suite's XLA_FLAGS name the emitters (tests/conftest.py), so these tests set their own.
@@ -101,3 +101,27 @@ def test_a_pipelined_step_compiles_every_program_with_the_loop_emitters(
     loss = float(step(model, opt, batch))
     assert seen and all(options == LOOP for options in seen), seen
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
+
+
+def test_the_batch_split_program_compiles_with_the_same_options(no_emitter_choice, monkeypatch):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_mpmd.runtime import batch_split
+
+    seen = []
+    real_jit = jax.jit
+
+    def recording(fn, **kwargs):
+        seen.append(kwargs.get("compiler_options"))
+        return real_jit(fn, **kwargs)
+
+    monkeypatch.setattr(batch_split.jax, "jit", recording)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
+    target = NamedSharding(mesh, P(None, "data"))
+    batch = jax.device_put(jnp.arange(12 * 13, dtype=jnp.float32).reshape(12, 13), jax.devices()[0])
+    split = batch_split.MicrobatchSplitter().split(batch, 3, target)
+    assert seen == [LOOP]  # a shape no other test splits: its program is made here
+    expected = jax.device_put(batch.reshape(3, 4, 13), target)
+    assert split.sharding == expected.sharding
+    np.testing.assert_array_equal(split, expected)
