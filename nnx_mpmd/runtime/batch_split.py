@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from nnx_mpmd._jax_compat import FAST_COPY_AVAILABLE, batched_copy, sharding_device_list
-from nnx_mpmd.compiler.codegen import program_compiler_options
+from nnx_mpmd.compiler.codegen import compile_program
 
 __all__ = ["MicrobatchSplitter", "microbatched_shape"]
 
@@ -72,7 +72,7 @@ class _SplitPlan(NamedTuple):
 
 #: Split plans by (sharding, shape, dtype, weak type, m, target); None where declined.
 _PLANS: dict[tuple[Any, ...], _SplitPlan | None] = {}
-#: Jitted split programs by (microbatched shape, shard slices).
+#: Compiled split programs by (microbatched shape, shard slices, batch sharding, dtype).
 _PROGRAMS: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
 
 
@@ -118,9 +118,8 @@ def _plan(value: jax.Array, m: int, target: Any) -> _SplitPlan | None:
     indices = target.addressable_devices_indices_map(shape)
     slices = tuple(indices.values())
     shardings = [SingleDeviceSharding(d) for d in indices]
-    (device,) = value.sharding.device_set
     return _SplitPlan(
-        _split_program(shape, slices, device.platform),
+        _split_program(value, shape, slices),
         [sharding_device_list(s) for s in shardings],
         shardings,
         shape,
@@ -129,18 +128,20 @@ def _plan(value: jax.Array, m: int, target: Any) -> _SplitPlan | None:
 
 
 def _split_program(
-    shape: tuple[int, ...], slices: tuple[Any, ...], platform: str
+    value: jax.Array, shape: tuple[int, ...], slices: tuple[Any, ...]
 ) -> Callable[[Any], Any]:
-    """The jitted split into ``shape``'s shards ``slices``: one per (shape, slices, platform).
+    """The compiled split of batches like ``value`` into ``shape``'s shards ``slices``.
 
-    Batches that differ only in their destination mesh (inputs and labels going
-    to the first and the last stage) share it, so it compiles once for them. It
-    compiles with the XLA options of nnx_mpmd's other programs (`program_compiler_options`).
+    One per (shape, slices, the batch's sharding and dtype): batches that differ
+    only in their destination mesh (inputs and labels going to the first and the
+    last stage) share it, so it compiles once for them. It compiles like
+    nnx_mpmd's other programs (`compile_program`).
     """
     key = (
         shape,
         tuple(tuple((s.start, s.stop, s.step) for s in index) for index in slices),
-        platform,
+        value.sharding,
+        value.dtype,
     )
     program = _PROGRAMS.get(key)
     if program is None:
@@ -149,8 +150,7 @@ def _split_program(
             microbatches = batch.reshape(shape)
             return [microbatches[index] for index in slices]
 
-        options = program_compiler_options(platform) or None
-        program = _PROGRAMS[key] = jax.jit(microbatch_split, compiler_options=options)
+        program = _PROGRAMS[key] = compile_program(jax.jit(microbatch_split).lower(value))
     return program
 
 

@@ -110,13 +110,13 @@ def test_the_batch_split_program_compiles_with_the_same_options(no_emitter_choic
     from nnx_mpmd.runtime import batch_split
 
     seen = []
-    real_jit = jax.jit
+    compile_lowered = jax.stages.Lowered.compile
 
-    def recording(fn, **kwargs):
-        seen.append(kwargs.get("compiler_options"))
-        return real_jit(fn, **kwargs)
+    def recording(self, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return compile_lowered(self, compiler_options, **kwargs)
 
-    monkeypatch.setattr(batch_split.jax, "jit", recording)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
     target = NamedSharding(mesh, P(None, "data"))
     batch = jax.device_put(jnp.arange(12 * 13, dtype=jnp.float32).reshape(12, 13), jax.devices()[0])
