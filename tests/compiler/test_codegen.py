@@ -40,6 +40,20 @@ def test_an_emitter_choice_in_xla_flags_wins(monkeypatch, choice):
     assert program_compiler_options("cpu") == {}
 
 
+@pytest.fixture
+def compiler_options_seen(monkeypatch):
+    """The ``compiler_options`` of every `jax.stages.Lowered.compile` call from now on."""
+    seen = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return compile_lowered(self, compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    return seen
+
+
 class _Lowered:
     """A stand-in `jax.stages.Lowered` on CPU that records its compile calls."""
 
@@ -81,7 +95,7 @@ def test_a_real_program_compiles_with_the_option_and_computes_the_same(no_emitte
 
 
 def test_a_pipelined_step_compiles_every_program_with_the_loop_emitters(
-    no_emitter_choice, monkeypatch
+    no_emitter_choice, compiler_options_seen
 ):
     model, opt, loss_fn, kind = build("mlp", "adamw", 2)
     ref_model, ref_opt, _, _ = build("mlp", "adamw", 2)
@@ -90,38 +104,26 @@ def test_a_pipelined_step_compiles_every_program_with_the_loop_emitters(
     )
     batch = make_batch(kind, 4)
     expected = float(nnx.jit(train_step_fn(loss_fn, 2))(ref_model, ref_opt, batch))
-    seen = []
-    compile_lowered = jax.stages.Lowered.compile
-
-    def recording(self, compiler_options=None, **kwargs):
-        seen.append(compiler_options)
-        return compile_lowered(self, compiler_options, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    compiler_options_seen.clear()
     loss = float(step(model, opt, batch))
+    seen = compiler_options_seen
     assert seen and all(options == LOOP for options in seen), seen
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
 
 
-def test_the_batch_split_program_compiles_with_the_same_options(no_emitter_choice, monkeypatch):
+def test_the_batch_split_program_compiles_with_the_same_options(
+    no_emitter_choice, compiler_options_seen
+):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from nnx_mpmd.runtime import batch_split
 
-    seen = []
-    compile_lowered = jax.stages.Lowered.compile
-
-    def recording(self, compiler_options=None, **kwargs):
-        seen.append(compiler_options)
-        return compile_lowered(self, compiler_options, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
     target = NamedSharding(mesh, P(None, "data"))
     batch = jax.device_put(jnp.arange(12 * 13, dtype=jnp.float32).reshape(12, 13), jax.devices()[0])
     split = batch_split.MicrobatchSplitter().split(batch, 3, target)
-    assert seen == [LOOP]  # a shape no other test splits: its program is made here
+    assert compiler_options_seen == [LOOP]  # a shape no other test splits: its program is made here
     expected = jax.device_put(batch.reshape(3, 4, 13), target)
     assert split.sharding == expected.sharding
     np.testing.assert_array_equal(split, expected)
