@@ -36,15 +36,19 @@ LAUNCH_TIMEOUT_S = 300
 SUCCESS_HEARTBEAT_S = "10"
 
 
-#: XLA code-generation flags a subprocess inherits: the O0 of tests/conftest.py, and an
-#: emitter choice that the XLA_FLAGS of the test run sets.
-CODEGEN_FLAGS = ("--xla_backend_optimization_level", "--xla_cpu_use_fusion_emitters")
+#: XLA code-generation flags a subprocess inherits: the O0, the emitter choice and the
+#: unsplit LLVM module of tests/conftest.py (or what the XLA_FLAGS of the test run set).
+CODEGEN_FLAGS = (
+    "--xla_backend_optimization_level",
+    "--xla_cpu_use_fusion_emitters",
+    "--xla_cpu_parallel_codegen_split_count",
+)
 
 
 def codegen_flags() -> str:
     """This run's XLA code-generation flags (tests/conftest.py sets them), or ''.
 
-    ``--xla_backend_optimization_level=N`` and ``--xla_cpu_use_fusion_emitters=B``:
+    Those named by `CODEGEN_FLAGS` (``--xla_backend_optimization_level=N``, ...):
     a subprocess that builds its own ``XLA_FLAGS`` passes them on, so that it compiles
     as the test process does (both sides of every comparison alike, and faster).
     """

@@ -283,7 +283,10 @@ def test_launched_and_trained_subprocesses_compile_with_the_test_runs_codegen_fl
 ):
     from mp_launch import env_for_launch, train_env
 
-    codegen = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    codegen = (
+        "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+        " --xla_cpu_parallel_codegen_split_count=1"
+    )
     monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {codegen}")
     assert env_for_launch()["XLA_FLAGS"] == codegen  # the launcher adds the device count
     assert train_env()["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {codegen}"
