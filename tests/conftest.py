@@ -35,7 +35,8 @@ if "--xla_cpu_use_fusion_emitters" not in _flags:
 # split into parts compiled on a pool: each part builds its own target machine and
 # round-trips through bitcode. On this suite's small O0 programs that is about a
 # quarter less compile CPU, and the suite's two workers keep both cores busy anyway.
-# The generated code is the same. A value in XLA_FLAGS is kept.
+# Each kernel is its own function either way; only their grouping into modules
+# differs. A value in XLA_FLAGS is kept.
 if "--xla_cpu_parallel_codegen_split_count" not in _flags:
     _flags += " --xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = _flags.strip()
