@@ -11,12 +11,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# pip byte-compiles what it installs one file at a time; compileall does it on every
+# core (a failure to compile a file is not an install failure, for pip either).
+COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib || true
+
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-compile -e ".[dev]"
+	$(COMPILE)
 	touch $@
 
 $(DOCSTAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[dev,docs]"
+	$(BIN)/pip install -q --no-compile -e ".[dev,docs]"
+	$(COMPILE)
 	touch $@
 
 # Compiled programs are cached in ~/.cache/nnx_mpmd/jax, so a second `make demo`

@@ -136,9 +136,16 @@ def test_pyproject_has_a_plots_extra_that_dev_and_docs_include():
         assert any(req.startswith(("matplotlib", "nnx-mpmd[plots]")) for req in extras[extra])
 
 
-def test_ci_runs_the_suite_then_trains_from_a_plain_install():
+def test_ci_runs_the_suite_with_lint_and_a_plain_install_that_trains_beside_it():
     script = (REPO / ".ci" / "run").read_text()
-    assert script.index("make test") < script.index('pip" install')
+    assert re.search(r"^make test$", script, re.MULTILINE), script
+    # Lint and the plain install run in the background; the run waits for each and
+    # fails with it.
+    assert re.search(r"^lint\(\) \{\n  make lint\n", script, re.MULTILINE), script
+    for job, what in (("lint", "lint"), ("plain", "plain_install_and_train")):
+        assert re.search(rf"{what}\) >\S+ 2>&1 &\n{job}_pid=\$!", script), job
+        assert f'finish "${job}_pid"' in script, job
+    assert script.index("make test") < script.index('finish "$lint_pid"')
     assert re.search(r"timeout -k 5 600 \S*nnx-mpmd\"? train --steps 2", script), script
     assert "--xla_force_host_platform_device_count=8" in script
     assert "[dev]" not in script and "[plots]" not in script
