@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from mp_launch import codegen_flags
 from shared_results import once_per_test_run
 
 from nnx_mpmd.apps import cli, train
@@ -25,7 +26,9 @@ TINY = [
 
 def _env(device_flag: bool = True, cache_home=None) -> dict[str, str]:
     """A subprocess's environment; its compilation cache goes under ``cache_home``
-    (``$XDG_CACHE_HOME``, the default location), or is off without one."""
+    (``$XDG_CACHE_HOME``, the default location), or is off without one. Without
+    ``device_flag`` XLA_FLAGS keeps only this run's code-generation flags: the command
+    sets its own device count."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", NNX_MPMD_COMPILE_CACHE="off")
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE"):
         env.pop(name, None)
@@ -34,6 +37,8 @@ def _env(device_flag: bool = True, cache_home=None) -> dict[str, str]:
         env["XDG_CACHE_HOME"] = str(cache_home)
     if not device_flag:
         env.pop("XLA_FLAGS", None)
+        if codegen_flags():
+            env["XLA_FLAGS"] = codegen_flags()
     return env
 
 
