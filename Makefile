@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 DOCSTAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test test-fast lint typecheck format bench bench-peers docs clean
+.PHONY: venv demo test test-fast lint typecheck format bench bench-peers docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ $(DOCSTAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-compile -e ".[dev,docs]"
 	$(COMPILE)
 	touch $@
+
+# The virtual environment with the dev extras, as `make test` and `make lint` need it.
+venv: $(STAMP)
 
 # Compiled programs are cached in ~/.cache/nnx_mpmd/jax, so a second `make demo`
 # reaches its first step sooner; DEMO_ARGS=--no-compile-cache turns that off.
